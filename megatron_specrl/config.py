@@ -1,0 +1,230 @@
+"""Run configuration: a YAML recipe + dotted `key=value` overrides, validated before any work.
+
+OmegaConf merges the recipe and the overrides (so `learner.tp=2` works as in
+verl / torchtitan); pydantic then validates the result, rejecting unknown keys,
+wrong types and impossible values with the dotted key that is wrong.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+from omegaconf import OmegaConf
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A recipe or override is wrong; the message names the key and the value."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Strict):
+    # HF checkpoint directory, or "tiny-llama" / "tiny-qwen2" to build the embedded tiny model.
+    path: str = "tiny-llama"
+    # Short SFT warm-up on the synthetic task before RL (tiny models only); 0 disables it.
+    warmup_steps: int = Field(300, ge=0)
+    warmup_lr: float = Field(3e-3, gt=0)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class DataConfig(_Strict):
+    # "synthetic" (built-in arithmetic), or a .jsonl / .parquet file.
+    source: str = "synthetic"
+    format: Literal["auto", "gsm8k", "math", "plain"] = "auto"
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    id_key: str | None = "id"
+    eval_source: str | None = None
+    num_synthetic: int = Field(512, gt=0)
+    num_eval: int = Field(64, ge=0)
+    shuffle: bool = True
+    apply_chat_template: bool = False
+    max_prompt_len: int = Field(64, gt=0)
+
+
+class RolloutConfig(_Strict):
+    engine: Literal["vllm", "sglang"] = "vllm"
+    num_engines: int = Field(1, ge=1)
+    engine_tp: int = Field(1, ge=1)
+    n_samples: int = Field(8, ge=1)                 # group size G
+    max_new_tokens: int = Field(64, gt=0)           # L
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = -1
+    # Speculative rollout: off (plain generation), exact (distribution-exact), lenient (SPEC-RL).
+    spec_mode: Literal["off", "exact", "lenient"] = "lenient"
+    lenience: float = Field(math.exp(0.5), ge=1.0)
+    max_model_len: int = Field(256, gt=0)
+    kv_cache_gb: float = Field(1.0, gt=0)
+    gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
+    colocate: bool = True
+    engine_timeout_s: float = Field(600.0, gt=0)
+
+
+class LossConfig(_Strict):
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.2, ge=0)             # DAPO clip-higher: 0.28
+    dual_clip_c: float | None = Field(None, gt=1)   # dual-clip bound for negative advantages
+    agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    kl_coef: float = Field(0.0, ge=0)
+    kl_type: Literal["k1", "k3", "low-var"] = "low-var"
+    entropy_coef: float = Field(0.0)
+    tis: Literal["off", "token", "sequence"] = "token"   # truncated IS between rollout and learner
+    tis_cap: float = Field(2.0, gt=0)
+    value_clip: float = Field(0.2, gt=0)            # PPO critic
+
+
+class LearnerConfig(_Strict):
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    dp: int = Field(1, ge=1)
+    micro_batch_size: int = Field(8, ge=1)
+    max_tokens_per_microbatch: int | None = Field(None, gt=0)   # dynamic batching by tokens
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    ppo_epochs: int = Field(1, ge=1)
+    mini_batches: int = Field(1, ge=1)              # optimizer steps per rollout batch
+    recompute_old_logprobs: bool = False           # False: use the rollout's log-probs
+    loss: LossConfig = Field(default_factory=LossConfig)
+
+
+class AlgorithmConfig(_Strict):
+    name: Literal["grpo", "dapo", "ppo"] = "grpo"
+    normalize_std: bool = True
+    # DAPO
+    dynamic_sampling: bool = False
+    max_sampling_tries: int = Field(4, ge=1)
+    overlong_buffer: int = Field(0, ge=0)
+    overlong_penalty: float = Field(1.0, ge=0)
+    # PPO
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    critic_lr: float = Field(1e-4, gt=0)
+
+
+class TrainerConfig(_Strict):
+    total_steps: int = Field(30, ge=1)
+    prompts_per_step: int = Field(16, ge=1)
+    seed: int = 1
+    eval_every: int = Field(10, ge=0)
+    checkpoint_every: int = Field(10, ge=0)
+    keep_checkpoints: int = Field(2, ge=1)
+    resume: Literal["auto", "never"] | str = "auto"
+    check_resync_every: int = Field(0, ge=0)
+    resync_bucket_mb: int = Field(512, gt=0)
+    export_hf: bool = True
+
+
+class LoggingConfig(_Strict):
+    wandb: bool = True
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    project: str = "megatron-specrl"
+    run_name: str | None = None
+    plots: bool = True
+
+
+class RayConfig(_Strict):
+    address: str | None = None       # None: local ray.init(); "auto": join a `ray start` cluster
+    num_cpus: int | None = None
+
+
+class RunConfig(_Strict):
+    output_dir: str = "outputs/tiny-cpu-grpo"
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "RunConfig":
+        r, le = self.rollout, self.learner
+        if r.max_model_len < self.data.max_prompt_len + r.max_new_tokens:
+            raise ValueError(f"rollout.max_model_len={r.max_model_len} < data.max_prompt_len + "
+                             f"rollout.max_new_tokens = {self.data.max_prompt_len + r.max_new_tokens}")
+        if r.spec_mode == "exact" and (r.top_p != 1.0 or r.top_k != -1) and r.engine == "vllm":
+            raise ValueError("rollout.spec_mode=exact with top_p/top_k needs the engine's processed "
+                             "prompt log-probs, which vLLM does not return: use top_p=1, top_k=-1")
+        batch = self.trainer.prompts_per_step * r.n_samples
+        if batch % (le.dp * le.mini_batches) != 0:
+            raise ValueError(f"trainer.prompts_per_step * rollout.n_samples = {batch} is not divisible by "
+                             f"learner.dp * learner.mini_batches = {le.dp * le.mini_batches}")
+        if self.algorithm.name == "dapo" and self.algorithm.overlong_buffer >= r.max_new_tokens:
+            raise ValueError(f"algorithm.overlong_buffer={self.algorithm.overlong_buffer} must be < "
+                             f"rollout.max_new_tokens={r.max_new_tokens}")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.learner.tp * self.learner.pp * self.learner.dp
+
+
+def check_model_divisibility(cfg: RunConfig, num_heads: int, num_kv_heads: int, num_layers: int) -> None:
+    """Parallel sizes must divide the model's heads and layers (checked once the HF config is known)."""
+    tp, pp = cfg.learner.tp, cfg.learner.pp
+    if num_heads % tp or num_kv_heads % tp:
+        raise ConfigError(f"learner.tp={tp} does not divide num_attention_heads={num_heads} "
+                          f"and num_key_value_heads={num_kv_heads}")
+    if num_layers % pp:
+        raise ConfigError(f"learner.pp={pp} does not divide num_hidden_layers={num_layers}")
+    if num_heads % cfg.rollout.engine_tp:
+        raise ConfigError(f"rollout.engine_tp={cfg.rollout.engine_tp} does not divide num_attention_heads={num_heads}")
+
+
+def _parse_overrides(overrides: list[str]):
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except Exception as e:  # omegaconf grammar errors
+        raise ConfigError(f"cannot parse overrides {overrides}: {e}") from None
+
+
+def _format_validation_error(err: ValidationError, merged: dict) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown config key '{key}'")
+            continue
+        value = e.get("input")
+        lines.append(f"invalid value for '{key}': {value!r} ({e['msg']})" if e["loc"] else f"invalid config: {e['msg']}")
+    return "; ".join(lines)
+
+
+def load_config(recipe: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Merge recipe + overrides and validate. Raises ConfigError naming the bad key."""
+    base: Any = OmegaConf.create({})
+    if recipe is not None:
+        path = Path(recipe)
+        if not path.is_file():
+            raise ConfigError(f"recipe file not found: {path}")
+        try:
+            base = OmegaConf.load(path)
+        except Exception as e:
+            raise ConfigError(f"recipe {path} is not valid YAML: {e}") from None
+        if not isinstance(OmegaConf.to_container(base), dict):
+            raise ConfigError(f"recipe {path} must be a mapping at the top level")
+    merged = OmegaConf.merge(base, _parse_overrides(overrides or []))
+    try:
+        plain = OmegaConf.to_container(merged, resolve=True)
+    except Exception as e:
+        raise ConfigError(f"cannot resolve config: {e}") from None
+    try:
+        return RunConfig.model_validate(plain)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, plain)) from None
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.create(cfg.model_dump(mode="json")))
