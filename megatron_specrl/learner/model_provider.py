@@ -1,0 +1,156 @@
+"""Build a Megatron GPTModel from a Hugging Face config (Llama / Qwen2 families).
+
+CPU: local spec (plain torch modules) with every fusion off; GPU: the
+TransformerEngine spec when TE is importable. Vocab is padded like Megatron
+does (multiple of `divisible_by * tp`); padded logits are masked in logprobs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Smallest multiple of divisible_by * tp that holds the vocabulary."""
+    multiple = divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def qkv_bias(hf_config) -> bool:
+    """Qwen2 has QKV bias; Llama only if `attention_bias` says so."""
+    return hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
+
+
+def rope_theta(hf_config) -> float:
+    theta = getattr(hf_config, "rope_theta", None)
+    if theta is None:  # transformers >= 5 moves it into rope_parameters
+        params = getattr(hf_config, "rope_parameters", None) or {}
+        theta = params.get("rope_theta", 10000.0)
+    return float(theta)
+
+
+def check_hf_config(hf_config) -> None:
+    if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported model_type {hf_config.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"only SwiGLU (hidden_act=silu) is supported, got {hf_config.hidden_act!r}")
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    scaling = getattr(hf_config, "rope_scaling", None) or {}
+    kind = scaling.get("rope_type", scaling.get("type")) or params.get("rope_type", "default")
+    if kind not in (None, "default"):
+        raise ValueError(f"RoPE scaling {kind!r} is not supported by the converter")
+
+
+def head_dim(hf_config) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def transformer_config_from_hf(hf_config, tp: int = 1, pp: int = 1, dtype: torch.dtype = torch.float32,
+                               use_cpu: bool | None = None):
+    """TransformerConfig equivalent to the HF model (RMSNorm, SwiGLU, GQA, RoPE, no linear bias)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    check_hf_config(hf_config)
+    cpu = (not torch.cuda.is_available()) if use_cpu is None else use_cpu
+    return TransformerConfig(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=hf_config.num_key_value_heads,
+        kv_channels=head_dim(hf_config),
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=qkv_bias(hf_config),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=cpu,
+        # Fusions need CUDA kernels (apex / TE); the local spec runs unfused.
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        # Microbatches may differ in shape (dynamic batching); p2p sends shapes first.
+        variable_seq_lengths=True,
+        batch_p2p_comm=not cpu,
+        batch_p2p_sync=not cpu,
+        deallocate_pipeline_outputs=False,
+    )
+
+
+def _layer_spec(use_te: bool):
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    if use_te:
+        return specs.get_gpt_layer_with_transformer_engine_spec()
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def te_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+class ValueHead(torch.nn.Module):
+    """Scalar head for the PPO critic; replicated across TP (its input is already reduced)."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        return torch.nn.functional.linear(hidden_states, self.weight), None
+
+
+def build_gpt_model(hf_config, tp: int = 1, pp: int = 1, dtype: torch.dtype = torch.float32,
+                    pre_process: bool | None = None, post_process: bool | None = None,
+                    role: str = "policy", vocab_divisible_by: int = 128, use_te: bool | None = None):
+    """GPTModel for this rank's pipeline stage (parallel_state must be initialised)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    if not torch.cuda.is_available():
+        import patches
+        patches.apply()
+    config = transformer_config_from_hf(hf_config, tp, pp, dtype)
+    if pre_process is None:
+        pre_process = ps.is_pipeline_first_stage()
+    if post_process is None:
+        post_process = ps.is_pipeline_last_stage()
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False)) and role == "policy"
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=_layer_spec(te_available() if use_te is None else use_te),
+        vocab_size=padded_vocab_size(hf_config.vocab_size, tp, vocab_divisible_by),
+        max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=tied,
+        position_embedding_type="rope",
+        rotary_base=rope_theta(hf_config),
+    )
+    if role == "critic" and post_process:
+        model.output_layer = ValueHead(hf_config.hidden_size, dtype)
+    elif role not in ("policy", "critic"):
+        raise ValueError(f"role must be 'policy' or 'critic', got {role!r}")
+    model.true_vocab_size = hf_config.vocab_size
+    model.role = role
+    return model

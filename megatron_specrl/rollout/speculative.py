@@ -1,0 +1,149 @@
+"""Speculative rollout: verify last epoch's responses in one engine prefill, extend from the first rejection.
+
+Per (prompt, sample k) at step t:
+  1. draft y, old log-probs q  <- TrajectoryStore (missing -> plain generation)
+  2. verify: engine.score(prompt, y) -> p_t under the current weights (also warms the prefix cache)
+  3. accept token by token (acceptance.decide) until the first rejection n
+  4. extend: engine.generate(prompt + y[:n], max_new_tokens = L - n), hitting the prefix cache;
+     skipped when all of y is accepted and y was finished (EOS or length L)
+  5. assemble prefix + continuation with current-policy log-probs and store it for the next epoch.
+All requests of a step go to the engine as one verification batch and one extension batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megatron_specrl.engines.protocol import GenerateRequest, RolloutEngine, SamplingSettings, ScoreRequest
+from megatron_specrl.rollout.acceptance import MODES, decide
+from megatron_specrl.rollout.store import Trajectory, TrajectoryStore
+
+
+@dataclass
+class RolloutSample:
+    prompt_id: str
+    sample_idx: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]      # current-policy log-prob of every response token
+    finish_reason: str
+    num_reused: int            # leading response tokens taken from the draft
+    weight_version: int
+
+
+@dataclass
+class _Plan:
+    prompt_id: str
+    sample_idx: int
+    prompt_ids: list[int]
+    draft: Trajectory | None
+    draft_ids: list[int] = field(default_factory=list)
+    draft_finished: bool = False
+    p_logprobs: list[float] = field(default_factory=list)
+    accepted: int = 0
+    ban: int | None = None
+    needs_generation: bool = True
+
+
+def stable_seed(*parts) -> int:
+    """A 63-bit seed from strings/ints, identical across processes and Python runs."""
+    h = hashlib.blake2b("\x1f".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") >> 1
+
+
+class SpeculativeRollout:
+    def __init__(self, engine: RolloutEngine, store: TrajectoryStore, *, mode: str, lenience: float,
+                 sampling: SamplingSettings, max_new_tokens: int, seed: int):
+        if mode not in MODES:
+            raise ValueError(f"rollout.spec_mode={mode!r} is not one of {MODES}")
+        self.engine, self.store = engine, store
+        self.mode, self.lenience = mode, lenience
+        self.sampling, self.max_new_tokens, self.seed = sampling, max_new_tokens, seed
+
+    def _plan(self, prompt_id: str, k: int, prompt_ids: list[int]) -> _Plan:
+        draft = self.store.get(prompt_id, k) if self.mode != "off" else None
+        plan = _Plan(prompt_id, k, prompt_ids, draft)
+        if draft is not None and draft.token_ids:
+            L = self.max_new_tokens
+            plan.draft_ids = list(draft.token_ids[:L])   # an old response longer than L is truncated
+            plan.draft_finished = (draft.finish_reason == "stop" and len(draft.token_ids) <= L) \
+                or len(plan.draft_ids) == L
+        return plan
+
+    def run(self, prompts: list[tuple[str, list[int]]], n_samples: int, weight_version: int,
+            step: int) -> tuple[list[RolloutSample], dict[str, float]]:
+        t0 = time.perf_counter()
+        plans = [self._plan(pid, k, ids) for pid, ids in prompts for k in range(n_samples)]
+
+        # 2. verify every draft in one batch
+        to_verify = [p for p in plans if p.draft_ids]
+        t_verify = time.perf_counter()
+        if to_verify:
+            scores = self.engine.score([ScoreRequest(p.prompt_ids, p.draft_ids) for p in to_verify],
+                                       self.sampling, weight_version)
+            for p, s in zip(to_verify, scores):
+                p.p_logprobs = list(s.logprobs)
+        verify_s = time.perf_counter() - t_verify
+
+        # 3. accept
+        excess, n_excess = 0.0, 0
+        for p in to_verify:
+            rng = np.random.default_rng(stable_seed(self.seed, step, "accept", p.prompt_id, p.sample_idx))
+            q = p.draft.logprobs[: len(p.draft_ids)]
+            acc = decide(p.draft_ids, p.p_logprobs, q, rng.random(len(p.draft_ids)), self.mode, self.lenience)
+            p.accepted, p.ban = acc.num_accepted, acc.ban_token
+            excess += acc.lenient_excess
+            n_excess += acc.num_accepted
+            p.needs_generation = not (acc.num_accepted == len(p.draft_ids) and p.draft_finished)
+
+        # 4. extend (plain generation for plans without a draft) in one batch
+        to_extend = [p for p in plans if p.needs_generation]
+        requests = [
+            GenerateRequest(prompt_ids=p.prompt_ids + p.draft_ids[: p.accepted],
+                            max_new_tokens=self.max_new_tokens - p.accepted,
+                            seed=stable_seed(self.seed, step, "gen", p.prompt_id, p.sample_idx),
+                            ban_first_token=p.ban)
+            for p in to_extend
+        ]
+        t_extend = time.perf_counter()
+        results = self.engine.generate(requests, self.sampling, weight_version) if requests else []
+        extend_s = time.perf_counter() - t_extend
+        by_plan = {id(p): r for p, r in zip(to_extend, results)}
+
+        # 5. assemble and store
+        samples = []
+        for p in plans:
+            prefix, prefix_lp = p.draft_ids[: p.accepted], p.p_logprobs[: p.accepted]
+            r = by_plan.get(id(p))
+            if r is None:
+                response, logprobs, finish = prefix, prefix_lp, p.draft.finish_reason
+                if len(response) >= self.max_new_tokens and finish != "stop":
+                    finish = "length"
+            else:
+                response, logprobs, finish = prefix + list(r.token_ids), prefix_lp + list(r.logprobs), r.finish_reason
+            samples.append(RolloutSample(p.prompt_id, p.sample_idx, p.prompt_ids, response, logprobs,
+                                         finish, p.accepted, weight_version))
+            self.store.put(p.prompt_id, p.sample_idx, Trajectory(response, logprobs, finish, weight_version))
+
+        response_tokens = sum(len(s.response_ids) for s in samples)
+        accepted = sum(p.accepted for p in plans)
+        metrics = {
+            "spec/verified_tokens": float(sum(len(p.draft_ids) for p in to_verify)),
+            "spec/accepted_tokens": float(accepted),
+            "spec/generated_tokens": float(sum(len(r.token_ids) for r in results)),
+            "spec/reuse_ratio": accepted / max(response_tokens, 1),
+            "spec/full_reuse_ratio": sum(not p.needs_generation for p in plans) / max(len(plans), 1),
+            "spec/mean_accept_len": accepted / max(len(to_verify), 1),
+            "spec/drafts": float(len(to_verify)),
+            "spec/cached_prompt_tokens": float(sum(r.num_cached_tokens for r in results)),
+            "spec/verify_s": verify_s,
+            "spec/extend_s": extend_s,
+            "spec/rollout_s": time.perf_counter() - t0,
+        }
+        if self.mode == "lenient":
+            metrics["spec/lenient_bias"] = excess / max(n_excess, 1)
+        return samples, metrics

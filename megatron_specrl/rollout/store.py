@@ -1,0 +1,80 @@
+"""Last epoch's trajectory for every (prompt id, sample index): the drafts of speculative rollouts.
+
+Keyed by the dataset's stable prompt id and the sample index, never by batch
+slot, so drafts survive shuffling, dynamic sampling and batch-size changes.
+Saved as flat numpy arrays (not pickle) so a 10^9-token store stays compact.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass
+class Trajectory:
+    token_ids: list[int]
+    logprobs: list[float]   # per token, under the policy that last produced or verified it
+    finish_reason: str      # "stop" or "length"
+    weight_version: int
+
+    def __post_init__(self):
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(f"trajectory has {len(self.token_ids)} tokens but {len(self.logprobs)} log-probs")
+
+
+class TrajectoryStore:
+    def __init__(self):
+        self._items: dict[tuple[str, int], Trajectory] = {}
+
+    def get(self, prompt_id: str, sample_idx: int) -> Trajectory | None:
+        return self._items.get((prompt_id, sample_idx))
+
+    def put(self, prompt_id: str, sample_idx: int, traj: Trajectory) -> None:
+        self._items[(prompt_id, sample_idx)] = traj
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def num_tokens(self) -> int:
+        return sum(len(t.token_ids) for t in self._items.values())
+
+    # -- persistence -------------------------------------------------------
+    def save(self, directory: str | Path) -> None:
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        keys = list(self._items)
+        trajs = [self._items[k] for k in keys]
+        lengths = np.array([len(t.token_ids) for t in trajs], dtype=np.int64)
+        np.savez(
+            d / "trajectories.npz",
+            token_ids=np.array([i for t in trajs for i in t.token_ids], dtype=np.int64),
+            logprobs=np.array([x for t in trajs for x in t.logprobs], dtype=np.float32),
+            lengths=lengths,
+            versions=np.array([t.weight_version for t in trajs], dtype=np.int64),
+        )
+        meta = {"keys": [[p, k] for p, k in keys], "finish": [t.finish_reason for t in trajs]}
+        (d / "trajectories.json").write_text(json.dumps(meta))
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "TrajectoryStore":
+        d = Path(directory)
+        store = cls()
+        try:
+            arrays = np.load(d / "trajectories.npz")
+            meta = json.loads((d / "trajectories.json").read_text())
+        except Exception as e:
+            raise RuntimeError(f"trajectory store in {d} is missing or corrupt: {e}") from None
+        lengths = arrays["lengths"]
+        if len(lengths) != len(meta["keys"]) or int(lengths.sum()) != len(arrays["token_ids"]):
+            raise RuntimeError(f"trajectory store in {d} is corrupt: key and token counts disagree")
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        ids, lps, vers = arrays["token_ids"], arrays["logprobs"], arrays["versions"]
+        for i, ((pid, k), finish) in enumerate(zip(meta["keys"], meta["finish"])):
+            a, b = offsets[i], offsets[i + 1]
+            store.put(pid, int(k), Trajectory(ids[a:b].tolist(), lps[a:b].astype(float).tolist(),
+                                              finish, int(vers[i])))
+        return store

@@ -1,0 +1,202 @@
+"""CPU shims for megatron-core 0.16.1 (measured on torch 2.13 CPU, gloo).
+
+Four places hard-code CUDA on the forward/backward path of GPTModel with the
+local spec (a fifth with tied embeddings under PP), and the pipeline schedules allocate on "cuda". Each shim replaces
+exactly that behaviour with its CPU equivalent; nothing else changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import sys
+import types
+from functools import reduce
+
+import torch
+
+VERSION = "0.16.1"
+_APPLIED = False
+
+
+def _check_version():
+    import megatron.core
+    if megatron.core.__version__ != VERSION:
+        from patches import UnsupportedMegatronVersion
+        raise UnsupportedMegatronVersion(
+            f"patches.megatron_core_0_16_1_cpu targets megatron-core {VERSION}, "
+            f"found {megatron.core.__version__}")
+
+
+# 1. RoPE: get_emb moves inv_freq to torch.cuda.current_device().
+def _rope_get_emb(self, max_seq_len: int, offset: int = 0):
+    freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+    if not self.rotary_interleaved:
+        emb = torch.cat((freqs, freqs), dim=-1)
+    else:
+        emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+    return emb[:, None, None, :]
+
+
+# 2. GlobalMemoryBuffer.get_tensor allocates on the CUDA device.
+def _buffer_get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+    required_len = reduce(operator.mul, tensor_shape, 1)
+    buf = self.buffer.get((name, dtype))
+    if buf is None or buf.numel() < required_len:
+        self.buffer[(name, dtype)] = torch.empty(required_len, dtype=dtype, device="cpu",
+                                                 requires_grad=False)
+    return self.buffer[(name, dtype)][0:required_len].view(*tensor_shape)
+
+
+# 3. Default causal / sliding-window masks use device="cuda".
+def _default_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _sliding_window_causal_mask(sq, skv, window_size):
+    m = torch.ones(sq, skv, dtype=torch.bool)
+    mu = torch.triu(m, diagonal=skv - sq - window_size[0])
+    return ~torch.tril(mu, diagonal=skv - sq + window_size[1])
+
+
+# 4. The TP RNG tracker snapshots torch.cuda RNG states; track the CPU generator instead.
+def _make_cpu_tracker(base):
+    class CpuRNGStatesTracker(base):
+        """Same contract as CudaRNGStatesTracker, over the CPU default generator."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name="model-parallel-rng"):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            orig = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(orig)
+
+    return CpuRNGStatesTracker
+
+
+# 5. Tied embeddings with PP > 1: setup_embeddings_and_output_layer calls weight.data.cuda()
+#    before all-reducing the last stage's copy; on CPU that copy stays on the CPU.
+def _wrap_setup_embeddings(orig):
+    def setup_embeddings_and_output_layer(self):
+        saved = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *a, **k: t
+        try:
+            return orig(self)
+        finally:
+            torch.Tensor.cuda = saved
+    setup_embeddings_and_output_layer.__wrapped__ = orig
+    return setup_embeddings_and_output_layer
+
+
+def apply() -> bool:
+    """Install the shims once (idempotent)."""
+    global _APPLIED
+    if _APPLIED:
+        return True
+    _check_version()
+    from megatron.core import utils as mc_utils
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.models.common.language_module import language_module
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer import utils as tr_utils
+
+    rotary_pos_embedding.RotaryEmbedding.get_emb = _rope_get_emb
+    mc_utils.GlobalMemoryBuffer.get_tensor = _buffer_get_tensor
+    for mod in (tr_utils, fused_softmax):
+        mod.get_default_causal_mask = _default_causal_mask
+        mod.get_sliding_window_causal_mask = _sliding_window_causal_mask
+    lm = language_module.LanguageModule
+    lm.setup_embeddings_and_output_layer = _wrap_setup_embeddings(lm.setup_embeddings_and_output_layer)
+    tp_random.CudaRNGStatesTracker = _make_cpu_tracker(tp_random.CudaRNGStatesTracker)
+    # model_parallel_cuda_manual_seed seeds torch.cuda (a lazy no-op without CUDA) and the tracker.
+    tp_random.initialize_rng_tracker(force_reset=True)
+    _APPLIED = True
+    return True
+
+
+def is_applied() -> bool:
+    return _APPLIED
+
+
+class _CpuCuda:
+    """Stands in for `torch.cuda` inside the schedules: the current device is the CPU."""
+
+    @staticmethod
+    def current_device():
+        return torch.device("cpu")
+
+    @staticmethod
+    def synchronize(*_a, **_k):
+        return None
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+def _to_cpu(device):
+    if device is None:
+        return None
+    if isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda":
+        return torch.device("cpu")
+    if isinstance(device, int):
+        return torch.device("cpu")
+    return device
+
+
+def _make_torch_proxy():
+    proxy = types.ModuleType("torch_cpu_proxy")
+
+    def _wrap(fn):
+        def inner(*args, **kwargs):
+            if "device" in kwargs:
+                kwargs["device"] = _to_cpu(kwargs["device"])
+            return fn(*args, **kwargs)
+        return inner
+
+    proxy.__getattr__ = lambda name: getattr(torch, name)  # PEP 562 module __getattr__
+    for name in ("zeros", "empty", "ones", "tensor", "full"):
+        setattr(proxy, name, _wrap(getattr(torch, name)))
+    proxy.cuda = _CpuCuda()
+    return proxy
+
+
+_SCHEDULE_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.tensor_parallel.mappings",
+)
+
+
+@contextlib.contextmanager
+def cuda_to_cpu(modules=_SCHEDULE_MODULES):
+    """Scoped rewrite of `device="cuda"` to CPU in the schedule/p2p modules (restored on exit)."""
+    import importlib
+    proxy = _make_torch_proxy()
+    saved = []
+    for name in modules:
+        mod = importlib.import_module(name)
+        saved.append((mod, mod.torch))
+        mod.torch = proxy
+    try:
+        yield
+    finally:
+        for mod, orig in saved:
+            mod.torch = orig
