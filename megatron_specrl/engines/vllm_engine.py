@@ -43,18 +43,52 @@ def tail_lines(path: str | Path | None, n: int = 50) -> list[str]:
         return f.read().decode("utf-8", "replace").splitlines()[-n:]
 
 
+class _OncePerRecord(logging.Filter):
+    """The handler sits on several loggers of one hierarchy: write each record once."""
+
+    def __init__(self):
+        super().__init__()
+        self._last = None
+
+    def filter(self, record):
+        if record is self._last or not record.name.startswith(("vllm", "megatron_specrl")):
+            return False
+        self._last = record
+        return True
+
+
+_LOG_ROOTS = ("", "vllm", "megatron_specrl")
+
+
 def attach_log_file(path: Path) -> logging.Handler:
-    """Tee vLLM's and our loggers into `path` so failures can quote the engine's last lines."""
+    """Tee vLLM's and our loggers into `path` so failures can quote the engine's last lines.
+    vLLM's module loggers may hang off the root logger or off a non-propagating "vllm"
+    logger depending on its logging config, so the handler goes on both."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     handler.setLevel(logging.INFO)
+    handler.addFilter(_OncePerRecord())
+    reattach_log_file(handler)
     for name in ("vllm", "megatron_specrl"):
         lg = logging.getLogger(name)
-        lg.addHandler(handler)
         if lg.level == logging.NOTSET or lg.level > logging.INFO:
             lg.setLevel(logging.INFO)
     return handler
+
+
+def reattach_log_file(handler: logging.Handler) -> None:
+    """vLLM re-applies its dictConfig while the engine starts, dropping foreign handlers."""
+    for name in _LOG_ROOTS:
+        lg = logging.getLogger(name)
+        if handler not in lg.handlers:
+            lg.addHandler(handler)
+
+
+def detach_log_file(handler: logging.Handler) -> None:
+    for name in _LOG_ROOTS:
+        logging.getLogger(name).removeHandler(handler)
+    handler.close()
 
 
 def _reload_in_worker(worker, named_tensors=None, payload: bytes | None = None) -> int:
@@ -109,6 +143,7 @@ class VLLMEngine:
             self.llm = LLM(**kwargs)
         except Exception as e:
             raise EngineError(f"vLLM failed to start: {e!r}", name, tail_lines(self.log_path)) from e
+        reattach_log_file(self._log_handler)
         self._log.info("engine %s ready", name)
 
     # -- protocol -----------------------------------------------------------
@@ -240,9 +275,7 @@ class VLLMEngine:
                 pass
             del llm
             gc.collect()
-        logging.getLogger("vllm").removeHandler(self._log_handler)
-        logging.getLogger("megatron_specrl").removeHandler(self._log_handler)
-        self._log_handler.close()
+        detach_log_file(self._log_handler)
 
     # -- helpers --------------------------------------------------------------
     def _check_unchanged(self, expected: int) -> None:

@@ -85,6 +85,7 @@ def transformer_config_from_hf(hf_config, tp: int = 1, pp: int = 1, dtype: torch
         gradient_accumulation_fusion=False,
         # Microbatches may differ in shape (dynamic batching); p2p sends shapes first.
         variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # unused (dense); "allgather" rejects variable lengths
         batch_p2p_comm=not cpu,
         batch_p2p_sync=not cpu,
         deallocate_pipeline_outputs=False,
@@ -126,9 +127,8 @@ def build_gpt_model(hf_config, tp: int = 1, pp: int = 1, dtype: torch.dtype = to
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    if not torch.cuda.is_available():
-        import patches
-        patches.apply()
+    from megatron_specrl.learner.parallel import apply_cpu_patches
+    apply_cpu_patches()
     config = transformer_config_from_hf(hf_config, tp, pp, dtype)
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage()

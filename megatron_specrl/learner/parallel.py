@@ -9,6 +9,30 @@ import torch
 import torch.distributed as dist
 
 
+def apply_cpu_patches() -> bool:
+    """Install patches/ (repo-root package) when CUDA is absent; no-op on GPUs."""
+    if torch.cuda.is_available():
+        return False
+    try:
+        import patches
+    except ImportError:  # editable installs made before "patches" joined setup.py's packages
+        import sys
+        from pathlib import Path
+        sys.path.append(str(Path(__file__).resolve().parents[2]))
+        import patches
+    return patches.apply()
+
+
+def cuda_to_cpu():
+    """Scoped device="cuda" -> CPU rewrite around Megatron's schedules (null context on GPUs)."""
+    if torch.cuda.is_available():
+        import contextlib
+        return contextlib.nullcontext()
+    apply_cpu_patches()
+    import patches
+    return patches.cuda_to_cpu()
+
+
 def init_distributed(rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500,
                      tp: int = 1, pp: int = 1, seed: int = 1, timeout_s: float = 600.0) -> None:
     """Join the default group and build Megatron's model-parallel groups (DP = world / (tp*pp))."""
@@ -18,8 +42,7 @@ def init_distributed(rank: int, world_size: int, master_addr: str = "127.0.0.1",
         raise ValueError(f"world_size={world_size} is not divisible by tp*pp={tp * pp}")
     cuda = torch.cuda.is_available()
     if not cuda:
-        import patches
-        patches.apply()
+        apply_cpu_patches()
     else:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     if not dist.is_initialized():

@@ -15,6 +15,8 @@ import torch
 
 PAD, EOS, BOS = "<|pad|>", "<|endoftext|>", "<|bos|>"
 
+DEFAULT_NUM_LAYERS = 2
+
 ARCHS = {
     # GQA, untied embeddings, no QKV bias.
     "llama": dict(model_type="llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -46,7 +48,7 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 264):
     return fast
 
 
-def build_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, num_layers: int = 2,
+def build_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, num_layers: int = DEFAULT_NUM_LAYERS,
                      max_position_embeddings: int = 512) -> Path:
     """Write a randomly initialised tiny checkpoint + tokenizer to out_dir and return it."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -43,6 +43,7 @@ class _Plan:
     draft: Trajectory | None
     draft_ids: list[int] = field(default_factory=list)
     draft_finished: bool = False
+    draft_finish_reason: str = "length"
     p_logprobs: list[float] = field(default_factory=list)
     accepted: int = 0
     ban: int | None = None
@@ -70,12 +71,15 @@ class SpeculativeRollout:
         if draft is not None and draft.token_ids:
             L = self.max_new_tokens
             plan.draft_ids = list(draft.token_ids[:L])   # an old response longer than L is truncated
-            plan.draft_finished = (draft.finish_reason == "stop" and len(draft.token_ids) <= L) \
-                or len(plan.draft_ids) == L
+            ended_by_eos = draft.finish_reason == "stop" and len(draft.token_ids) <= L
+            plan.draft_finish_reason = "stop" if ended_by_eos else "length"
+            plan.draft_finished = ended_by_eos or len(plan.draft_ids) == L
         return plan
 
     def run(self, prompts: list[tuple[str, list[int]]], n_samples: int, weight_version: int,
-            step: int) -> tuple[list[RolloutSample], dict[str, float]]:
+            step: int | str) -> tuple[list[RolloutSample], dict[str, float]]:
+        """`step` only seeds the randomness (acceptance uniforms, sampling seeds), so a resumed
+        run makes the same draws."""
         t0 = time.perf_counter()
         plans = [self._plan(pid, k, ids) for pid, ids in prompts for k in range(n_samples)]
 
@@ -120,9 +124,7 @@ class SpeculativeRollout:
             prefix, prefix_lp = p.draft_ids[: p.accepted], p.p_logprobs[: p.accepted]
             r = by_plan.get(id(p))
             if r is None:
-                response, logprobs, finish = prefix, prefix_lp, p.draft.finish_reason
-                if len(response) >= self.max_new_tokens and finish != "stop":
-                    finish = "length"
+                response, logprobs, finish = prefix, prefix_lp, p.draft_finish_reason
             else:
                 response, logprobs, finish = prefix + list(r.token_ids), prefix_lp + list(r.logprobs), r.finish_reason
             samples.append(RolloutSample(p.prompt_id, p.sample_idx, p.prompt_ids, response, logprobs,

@@ -1,0 +1,44 @@
+"""Rewards and advantages for one rollout batch, per algorithm (GRPO, DAPO, PPO).
+
+The training loop calls `score_samples` then `advantages_for`; the algorithm is
+chosen by the recipe, the loop is the same for all three.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_specrl.algorithms.advantages import grpo_advantages, overlong_penalty
+from megatron_specrl.config import RunConfig
+from megatron_specrl.rollout.speculative import RolloutSample
+
+
+def score_samples(samples: list[RolloutSample], records_by_id: dict, reward_fn, tokenizer,
+                  cfg: RunConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """Task reward per sample (+ DAPO's soft overlong punishment); returns rewards and metrics."""
+    texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+    task = torch.tensor([float(reward_fn(t, records_by_id[s.prompt_id])) for t, s in zip(texts, samples)])
+    rewards = task.clone()
+    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
+    alg = cfg.algorithm
+    if alg.overlong_buffer > 0:
+        rewards = rewards + overlong_penalty(lengths, cfg.rollout.max_new_tokens, alg.overlong_buffer,
+                                             alg.overlong_penalty)
+    metrics = {
+        "reward/mean": float(rewards.mean()),
+        "reward/task_mean": float(task.mean()),
+        "reward/accuracy": float((task > 0).float().mean()),
+        "response/mean_len": float(lengths.mean()),
+        "response/max_len": float(lengths.max()),
+        "response/clip_ratio": sum(s.finish_reason == "length" for s in samples) / len(samples),
+    }
+    return rewards, metrics
+
+
+def group_ids_of(samples: list[RolloutSample]) -> list[str]:
+    return [s.prompt_id for s in samples]
+
+
+def grpo_like_advantages(samples, rewards: torch.Tensor, cfg: RunConfig) -> torch.Tensor:
+    """GRPO and DAPO: group-relative advantage per sample, broadcast over its tokens later."""
+    return grpo_advantages(rewards, group_ids_of(samples), normalize_std=cfg.algorithm.normalize_std)

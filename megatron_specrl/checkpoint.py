@@ -1,0 +1,110 @@
+"""Atomic run checkpoints: write into a temporary directory, add a manifest, then rename.
+
+A directory `step_XXXXXXXX` exists only once complete; its manifest lists every
+file with a checksum, so `resume=auto` can also skip one damaged later on.
+
+Layout: learner/ (Megatron dist checkpoint, written by the learner ranks),
+trajectories.{npz,json} (the speculative drafts), trainer_state.json (step,
+weight version, data position, RNG, tokenizer fingerprint), manifest.json (last).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+_FULL_HASH_LIMIT = 64 << 20   # larger files: size + hash of head and tail (hashing 100s of GB is too slow)
+
+
+def file_checksum(path: Path) -> str:
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= _FULL_HASH_LIMIT:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        else:
+            h.update(f.read(1 << 20))
+            f.seek(size - (1 << 20))
+            h.update(f.read(1 << 20))
+    return f"{size}:{h.hexdigest()}"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def begin(root: Path, step: int) -> Path:
+    """A fresh temporary directory to write step's checkpoint into."""
+    tmp = Path(root) / f".tmp-{step_dir_name(step)}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def commit(tmp: Path, state: dict, keep: int) -> Path:
+    """Write trainer_state + manifest, fsync, rename into place, prune old checkpoints."""
+    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    manifest = {"step": state["step"], "files": {str(p.relative_to(tmp)): file_checksum(p) for p in files}}
+    with open(tmp / MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    final = tmp.parent / step_dir_name(state["step"])
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _prune(tmp.parent, keep)
+    return final
+
+
+def _prune(root: Path, keep: int) -> None:
+    done = sorted(root.glob("step_*"))
+    for old in done[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def verify(ckpt: Path) -> str | None:
+    """None if the checkpoint is complete and intact, else what is wrong with it."""
+    mf = ckpt / MANIFEST
+    if not mf.is_file():
+        return "no manifest (half-written)"
+    try:
+        manifest = json.loads(mf.read_text())
+    except json.JSONDecodeError:
+        return "manifest is not valid JSON"
+    for rel, checksum in manifest["files"].items():
+        p = ckpt / rel
+        if not p.is_file():
+            return f"file {rel} is missing"
+        if file_checksum(p) != checksum:
+            return f"file {rel} does not match its checksum"
+    return None
+
+
+def find_latest(root: Path) -> Path | None:
+    """The newest complete checkpoint; damaged or half-written ones are skipped with a warning."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    for leftover in root.glob(".tmp-step_*"):
+        log.warning("ignoring half-written checkpoint %s", leftover)
+    for ckpt in sorted(root.glob("step_*"), reverse=True):
+        problem = verify(ckpt)
+        if problem is None:
+            return ckpt
+        log.warning("ignoring checkpoint %s: %s", ckpt, problem)
+    return None
+
+
+def load_state(ckpt: Path) -> dict:
+    return json.loads((ckpt / "trainer_state.json").read_text())

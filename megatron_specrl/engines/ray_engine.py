@@ -1,0 +1,182 @@
+"""A rollout engine inside a Ray actor, driven through the same protocol.
+
+The actor owns one engine (VLLMEngine in-process mode, so the actor's pid *is*
+the engine; on GPU with TP > 1 vLLM spawns its TP workers under it). The
+driver-side `RayEngine` turns the ways an actor fails (process died, timeout,
+OOM-killed) into `EngineError` carrying the engine's last log lines, read from
+the log file the engine writes, so the caller can `restart()` and retry the batch.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from megatron_specrl.engines.protocol import (
+    EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest,
+    ScoreResult, WeightVersionMismatch,
+)
+from megatron_specrl.engines.vllm_engine import tail_lines
+from megatron_specrl.resync.buckets import Bucket, plan_buckets
+
+ACTOR_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+
+
+class EngineActor:
+    """Runs in the actor process: builds the engine and forwards protocol calls."""
+
+    def __init__(self, engine_cls, engine_kwargs: dict):
+        for k, v in ACTOR_ENV.items():
+            os.environ.setdefault(k, v)
+        self.engine = engine_cls(**engine_kwargs)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def call(self, method: str, *args, **kwargs):
+        return getattr(self.engine, method)(*args, **kwargs)
+
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def update_weights_blob(self, blob: bytes, version: int) -> int:
+        """`blob` is a Bucket.to_bytes(); Ray resolves an ObjectRef argument to it,
+        so N actors read one object-store copy."""
+        named = Bucket.from_bytes(blob).unflatten()
+        self.engine.update_weights(named, version)
+        return len(named)
+
+
+class RayEngine:
+    """Driver-side handle implementing RolloutEngine over an EngineActor."""
+
+    def __init__(self, engine_cls, engine_kwargs: dict, name: str, log_dir: str | Path,
+                 num_cpus: float = 1, num_gpus: float = 0, timeout_s: float = 600.0,
+                 start_timeout_s: float = 600.0, bucket_bytes: int = 512 << 20):
+        self.name = name
+        self.engine_cls = engine_cls
+        self.engine_kwargs = dict(engine_kwargs, name=name, log_dir=str(log_dir))
+        self.log_path = Path(log_dir) / f"{name}.log"
+        self.num_cpus, self.num_gpus = num_cpus, num_gpus
+        self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
+        self.bucket_bytes = bucket_bytes
+        self.actor = None
+        self._pid: int | None = None
+        self.start()
+
+    # -- lifecycle --------------------------------------------------------------
+    def start(self) -> None:
+        import ray
+
+        cls = ray.remote(EngineActor).options(
+            num_cpus=self.num_cpus, num_gpus=self.num_gpus, max_restarts=0, max_concurrency=1,
+            runtime_env={"env_vars": dict(ACTOR_ENV)})
+        self.actor = cls.remote(self.engine_cls, self.engine_kwargs)
+        self._pid = self._get(self.actor.pid.remote(), self.start_timeout_s, "start")
+
+    def restart(self) -> None:
+        """Kill the actor (if still alive) and start a fresh engine from `model_path`:
+        it serves version 0 again, so the caller re-pushes the current weights."""
+        self.kill()
+        self.start()
+
+    def kill(self) -> None:
+        import ray
+        if self.actor is not None:
+            try:
+                ray.kill(self.actor, no_restart=True)
+            except Exception:  # already gone
+                pass
+        self.actor, self._pid = None, None
+
+    def shutdown(self) -> None:
+        import ray
+        if self.actor is not None:
+            try:
+                ray.get(self.actor.call.remote("shutdown"), timeout=60)
+            except Exception:
+                pass
+        self.kill()
+
+    @property
+    def pid(self) -> int | None:
+        return self._pid
+
+    # -- protocol -----------------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        return self._get(self.actor.weight_version.remote(), self.timeout_s, "weight_version")
+
+    def submit(self, method: str, *args):
+        """Start a call without waiting (the router overlaps engines with this)."""
+        if self.actor is None:
+            raise EngineError("engine is not running (call restart())", self.name, self.last_log_lines())
+        return self.actor.call.remote(method, *args)
+
+    def wait(self, ref, what: str, expected_version: int | None = None):
+        out = self._get(ref, self.timeout_s, what)
+        if expected_version is not None:
+            for r in out:
+                if r.weight_version != expected_version:
+                    raise WeightVersionMismatch(f"engine {self.name} answered {what} under version "
+                                                f"{r.weight_version}, caller expects {expected_version}")
+        return out
+
+    def generate(self, requests: list[GenerateRequest], sampling: SamplingSettings,
+                 weight_version: int) -> list[GenerateResult]:
+        return self.wait(self.submit("generate", requests, sampling, weight_version), "generate", weight_version)
+
+    def score(self, requests: list[ScoreRequest], sampling: SamplingSettings,
+              weight_version: int) -> list[ScoreResult]:
+        return self.wait(self.submit("score", requests, sampling, weight_version), "score", weight_version)
+
+    def put_buckets(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterable:
+        """Object-store refs of the weight buckets (put once, readable by every actor)."""
+        import ray
+        for bucket in plan_buckets(named_tensors, self.bucket_bytes):
+            yield ray.put(bucket.to_bytes())
+
+    def update_weights_refs(self, refs: Iterable, version: int) -> None:
+        for ref in refs:
+            self._get(self.actor.update_weights_blob.remote(ref, version), self.timeout_s, "update_weights")
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        self.update_weights_refs(self.put_buckets(named_tensors), version)
+
+    def finish_update(self, version: int) -> None:
+        self._get(self.submit("finish_update", version), self.timeout_s, "finish_update")
+
+    def reset_prefix_cache(self) -> None:
+        self._get(self.submit("reset_prefix_cache"), self.timeout_s, "reset_prefix_cache")
+
+    def health(self) -> EngineHealth:
+        try:
+            h = self._get(self.submit("health"), min(self.timeout_s, 30.0), "health")
+        except EngineError as e:
+            return EngineHealth(alive=False, weight_version=-1,
+                                detail={"name": self.name, "error": str(e).splitlines()[0]})
+        h.detail.setdefault("pid", self._pid)
+        return h
+
+    def last_log_lines(self, n: int = 50) -> list[str]:
+        return tail_lines(self.log_path, n)
+
+    # -- error conversion ---------------------------------------------------------
+    def _get(self, ref, timeout: float, what: str) -> Any:
+        import ray
+        from ray.exceptions import GetTimeoutError, OutOfMemoryError, RayActorError
+
+        try:
+            return ray.get(ref, timeout=timeout)
+        except GetTimeoutError as e:
+            raise EngineError(f"{what} timed out after {timeout:.0f}s", self.name, self.last_log_lines()) from e
+        except OutOfMemoryError as e:
+            raise EngineError(f"{what}: engine killed for out of memory: {e}", self.name,
+                              self.last_log_lines()) from e
+        except RayActorError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise EngineError(f"{what}: engine process died (pid {self._pid}): {first}", self.name,
+                              self.last_log_lines()) from e

@@ -1,0 +1,106 @@
+"""Data parallel over N rollout engines behind the same protocol.
+
+A batch is split so every engine gets about the same number of tokens
+(longest-first greedy), the shards run concurrently (Ray actors: all submitted
+before any wait; in-process engines: threads), and results come back in the
+caller's order. Weight updates go to every engine; with Ray engines each bucket
+is put in the object store once and read by all actors.
+"""
+
+from __future__ import annotations
+
+import heapq
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable, Sequence
+
+import torch
+
+from megatron_specrl.engines.protocol import (
+    EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest, ScoreResult,
+    WeightVersionMismatch,
+)
+
+
+def balance(costs: Sequence[int], n: int) -> list[list[int]]:
+    """Indices per shard, longest first onto the least-loaded shard; each shard keeps input order."""
+    shards: list[list[int]] = [[] for _ in range(n)]
+    heap = [(0, k) for k in range(n)]
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        load, k = heapq.heappop(heap)
+        shards[k].append(i)
+        heapq.heappush(heap, (load + costs[i], k))
+    return [sorted(s) for s in shards]
+
+
+class EngineRouter:
+    def __init__(self, engines: list, name: str = "router"):
+        if not engines:
+            raise ValueError("EngineRouter needs at least one engine")
+        self.engines = list(engines)
+        self.name = name
+
+    @property
+    def weight_version(self) -> int:
+        versions = {e.weight_version for e in self.engines}
+        if len(versions) != 1:
+            raise WeightVersionMismatch(f"{self.name}: engines serve different versions {sorted(versions)}")
+        return versions.pop()
+
+    def _fan_out(self, method: str, requests: list, costs: list[int], sampling, weight_version: int):
+        shards = balance(costs, len(self.engines))
+        work = [(e, idx) for e, idx in zip(self.engines, shards) if idx]
+        if all(hasattr(e, "submit") for e, _ in work):   # Ray engines: submit all, then wait
+            refs = [e.submit(method, [requests[i] for i in idx], sampling, weight_version) for e, idx in work]
+            outs = [e.wait(r, method, weight_version) for (e, _), r in zip(work, refs)]
+        else:
+            with ThreadPoolExecutor(len(work)) as pool:
+                futs = [pool.submit(getattr(e, method), [requests[i] for i in idx], sampling, weight_version)
+                        for e, idx in work]
+                outs = [f.result() for f in futs]
+        results: list = [None] * len(requests)
+        for (_, idx), out in zip(work, outs):
+            for i, r in zip(idx, out):
+                if r.weight_version != weight_version:
+                    raise WeightVersionMismatch(f"{self.name}: result under version {r.weight_version}, "
+                                                f"expected {weight_version}")
+                results[i] = r
+        return results
+
+    def generate(self, requests: list[GenerateRequest], sampling: SamplingSettings,
+                 weight_version: int) -> list[GenerateResult]:
+        costs = [len(r.prompt_ids) + r.max_new_tokens for r in requests]
+        return self._fan_out("generate", requests, costs, sampling, weight_version)
+
+    def score(self, requests: list[ScoreRequest], sampling: SamplingSettings,
+              weight_version: int) -> list[ScoreResult]:
+        costs = [len(r.prompt_ids) + len(r.continuation_ids) for r in requests]
+        return self._fan_out("score", requests, costs, sampling, weight_version)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        if all(hasattr(e, "put_buckets") for e in self.engines):
+            refs = list(self.engines[0].put_buckets(named_tensors))
+            for e in self.engines:
+                e.update_weights_refs(refs, version)
+            return
+        named = list(named_tensors)   # an iterator can be consumed only once
+        for e in self.engines:
+            e.update_weights(named, version)
+
+    def finish_update(self, version: int) -> None:
+        for e in self.engines:
+            e.finish_update(version)
+
+    def reset_prefix_cache(self) -> None:
+        for e in self.engines:
+            e.reset_prefix_cache()
+
+    def health(self) -> EngineHealth:
+        hs = [e.health() for e in self.engines]
+        versions = {h.weight_version for h in hs}
+        return EngineHealth(alive=all(h.alive for h in hs),
+                            weight_version=versions.pop() if len(versions) == 1 else -1,
+                            detail={e.name: h for e, h in zip(self.engines, hs)})
+
+    def shutdown(self) -> None:
+        for e in self.engines:
+            e.shutdown()

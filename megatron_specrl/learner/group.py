@@ -1,0 +1,91 @@
+"""Driver-side handle on the learner ranks: one Ray actor per rank, all called in lockstep.
+
+Megatron's collectives need every rank inside the same call, so each method is
+sent to all actors at once and rank 0's answer is returned. The batch is put
+into the object store once and shared by all ranks.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import ray
+
+from megatron_specrl.config import LearnerConfig
+from megatron_specrl.learner.worker import LearnerWorker
+from megatron_specrl.resync.buckets import plan_buckets
+
+
+class RayLearnerWorker(LearnerWorker):
+    """LearnerWorker plus a streaming view of its weights as resync buckets."""
+
+    def hf_bucket_stream(self, bucket_bytes: int, swap_kv: bool = False, swap_gate_up: bool = False):
+        # Every rank iterates (the gather is collective); only rank 0 yields buckets.
+        yield from plan_buckets(self.iter_hf_state(swap_kv=swap_kv, swap_gate_up=swap_gate_up), bucket_bytes)
+
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class LearnerGroup:
+    def __init__(self, settings: LearnerConfig, seed: int, role: str = "policy",
+                 num_cpus_per_rank: float = 0.01, num_gpus_per_rank: float = 0.0, env: dict | None = None):
+        world = settings.tp * settings.pp * settings.dp
+        actor_cls = ray.remote(RayLearnerWorker).options(
+            num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank,
+            runtime_env={"env_vars": dict(env or {})} if env else None)
+        addr, port = ray.util.get_node_ip_address(), _free_port()
+        self.role = role
+        self.actors = [actor_cls.remote(rank, world, addr, port, settings, seed=seed, role=role)
+                       for rank in range(world)]
+
+    def call(self, method: str, *args, **kwargs):
+        """Run `method` on every rank; return rank 0's result (raises the first rank failure)."""
+        refs = [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
+        return ray.get(refs)[0]
+
+    def call_with_batch(self, method: str, batch: dict, **kwargs):
+        ref = ray.put(batch)
+        return self.call(method, ref, **kwargs)
+
+    def load_hf(self, hf_dir: str) -> None:
+        self.call("load_hf", str(hf_dir))
+
+    def compute_logprobs(self, batch):
+        return self.call_with_batch("compute_logprobs", batch)
+
+    def compute_values(self, batch):
+        return self.call_with_batch("compute_values", batch)
+
+    def train_step(self, batch) -> dict[str, float]:
+        return self.call_with_batch("train_step", batch)
+
+    def save_checkpoint(self, path: str) -> None:
+        self.call("save_checkpoint", str(path))
+
+    def load_checkpoint(self, path: str) -> None:
+        self.call("load_checkpoint", str(path))
+
+    def export_hf(self, out_dir: str) -> None:
+        self.call("export_hf", str(out_dir))
+
+    def bucket_streams(self, bucket_bytes: int, **kwargs):
+        """Start the collective weight gather on all ranks; returns rank 0's stream of bucket refs
+        and the other ranks' streams (which must be drained so their generators finish)."""
+        streams = [a.hf_bucket_stream.options(num_returns="streaming").remote(bucket_bytes, **kwargs)
+                   for a in self.actors]
+        return streams[0], streams[1:]
+
+    def shutdown(self) -> None:
+        for a in self.actors:
+            try:
+                ray.get(a.shutdown.remote(), timeout=30)
+            except Exception:
+                pass
+            ray.kill(a)

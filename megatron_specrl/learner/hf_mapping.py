@@ -1,0 +1,323 @@
+"""HF <-> Megatron-core weight mapping for the Llama and Qwen2 families (pure torch).
+
+One declarative table per family says which Megatron parameter holds which HF
+tensors and how it is split across tensor-parallel ranks:
+
+  vocab   split dim 0 after padding the vocabulary with zero rows (embedding, output layer)
+  col     split dim 0 (column-parallel)
+  row     split dim 1 (row-parallel: linear_proj, linear_fc2)
+  rep     replicated (norms)
+  qkv     q/k/v interleaved per query group [q_heads_of_group; k; v], groups split over TP
+  fc1     SwiGLU: each TP rank holds [gate_r; up_r] (a chunk of the gathered tensor is NOT this)
+
+Megatron names are stage-local: every pipeline stage numbers its layers from 0.
+The `swap_kv` / `swap_gate_up` flags (or a custom table) inject a wrong mapping
+so that the resync checker can prove it detects one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not fit the model; the message names the tensor."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    megatron: str               # stage-local Megatron name; "{i}" = local layer index
+    hf: tuple[str, ...]         # HF names; "{i}" = global layer index
+    kind: str                   # vocab | col | row | rep | qkv | fc1
+    optional: bool = False      # present only for some configs (QKV bias)
+
+
+_LAYER = "decoder.layers.{i}."
+_HF_LAYER = "model.layers.{i}."
+
+LLAMA = (
+    Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
+    Rule(_LAYER + "input_layernorm.weight", (_HF_LAYER + "input_layernorm.weight",), "rep"),
+    Rule(_LAYER + "self_attention.linear_qkv.weight",
+         tuple(_HF_LAYER + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv"),
+    Rule(_LAYER + "self_attention.linear_qkv.bias",
+         tuple(_HF_LAYER + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv", optional=True),
+    Rule(_LAYER + "self_attention.linear_proj.weight", (_HF_LAYER + "self_attn.o_proj.weight",), "row"),
+    Rule(_LAYER + "pre_mlp_layernorm.weight", (_HF_LAYER + "post_attention_layernorm.weight",), "rep"),
+    Rule(_LAYER + "mlp.linear_fc1.weight",
+         (_HF_LAYER + "mlp.gate_proj.weight", _HF_LAYER + "mlp.up_proj.weight"), "fc1"),
+    Rule(_LAYER + "mlp.linear_fc2.weight", (_HF_LAYER + "mlp.down_proj.weight",), "row"),
+    Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "rep"),
+    Rule("output_layer.weight", ("lm_head.weight",), "vocab"),
+)
+# Qwen2 uses Llama's tensor names; its QKV bias is the optional rule above.
+QWEN2 = LLAMA
+MAPPINGS: dict[str, tuple[Rule, ...]] = {"llama": LLAMA, "qwen2": QWEN2}
+
+# The TransformerEngine spec fuses the pre-norms into the following linear.
+TE_RENAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+# ----------------------------------------------------------------------------- config helpers
+def _dims(cfg):
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return dict(H=cfg.hidden_size, nq=cfg.num_attention_heads, nkv=cfg.num_key_value_heads, hd=hd,
+                F=cfg.intermediate_size, V=cfg.vocab_size, L=cfg.num_hidden_layers)
+
+
+def _tied(cfg) -> bool:
+    return bool(getattr(cfg, "tie_word_embeddings", False))
+
+
+def _has_qkv_bias(cfg) -> bool:
+    return cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
+
+
+def padded_vocab(cfg, tp: int, divisible_by: int = 128) -> int:
+    m = divisible_by * tp
+    return ((cfg.vocab_size + m - 1) // m) * m
+
+
+def get_mapping(cfg, mapping=None) -> tuple[Rule, ...]:
+    if mapping is not None:
+        return tuple(mapping)
+    if cfg.model_type not in MAPPINGS:
+        raise CheckpointError(f"no HF<->Megatron mapping for model_type {cfg.model_type!r}; "
+                              f"supported: {sorted(MAPPINGS)}")
+    return MAPPINGS[cfg.model_type]
+
+
+def expected_hf_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor the model needs, with its shape (lm_head only when untied)."""
+    d = _dims(cfg)
+    H, q, kv, F, V = d["H"], d["nq"] * d["hd"], d["nkv"] * d["hd"], d["F"], d["V"]
+    out = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+    if not _tied(cfg):
+        out["lm_head.weight"] = (V, H)
+    for i in range(d["L"]):
+        p = f"model.layers.{i}."
+        out.update({
+            p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+            p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
+            p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q),
+            p + "mlp.gate_proj.weight": (F, H), p + "mlp.up_proj.weight": (F, H),
+            p + "mlp.down_proj.weight": (H, F),
+        })
+        if _has_qkv_bias(cfg):
+            out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                        p + "self_attn.v_proj.bias": (kv,)})
+    return out
+
+
+def validate_hf_state(hf_state: dict[str, Tensor], cfg) -> None:
+    """Raise CheckpointError naming the first missing, mis-shaped or unexpected tensor."""
+    expected = expected_hf_shapes(cfg)
+    for name, shape in expected.items():
+        if name not in hf_state:
+            raise CheckpointError(f"checkpoint is missing tensor {name!r} (expected shape {list(shape)})")
+        got = tuple(hf_state[name].shape)
+        if got != shape:
+            if name in ("model.embed_tokens.weight", "lm_head.weight") and got[1:] == shape[1:]:
+                raise CheckpointError(f"vocab mismatch: tensor {name!r} has {got[0]} rows but "
+                                      f"config vocab_size={cfg.vocab_size}")
+            raise CheckpointError(f"tensor {name!r} has shape {list(got)}, expected {list(shape)}")
+    for name in hf_state:
+        if name not in expected and not name.endswith(IGNORED_HF_SUFFIXES):
+            if name == "lm_head.weight" and _tied(cfg):
+                continue  # some tied checkpoints store the head too
+            raise CheckpointError(f"unexpected tensor {name!r} in checkpoint (model_type={cfg.model_type}, "
+                                  f"num_hidden_layers={cfg.num_hidden_layers})")
+
+
+# ----------------------------------------------------------------------------- split / merge
+def _qkv_full(q: Tensor, k: Tensor, v: Tensor, cfg, swap_kv=False) -> Tensor:
+    """[q; k; v] (HF) -> per query group [q_g; k_g; v_g] (Megatron), for weights or biases."""
+    d = _dims(cfg)
+    nkv, hd = d["nkv"], d["hd"]
+    qpg = d["nq"] // nkv
+    if swap_kv:
+        k, v = v, k
+    rest = q.shape[1:]
+    qg = q.reshape(nkv, qpg * hd, *rest)
+    kg = k.reshape(nkv, hd, *rest)
+    vg = v.reshape(nkv, hd, *rest)
+    return torch.cat([qg, kg, vg], dim=1).reshape(-1, *rest)
+
+
+def _qkv_split(full: Tensor, cfg, swap_kv=False) -> tuple[Tensor, Tensor, Tensor]:
+    d = _dims(cfg)
+    nkv, hd = d["nkv"], d["hd"]
+    qpg = d["nq"] // nkv
+    rest = full.shape[1:]
+    g = full.reshape(nkv, (qpg + 2) * hd, *rest)
+    q = g[:, : qpg * hd].reshape(-1, *rest)
+    k = g[:, qpg * hd: (qpg + 1) * hd].reshape(-1, *rest)
+    v = g[:, (qpg + 1) * hd:].reshape(-1, *rest)
+    if swap_kv:
+        k, v = v, k
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+def split_for_tp(rule: Rule, hf_tensors: list[Tensor], cfg, tp: int, vocab_divisible_by: int = 128,
+                 swap_kv=False, swap_gate_up=False) -> list[Tensor]:
+    """Full HF tensor(s) of one rule -> the tp local Megatron shards."""
+    kind = rule.kind
+    if kind == "rep":
+        return [hf_tensors[0].clone() for _ in range(tp)]
+    if kind == "vocab":
+        w = hf_tensors[0]
+        pad = padded_vocab(cfg, tp, vocab_divisible_by) - w.shape[0]
+        if pad:
+            w = torch.cat([w, w.new_zeros(pad, *w.shape[1:])], dim=0)
+        return [c.clone() for c in torch.chunk(w, tp, dim=0)]
+    if kind == "col":
+        return [c.clone() for c in torch.chunk(hf_tensors[0], tp, dim=0)]
+    if kind == "row":
+        return [c.clone() for c in torch.chunk(hf_tensors[0], tp, dim=1)]
+    if kind == "qkv":  # query groups are contiguous, so a dim-0 chunk gives each rank its groups
+        full = _qkv_full(*hf_tensors, cfg, swap_kv=swap_kv)
+        return [c.clone() for c in torch.chunk(full, tp, dim=0)]
+    if kind == "fc1":
+        gate, up = hf_tensors
+        if swap_gate_up:
+            gate, up = up, gate
+        return [torch.cat([g, u], dim=0) for g, u in zip(torch.chunk(gate, tp, 0), torch.chunk(up, tp, 0))]
+    raise ValueError(f"unknown split kind {kind!r}")
+
+
+def _local_to_rule(name: str, mapping) -> tuple[Rule, int | None]:
+    """Match a stage-local Megatron name (local or TE spec) to its rule and local layer index."""
+    for old_suffix, te_suffix in TE_RENAMES.items():
+        if name.endswith(te_suffix):
+            name = name[: -len(te_suffix)] + old_suffix
+    if name.startswith("decoder.layers."):
+        parts = name.split(".")
+        idx = int(parts[2])
+        generic = ".".join(parts[:2] + ["{i}"] + parts[3:])
+    else:
+        idx, generic = None, name
+    for rule in mapping:
+        if rule.megatron == generic:
+            return rule, idx
+    raise KeyError(f"no HF mapping for Megatron parameter {name!r}")
+
+
+def merge_tp_shards_to_hf(megatron_name_local: str, shards: list[Tensor], hf_config, global_layer_idx: int | None,
+                          swap_kv: bool = False, swap_gate_up: bool = False, mapping=None,
+                          ) -> list[tuple[str, Tensor]]:
+    """One Megatron parameter (its TP shards, in TP-rank order) -> full HF (name, tensor) pairs.
+
+    Vocab padding is dropped. Returns [] for the output layer of a tied model (HF keeps one copy).
+    """
+    rule, _ = _local_to_rule(megatron_name_local, get_mapping(hf_config, mapping))
+    names = [n.format(i=global_layer_idx) for n in rule.hf]
+    kind = rule.kind
+    if kind == "vocab":
+        if rule.megatron == "output_layer.weight" and _tied(hf_config):
+            return []
+        return [(names[0], torch.cat(shards, dim=0)[: hf_config.vocab_size].contiguous())]
+    if kind == "rep":
+        return [(names[0], shards[0].clone())]
+    if kind == "col":
+        return [(names[0], torch.cat(shards, dim=0))]
+    if kind == "row":
+        return [(names[0], torch.cat(shards, dim=1))]
+    if kind == "qkv":
+        return list(zip(names, _qkv_split(torch.cat(shards, dim=0), hf_config, swap_kv=swap_kv)))
+    if kind == "fc1":
+        halves = [torch.chunk(s, 2, dim=0) for s in shards]
+        gate = torch.cat([h[0] for h in halves], dim=0)
+        up = torch.cat([h[1] for h in halves], dim=0)
+        if swap_gate_up:
+            gate, up = up, gate
+        return [(names[0], gate), (names[1], up)]
+    raise ValueError(f"unknown split kind {kind!r}")
+
+
+# ----------------------------------------------------------------------------- whole-model conversion
+def stage_layers(cfg, pp: int, pp_rank: int) -> range:
+    L = cfg.num_hidden_layers
+    if L % pp:
+        raise CheckpointError(f"pp={pp} does not divide num_hidden_layers={L}")
+    n = L // pp
+    return range(pp_rank * n, (pp_rank + 1) * n)
+
+
+def stage_rules(cfg, mapping, pp: int, pp_rank: int):
+    """(rule, local_idx, global_idx) for every parameter on one pipeline stage, in a fixed order."""
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    out = []
+    for rule in mapping:
+        if rule.optional and not _has_qkv_bias(cfg):
+            continue
+        if "{i}" in rule.megatron:
+            for local, g in enumerate(stage_layers(cfg, pp, pp_rank)):
+                out.append((rule, local, g))
+        elif rule.megatron.startswith("embedding.") and first:
+            out.append((rule, None, None))
+        elif rule.megatron == "output_layer.weight" and last and not (_tied(cfg) and pp == 1):
+            out.append((rule, None, None))
+        elif rule.megatron.startswith("decoder.final_layernorm") and last:
+            out.append((rule, None, None))
+    return out
+
+
+def hf_to_megatron_shards(hf_state: dict[str, Tensor], hf_config, tp: int, pp: int, vocab_divisible_by: int = 128,
+                          swap_kv: bool = False, swap_gate_up: bool = False, mapping=None, validate: bool = True,
+                          only: tuple[int, int] | None = None) -> dict[tuple[int, int], dict[str, Tensor]]:
+    """Full HF state -> {(tp_rank, pp_rank): {stage-local Megatron name: shard}}.
+
+    `only=(tp_rank, pp_rank)` builds just that rank's shards (what a loading rank needs).
+    """
+    if validate:
+        validate_hf_state(hf_state, hf_config)
+    mapping = get_mapping(hf_config, mapping)
+    shards: dict[tuple[int, int], dict[str, Tensor]] = {(t, p): {} for t in range(tp) for p in range(pp)}
+    if only is not None:
+        shards = {only: {}}
+    for p in range(pp):
+        if only is not None and p != only[1]:
+            continue
+        for rule, local, g in stage_rules(hf_config, mapping, pp, p):
+            hf_names = [n.format(i=g) for n in rule.hf]
+            if rule.megatron == "output_layer.weight" and _tied(hf_config):
+                hf_names = ["model.embed_tokens.weight"]
+            try:
+                tensors = [hf_state[n] for n in hf_names]
+            except KeyError as e:
+                raise CheckpointError(f"checkpoint is missing tensor {e.args[0]!r}") from None
+            parts = split_for_tp(rule, tensors, hf_config, tp, vocab_divisible_by, swap_kv, swap_gate_up)
+            name = rule.megatron.format(i=local)
+            for t in range(tp):
+                if (t, p) in shards:
+                    shards[(t, p)][name] = parts[t]
+    return shards
+
+
+def megatron_shards_to_hf(shards: dict[tuple[int, int], dict[str, Tensor]], hf_config, tp: int, pp: int,
+                          swap_kv: bool = False, swap_gate_up: bool = False, mapping=None) -> dict[str, Tensor]:
+    """Inverse of hf_to_megatron_shards (vocab padding dropped, tied head omitted)."""
+    mapping = get_mapping(hf_config, mapping)
+    out: dict[str, Tensor] = {}
+    for p in range(pp):
+        layers = stage_layers(hf_config, pp, p)
+        for name in shards[(0, p)]:
+            if name.endswith("_extra_state"):
+                continue
+            _, local = _local_to_rule(name, mapping)
+            g = layers[local] if local is not None else None
+            parts = []
+            for t in range(tp):
+                if name not in shards[(t, p)]:
+                    raise CheckpointError(f"Megatron shard (tp={t}, pp={p}) is missing tensor {name!r}")
+                parts.append(shards[(t, p)][name])
+            for hf_name, tensor in merge_tp_shards_to_hf(name, parts, hf_config, g, swap_kv, swap_gate_up, mapping):
+                out[hf_name] = tensor
+    return out

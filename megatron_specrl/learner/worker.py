@@ -1,0 +1,481 @@
+"""One learner rank: a Megatron GPTModel slice (TP x PP x DP) that scores and trains on RL batches.
+
+The trainer wraps it with `ray.remote(LearnerWorker)`; tests run it as a plain
+object in torch.multiprocessing children. Every rank receives the same full
+batch dict (CPU tensors); each DP rank takes its rows, the pipeline runs through
+Megatron's get_forward_backward_func(), and results are gathered so that global
+rank 0 returns the full [B, T] tensor.
+
+Optimizer: torch AdamW over the local shards with our own gradient all-reduce
+(DP) and global-norm clipping. Megatron's DDP / DistributedOptimizer hard-code
+CUDA tensor types, so they are not used here (on GPUs this path is correct but
+not memory-optimal).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+from functools import partial
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron_specrl.learner import hf_mapping as hm
+from megatron_specrl.learner import losses as L
+from megatron_specrl.learner.logprobs import token_logprobs
+from megatron_specrl.learner.parallel import cuda_to_cpu, destroy, init_distributed
+
+PER_TOKEN_KEYS = ("input_ids", "attention_mask", "loss_mask", "old_logprobs", "rollout_logprobs", "advantages",
+                  "ref_logprobs", "returns", "old_values")
+
+
+def load_hf_state(hf_dir: str | Path) -> dict[str, Tensor]:
+    """All tensors of the *.safetensors files in an HF directory."""
+    from safetensors.torch import load_file
+    files = sorted(Path(hf_dir).glob("*.safetensors"))
+    if not files:
+        raise hm.CheckpointError(f"no *.safetensors files in {hf_dir}")
+    state: dict[str, Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except Exception as e:  # truncated / corrupt file
+            raise hm.CheckpointError(f"cannot read {f}: {e}") from None
+    return state
+
+
+def split_microbatches(rows: list[int], lengths: list[int], micro_batch_size: int,
+                       max_tokens: int | None) -> list[list[int]]:
+    """Fixed-size microbatches, or (dynamic batching) greedy packs with n * max_len <= max_tokens."""
+    if not max_tokens:
+        return [rows[i:i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)]
+    out, cur, cur_max = [], [], 0
+    for r, n in zip(rows, lengths):
+        new_max = max(cur_max, n)
+        if cur and new_max * (len(cur) + 1) > max_tokens:
+            out.append(cur)
+            cur, new_max = [], n
+        cur.append(r)
+        cur_max = new_max
+    if cur:
+        out.append(cur)
+    return out
+
+
+class LearnerWorker:
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, settings,
+                 seed: int = 1, role: str = "policy"):
+        if role not in ("policy", "critic"):
+            raise ValueError(f"role must be 'policy' or 'critic', got {role!r}")
+        self.rank, self.world_size, self.settings, self.seed, self.role = rank, world_size, settings, seed, role
+        tp, pp = settings.tp, settings.pp
+        if world_size != tp * pp * settings.dp:
+            raise ValueError(f"world_size={world_size} != tp*pp*dp = {tp}*{pp}*{settings.dp}")
+        init_distributed(rank, world_size, master_addr, master_port, tp, pp, seed)
+        from megatron.core import parallel_state as ps
+        self.ps = ps
+        self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.first_stage, self.last_stage = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        coords = torch.tensor([self.pp_rank, self.dp_rank, self.tp_rank], dtype=torch.long)
+        table = [torch.zeros(3, dtype=torch.long) for _ in range(world_size)]
+        dist.all_gather(table, coords)
+        self.rank_of = {tuple(t.tolist()): r for r, t in enumerate(table)}   # (pp, dp, tp) -> global rank
+        self.model = None
+        self.optimizer = None
+        self.hf_config = None
+        self.hf_dir = None
+
+    # ------------------------------------------------------------------ model
+    def load_hf(self, hf_dir: str | Path) -> None:
+        """Build this rank's model slice and load its shards from HF safetensors."""
+        from transformers import AutoConfig
+        from megatron_specrl.learner.model_provider import build_gpt_model
+
+        s = self.settings
+        self.hf_dir = Path(hf_dir)
+        self.hf_config = AutoConfig.from_pretrained(str(hf_dir))
+        torch.manual_seed(self.seed)
+        self.model = build_gpt_model(self.hf_config, s.tp, s.pp, role=self.role).to(self.device)
+        hf_state = load_hf_state(hf_dir)
+        shards = hm.hf_to_megatron_shards(hf_state, self.hf_config, s.tp, s.pp, only=(self.tp_rank, self.pp_rank))
+        self._load_local_shards(shards[(self.tp_rank, self.pp_rank)])
+        del hf_state, shards
+        self._build_optimizer()
+
+    def _load_local_shards(self, local: dict[str, Tensor]) -> None:
+        params = dict(self.model.named_parameters())
+        if self.role == "critic":
+            local.pop("output_layer.weight", None)   # the value head is new, not in the HF checkpoint
+        for name, p in params.items():
+            if self.role == "critic" and name == "output_layer.weight":
+                continue
+            if name not in local:
+                raise hm.CheckpointError(f"no weights for Megatron parameter {name!r} (tp={self.tp_rank}, pp={self.pp_rank})")
+            t = local[name]
+            if tuple(t.shape) != tuple(p.shape):
+                raise hm.CheckpointError(f"tensor for {name!r} has shape {list(t.shape)}, model expects {list(p.shape)}")
+            with torch.no_grad():
+                p.copy_(t.to(p.dtype))
+        extra = set(local) - set(params)
+        if extra:
+            raise hm.CheckpointError(f"converted tensors not in the model: {sorted(extra)}")
+
+    def _build_optimizer(self) -> None:
+        s = self.settings
+        lr = s.lr
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=lr,
+                                           weight_decay=s.weight_decay, betas=(0.9, 0.999), eps=1e-8)
+
+    # ------------------------------------------------------------------ batches
+    def _dp_rows(self, rows: list[int]) -> list[int]:
+        dp = self.settings.dp
+        if len(rows) % dp:
+            raise ValueError(f"{len(rows)} rows are not divisible by dp={dp}")
+        n = len(rows) // dp
+        return rows[self.dp_rank * n:(self.dp_rank + 1) * n]
+
+    def _microbatches(self, batch: dict, rows: list[int]) -> list[dict]:
+        am = batch["attention_mask"]
+        lengths = [int(am[r].nonzero().max()) + 1 if am[r].any() else 1 for r in rows]
+        groups = split_microbatches(rows, lengths, self.settings.micro_batch_size,
+                                    self.settings.max_tokens_per_microbatch)
+        out = []
+        for g in groups:
+            T = max(lengths[rows.index(r)] for r in g)
+            idx = torch.tensor(g, dtype=torch.long)
+            mb = {k: v[idx, :T].to(self.device) for k, v in batch.items()
+                  if isinstance(v, Tensor) and v.dim() == 2 and k in PER_TOKEN_KEYS}
+            mb["rows"] = idx
+            mb["temperature"] = float(batch.get("temperature", 1.0))
+            out.append(mb)
+        return out
+
+    def _forward(self, model, mb):
+        ids = mb["input_ids"]
+        B, T = ids.shape
+        pos = torch.arange(T, device=ids.device).unsqueeze(0).expand(B, -1)
+        causal = torch.triu(torch.ones(T, T, dtype=torch.bool, device=ids.device), diagonal=1)[None, None]
+        return model(ids, pos, causal)
+
+    def _heads(self, output: Tensor, mb: dict, with_entropy: bool):
+        """Model output on the last stage -> (per-token values, entropy) aligned with input_ids."""
+        if self.role == "critic":
+            v = output[..., 0].float()
+            return torch.cat([v.new_zeros(v.shape[0], 1), v[:, :-1]], dim=1), None
+        return token_logprobs(output, mb["input_ids"], self.hf_config.vocab_size, mb["temperature"], with_entropy)
+
+    def _run_schedule(self, mbs: list[dict], loss_builder, forward_only: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def step(data_iterator, model):
+            mb = next(data_iterator)
+            return self._forward(model, mb), partial(loss_builder, mb)
+
+        fb = get_forward_backward_func()
+        with cuda_to_cpu():
+            return fb(forward_step_func=step, data_iterator=iter(mbs), model=[self.model],
+                      num_microbatches=len(mbs), seq_length=max(m["input_ids"].shape[1] for m in mbs),
+                      micro_batch_size=max(m["input_ids"].shape[0] for m in mbs), forward_only=forward_only)
+
+    def _gather_rows(self, B: int, T: int, pieces: list[tuple[Tensor, Tensor]], to_all: bool) -> Tensor | None:
+        """Assemble per-row results from (last stage, tp 0, every DP rank) into one [B, T] tensor."""
+        full = torch.zeros(B, T, dtype=torch.float32)
+        if self.last_stage and self.tp_rank == 0:
+            for rows, vals in pieces:
+                full[rows, : vals.shape[1]] = vals.detach().float().cpu()
+        if self.world_size > 1:
+            if to_all:
+                dist.all_reduce(full)
+            else:
+                dist.reduce(full, dst=0)
+        return full if (to_all or self.rank == 0) else None
+
+    @torch.no_grad()
+    def _score(self, batch: dict, to_all: bool) -> Tensor | None:
+        B, T = batch["input_ids"].shape
+        mbs = self._microbatches(batch, self._dp_rows(list(range(B))))
+        self.model.eval()
+
+        def loss_fn(mb, output):
+            vals, _ = self._heads(output, mb, with_entropy=False)
+            return vals.sum() * 0.0, {"rows": mb["rows"], "vals": vals * mb["attention_mask"].to(vals.dtype)}
+
+        store = self._run_schedule(mbs, loss_fn, forward_only=True)
+        self.model.train()
+        return self._gather_rows(B, T, [(d["rows"], d["vals"]) for d in store], to_all)
+
+    def compute_logprobs(self, batch: dict) -> Tensor | None:
+        """Per-token log-probs [B, T] (0 at t=0 and on padding) on global rank 0; None elsewhere."""
+        if self.role != "policy":
+            raise RuntimeError("compute_logprobs needs role='policy'")
+        return self._score(batch, to_all=False)
+
+    def compute_values(self, batch: dict) -> Tensor | None:
+        """Critic values [B, T] aligned like compute_logprobs, on global rank 0; None elsewhere."""
+        if self.role != "critic":
+            raise RuntimeError("compute_values needs role='critic'")
+        return self._score(batch, to_all=False)
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, batch: dict) -> dict[str, float]:
+        """ppo_epochs x mini_batches optimizer steps on one rollout batch; returns averaged metrics."""
+        s = self.settings
+        B = batch["input_ids"].shape[0]
+        batch = dict(batch)
+        if self.role == "policy":
+            if s.recompute_old_logprobs:
+                batch["old_logprobs"] = self._score(batch, to_all=True)
+            elif "old_logprobs" not in batch:
+                batch["old_logprobs"] = batch["rollout_logprobs"]
+        if B % s.mini_batches:
+            raise ValueError(f"batch size {B} is not divisible by mini_batches={s.mini_batches}")
+        per_mini = B // s.mini_batches
+        history: list[dict[str, float]] = []
+        for _epoch in range(s.ppo_epochs):
+            for m in range(s.mini_batches):
+                rows = list(range(m * per_mini, (m + 1) * per_mini))
+                history.append(self._optimizer_step(batch, rows))
+        return {k: sum(h[k] for h in history) / len(history) for k in history[0]}
+
+    def _optimizer_step(self, batch: dict, rows: list[int], step: bool = True) -> dict[str, float]:
+        s, lc = self.settings, self.settings.loss
+        mask_all = batch["loss_mask"][rows]
+        denom = L.aggregation_denominator(mask_all, lc.agg_mode)
+        n_tokens = max(float(mask_all.sum()), 1.0)
+        mbs = self._microbatches(batch, self._dp_rows(rows))
+        n_mb = len(mbs)
+
+        def loss_fn(mb, output):
+            vals, ent = self._heads(output, mb, with_entropy=True)
+            if self.role == "critic":
+                loss, met = L.value_loss(vals, mb["old_values"], mb["returns"], mb["loss_mask"], lc.value_clip,
+                                         lc.agg_mode, denom)
+                summed = {"vf_loss": loss.detach()}
+            else:
+                loss, met = L.rl_policy_objective(vals, ent, mb, lc, denom)
+                summed = {k: met.pop(k) for k in ("pg_loss", "kl", "entropy") if k in met}
+            w = float(mb["loss_mask"].sum()) / n_tokens
+            reported = {k: v.detach().clone() for k, v in summed.items()}
+            reported.update({k: v.detach() * w for k, v in met.items()})
+            reported["loss"] = loss.detach().clone()
+            # The schedule divides by the number of microbatches; undo it: `denom` is already global.
+            return loss * n_mb, reported
+
+        self.optimizer.zero_grad(set_to_none=False)
+        store = self._run_schedule(mbs, loss_fn, forward_only=False)
+        grad_norm = self._finalize_grads(clip=step)
+        if step:
+            self.optimizer.step()
+        return self._reduce_metrics(store, grad_norm)
+
+    def forward_backward(self, batch: dict) -> dict[str, float]:
+        """Gradients of the RL loss on the whole batch (finalised over DP/PP, unclipped), no step.
+
+        For tests and debugging: read them with iter_hf_state(grads=True).
+        """
+        batch = dict(batch)
+        if self.role == "policy" and "old_logprobs" not in batch:
+            batch["old_logprobs"] = batch["rollout_logprobs"]
+        return self._optimizer_step(batch, list(range(batch["input_ids"].shape[0])), step=False)
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def _finalize_grads(self, clip: bool = True) -> float:
+        """Tied-embedding grad sync (PP), DP all-reduce (sum: losses use global denominators), clip."""
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        ps = self.ps
+        params = self._params()
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if (self.settings.pp > 1 and getattr(self.model, "share_embeddings_and_output_weights", False)
+                and ps.is_rank_in_embedding_group()):
+            w = self.model.shared_embedding_or_output_weight()
+            dist.all_reduce(w.grad, group=ps.get_embedding_group())
+        if self.settings.dp > 1:
+            grads = [p.grad for p in params]
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=ps.get_data_parallel_group())
+            for g, f in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(f)
+        sq = torch.zeros(1, dtype=torch.float32, device=self.device)
+        for p in params:
+            if param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False):
+                sq += p.grad.float().pow(2).sum()
+        if self.world_size > 1:
+            dist.all_reduce(sq, group=ps.get_model_parallel_group())
+        norm = float(sq.sqrt())
+        max_norm = self.settings.grad_clip
+        if clip and max_norm and norm > max_norm and math.isfinite(norm):
+            for p in params:
+                p.grad.mul_(max_norm / (norm + 1e-6))
+        return norm
+
+    def _reduce_metrics(self, store: list[dict], grad_norm: float) -> dict[str, float]:
+        keys = sorted({k for d in store for k in d})
+        if not keys and self.role == "policy":
+            keys = ["approx_kl", "entropy", "loss", "pg_clipfrac", "pg_clipfrac_dual", "pg_loss", "ratio_mean", "tis_mean"]
+        elif not keys:
+            keys = ["loss", "value_mean", "vf_clipfrac", "vf_loss"]
+        # Only the last stage has metrics; agree on the key set by the policy/critic defaults.
+        vec = torch.zeros(len(keys), dtype=torch.float64)
+        if self.last_stage and self.tp_rank == 0:
+            for d in store:
+                for i, k in enumerate(keys):
+                    if k in d:
+                        vec[i] += float(d[k])
+        if self.world_size > 1:
+            dist.all_reduce(vec)
+        out = {k: float(v) for k, v in zip(keys, vec)}
+        out["grad_norm"] = grad_norm
+        return out
+
+    # ------------------------------------------------------------------ weights out
+    def _param_order(self, mapping=None):
+        """Global deterministic order: (pp stage, rule, local idx, global idx) for every parameter."""
+        cfg, pp = self.hf_config, self.settings.pp
+        mapping = hm.get_mapping(cfg, mapping)
+        order = []
+        for p in range(pp):
+            for rule, local, g in hm.stage_rules(cfg, mapping, pp, p):
+                if rule.megatron == "output_layer.weight" and (hm._tied(cfg) or self.role == "critic"):
+                    continue
+                order.append((p, rule.megatron.format(i=local), g))
+        return order
+
+    def iter_hf_state(self, swap_kv: bool = False, swap_gate_up: bool = False, mapping=None, grads: bool = False
+                      ) -> Iterator[tuple[str, Tensor]]:
+        """Yield full HF (name, tensor) pairs on global rank 0; every rank must iterate in lockstep.
+
+        The owning stage's DP-rank-0 TP group all-gathers a parameter, its TP rank 0 sends the
+        shards to global rank 0, which merges them: one full tensor in flight at a time.
+        `grads=True` yields gradients instead (tests).
+        """
+        ps = self.ps
+        tp = self.settings.tp
+        params = dict(self.model.named_parameters())
+        for stage, name, g in self._param_order(mapping):
+            src = self.rank_of[(stage, 0, 0)]
+            shards = None
+            if self.pp_rank == stage and self.dp_rank == 0:
+                src_t = params[name].grad if grads else params[name]
+                local = src_t.detach().float().contiguous()
+                if tp > 1:
+                    gathered = [torch.empty_like(local) for _ in range(tp)]
+                    dist.all_gather(gathered, local, group=ps.get_tensor_model_parallel_group())
+                    shards = gathered
+                else:
+                    shards = [local]
+                shards = [t.cpu() for t in shards]
+            if src != 0:
+                if self.rank == src:
+                    full = torch.stack(shards)
+                    shape = torch.tensor(list(full.shape) + [0] * (4 - full.dim()), dtype=torch.long)
+                    dist.send(shape, dst=0)
+                    dist.send(full, dst=0)
+                elif self.rank == 0:
+                    shape = torch.zeros(4, dtype=torch.long)
+                    dist.recv(shape, src=src)
+                    full = torch.empty([int(x) for x in shape if x > 0], dtype=torch.float32)
+                    dist.recv(full, src=src)
+                    shards = list(full.unbind(0))
+            if self.rank == 0:
+                for hf_name, t in hm.merge_tp_shards_to_hf(name, shards, self.hf_config, g, swap_kv, swap_gate_up,
+                                                           mapping):
+                    yield hf_name, t
+            shards = None
+
+    def export_hf(self, out_dir: str | Path) -> None:
+        """Write safetensors (+ config / tokenizer copied from the source HF dir) on rank 0."""
+        from safetensors.torch import save_file
+        state = dict(self.iter_hf_state())
+        if self.rank == 0:
+            out = Path(out_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
+                      metadata={"format": "pt"})
+            for f in self.hf_dir.iterdir():
+                if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json", ".bin")):
+                    shutil.copy2(f, out / f.name)
+        if self.world_size > 1:
+            dist.barrier()
+
+    # ------------------------------------------------------------------ checkpoints
+    def _sharded_state_dict(self) -> dict:
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+        model_sd = self.model.sharded_state_dict(prefix="model.")
+        sd: dict = {"model": model_sd}
+        named = dict(self.model.named_parameters())
+        opt_state: dict = {}
+        for name, p in named.items():
+            sh = model_sd.get("model." + name)
+            if sh is None or p not in self.optimizer.state or not self.optimizer.state[p]:
+                continue
+            st = self.optimizer.state[p]
+            for k in ("exp_avg", "exp_avg_sq"):
+                opt_state[f"{name}.{k}"] = dataclasses.replace(sh, key=f"optimizer.{k}.{sh.key}", data=st[k])
+            opt_state[f"{name}.step"] = float(st["step"])
+        sd["optimizer"] = opt_state
+        pp, tp = self.settings.pp, self.settings.tp
+        sd["rng"] = ShardedObject("rng_state", {"cpu": torch.get_rng_state(), "tracker": self._tracker_states()},
+                                  (pp, tp), (self.pp_rank, self.tp_rank), replica_id=self.dp_rank)
+        return sd
+
+    def _tracker_states(self):
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+        return {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()}
+
+    def _ensure_optimizer_state(self) -> None:
+        """Materialise AdamW state (zeros) so that loading has tensors to fill."""
+        for p in self._params():
+            st = self.optimizer.state[p]
+            if not st:
+                st["step"] = torch.tensor(0.0)
+                st["exp_avg"] = torch.zeros_like(p)
+                st["exp_avg_sq"] = torch.zeros_like(p)
+
+    def save_checkpoint(self, path: str | Path) -> None:
+        """Megatron dist checkpoint (model + AdamW state + RNG), synchronous writer."""
+        from megatron.core import dist_checkpointing
+        path = Path(path)
+        if self.rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
+        if self.world_size > 1:
+            dist.barrier()
+        self._ensure_optimizer_state()
+        dist_checkpointing.save(self._sharded_state_dict(), str(path), async_sharded_save=False)
+        if self.rank == 0:
+            (path / "specrl_learner.json").write_text(json.dumps(
+                {"tp": self.settings.tp, "pp": self.settings.pp, "dp": self.settings.dp, "role": self.role}))
+        if self.world_size > 1:
+            dist.barrier()
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Load a dist checkpoint saved at any TP/PP split (dist_checkpointing reshards)."""
+        from megatron.core import dist_checkpointing
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+        self._ensure_optimizer_state()
+        sd = self._sharded_state_dict()
+        loaded = dist_checkpointing.load(sd, str(path))
+        model_sd = {k[len("model."):]: v for k, v in loaded["model"].items()}
+        self.model.load_state_dict(model_sd, strict=False)
+        named = dict(self.model.named_parameters())
+        for key, val in loaded["optimizer"].items():
+            name, k = key.rsplit(".", 1)
+            st = self.optimizer.state[named[name]]
+            st[k] = torch.tensor(float(val)) if k == "step" else val
+        rng = loaded["rng"]
+        torch.set_rng_state(rng["cpu"])
+        get_cuda_rng_tracker().set_states(rng["tracker"])
+
+    def shutdown(self) -> None:
+        destroy()

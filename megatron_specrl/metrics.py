@@ -1,0 +1,91 @@
+"""Step metrics to three sinks: a JSONL under output_dir, wandb (offline by default), the console."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from rich.console import Console
+
+CONSOLE_KEYS = [("reward/mean", "reward"), ("response/mean_len", "len"), ("spec/reuse_ratio", "reuse"),
+                ("spec/rollout_s", "rollout_s"), ("train/loss", "loss"), ("time/step_s", "step_s")]
+
+
+class MetricsLogger:
+    def __init__(self, output_dir: str | Path, run_config: dict, *, use_wandb: bool, wandb_mode: str,
+                 project: str, run_name: str | None, resume_step: int = 0):
+        self.dir = Path(output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "metrics.jsonl"
+        self._truncate_after(resume_step)
+        self.console = Console(stderr=True)
+        self.wandb = None
+        if use_wandb and wandb_mode != "disabled":
+            import wandb
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self.wandb = wandb.init(project=project, name=run_name, dir=str(self.dir), mode=wandb_mode,
+                                    config=run_config, resume="allow", id=self._wandb_id())
+
+    def _wandb_id(self) -> str:
+        """One wandb run per output_dir, so a resumed run continues its curves."""
+        f = self.dir / "wandb_run_id"
+        if not f.exists():
+            import uuid
+            f.write_text(uuid.uuid4().hex[:12])
+        return f.read_text().strip()
+
+    def _truncate_after(self, step: int) -> None:
+        """On resume, drop lines of steps after the checkpoint: they will be run again."""
+        if not self.path.exists():
+            return
+        kept = [ln for ln in self.path.read_text().splitlines()
+                if ln.strip() and json.loads(ln).get("step", 0) <= step]
+        self.path.write_text("".join(ln + "\n" for ln in kept))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        shown = "  ".join(f"{label}={metrics[k]:.3g}" for k, label in CONSOLE_KEYS if k in metrics)
+        self.console.print(f"[bold]step {step}[/bold]  {shown}")
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
+
+
+def plot_metrics(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
+    """One PNG per curve the README promises: reward, response length, rollout seconds, reuse ratio."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for key, name in [("reward/mean", "reward"), ("response/mean_len", "response_length"),
+                      ("spec/rollout_s", "rollout_seconds"), ("spec/reuse_ratio", "reuse_ratio")]:
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        if not pts:
+            continue
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3)
+        ax.set_xlabel("step")
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out / f"{name}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written

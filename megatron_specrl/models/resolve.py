@@ -1,0 +1,65 @@
+"""Turn `model.path` into an HF checkpoint directory on disk.
+
+"tiny-llama" / "tiny-qwen2" build the embedded tiny model (and warm it up on the
+synthetic task, cached by config hash); anything else must be a local HF
+checkpoint directory: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from megatron_specrl.config import ConfigError, ModelConfig
+
+TINY = {"tiny-llama": "llama", "tiny-qwen2": "qwen2"}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MEGATRON_SPECRL_CACHE", Path.home() / ".cache" / "megatron_specrl"))
+
+
+def resolve_model(model_cfg: ModelConfig, seed: int = 0) -> Path:
+    if model_cfg.path in TINY:
+        from megatron_specrl.models.tiny import build_tiny_model
+        base = cache_root() / f"{model_cfg.path}-seed{seed}"
+        if not (base / "config.json").is_file():
+            build_tiny_model(base, arch=TINY[model_cfg.path], seed=seed)
+        if model_cfg.warmup_steps == 0:
+            return base
+        from megatron_specrl.warmup import warmup_sft
+        return Path(warmup_sft(base, cache_root() / "warmup", steps=model_cfg.warmup_steps,
+                               lr=model_cfg.warmup_lr, seed=seed))
+    path = Path(model_cfg.path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.path={model_cfg.path!r} is not a local HF checkpoint directory "
+                          f"(no config.json) and not one of {sorted(TINY)}")
+    return path
+
+
+def tokenizer_fingerprint(model_dir: Path) -> str:
+    """Identifies the tokenizer, so a resume with another tokenizer is refused."""
+    h = hashlib.sha256()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"):
+        f = Path(model_dir) / name
+        if f.is_file():
+            h.update(name.encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def read_hf_config(model_dir: Path) -> dict:
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def model_shape(model_cfg: ModelConfig) -> tuple[int, int, int]:
+    """(attention heads, kv heads, layers) known before any model is built, for config validation."""
+    if model_cfg.path in TINY:
+        from megatron_specrl.models.tiny import ARCHS, DEFAULT_NUM_LAYERS
+        spec = ARCHS[TINY[model_cfg.path]]
+        return spec["num_attention_heads"], spec["num_key_value_heads"], DEFAULT_NUM_LAYERS
+    hf = read_hf_config(resolve_model(model_cfg))
+    heads = hf["num_attention_heads"]
+    return heads, hf.get("num_key_value_heads") or heads, hf["num_hidden_layers"]

@@ -1,0 +1,186 @@
+"""Everything a run holds between steps, built once: model dir, data, Ray, learner, engines, store, logger.
+
+Also the parts of the loop that are not the step itself: resume, checkpoint,
+eval and the end-of-run export, so trainer.py stays one screen.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from megatron_specrl import checkpoint as ckpt
+from megatron_specrl.config import ConfigError, RunConfig, check_model_divisibility, to_yaml
+from megatron_specrl.engines.protocol import GenerateRequest, SamplingSettings
+from megatron_specrl.metrics import MetricsLogger, plot_metrics
+from megatron_specrl.models.resolve import read_hf_config, resolve_model, tokenizer_fingerprint
+from megatron_specrl.rollout.speculative import SpeculativeRollout, stable_seed
+from megatron_specrl.rollout.store import TrajectoryStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Run:
+    cfg: RunConfig
+    out: Path
+    model_dir: Path
+    tokenizer: object
+    pad_id: int
+    loader: object
+    train_records: dict
+    eval_records: list
+    reward_fn: object
+    learner: object
+    engine: object
+    store: TrajectoryStore
+    rollout: SpeculativeRollout
+    logger: MetricsLogger
+    critic: object | None = None
+    ref: object | None = None
+    step: int = 0
+    version: int = 0
+    progress: Progress = field(default_factory=lambda: Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=False))
+
+    def prompt_ids(self, record) -> list[int]:
+        from megatron_specrl.data.datasets import render_prompt
+        return render_prompt(record, self.tokenizer, self.cfg.data.apply_chat_template,
+                             max_prompt_len=self.cfg.data.max_prompt_len)
+
+    def finish(self) -> None:
+        """End of run: final checkpoint, HF export, plots."""
+        if self.cfg.trainer.checkpoint_every and not (self.out / "checkpoints" / ckpt.step_dir_name(self.step)).exists():
+            save_run_checkpoint(self)
+        if self.cfg.trainer.export_hf:
+            self.learner.export_hf(str(self.out / "hf_final"))
+        if self.cfg.logging.plots:
+            plot_metrics(self.out / "metrics.jsonl", self.out / "plots")
+
+    def shutdown(self) -> None:
+        for closer in (self.logger.close, self.engine.shutdown, self.learner.shutdown,
+                       *(x.shutdown for x in (self.critic, self.ref) if x is not None)):
+            try:
+                closer()
+            except Exception as e:  # keep shutting the rest down
+                log.warning("shutdown: %s", e)
+
+
+def _init_ray(cfg: RunConfig) -> None:
+    import ray
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    kwargs = dict(address=cfg.ray.address, include_dashboard=False, log_to_driver=True)
+    if cfg.ray.address is None:
+        kwargs["num_cpus"] = cfg.ray.num_cpus or max(os.cpu_count() or 2, 2)
+    ray.init(**kwargs)
+
+
+def build_run(cfg: RunConfig) -> Run:
+    from transformers import AutoTokenizer
+
+    from megatron_specrl.data.datasets import PromptLoader, load_records
+    from megatron_specrl.engines.factory import make_engine
+    from megatron_specrl.learner.group import LearnerGroup
+    from megatron_specrl.rewards import default_reward_for
+
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(to_yaml(cfg))
+    model_dir = resolve_model(cfg.model, seed=0)
+    hf = read_hf_config(model_dir)
+    check_model_divisibility(cfg, hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"],
+                             hf["num_hidden_layers"])
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    train_records = load_records(cfg.data, split="train", seed=cfg.trainer.seed)
+    eval_records = load_records(cfg.data, split="eval", seed=cfg.trainer.seed) if cfg.data.num_eval else []
+    loader = PromptLoader(train_records, batch_size=cfg.trainer.prompts_per_step, seed=cfg.trainer.seed,
+                          shuffle=cfg.data.shuffle)
+
+    resume_from = _find_resume(cfg, out)
+    state = ckpt.load_state(resume_from) if resume_from else None
+    if state and state.get("tokenizer") != tokenizer_fingerprint(model_dir):
+        raise ConfigError(f"tokenizer mismatch: checkpoint {resume_from} was trained with tokenizer "
+                          f"{state.get('tokenizer')}, model.path {model_dir} has {tokenizer_fingerprint(model_dir)}")
+
+    _init_ray(cfg)
+    learner = LearnerGroup(cfg.learner, seed=cfg.trainer.seed)
+    learner.load_hf(str(model_dir))
+    critic = ref = None
+    if cfg.algorithm.name == "ppo":
+        critic_cfg = cfg.learner.model_copy(update={"lr": cfg.algorithm.critic_lr})
+        critic = LearnerGroup(critic_cfg, seed=cfg.trainer.seed, role="critic")
+        critic.load_hf(str(model_dir))
+    if cfg.learner.loss.kl_coef > 0:
+        ref = LearnerGroup(cfg.learner, seed=cfg.trainer.seed, role="reference")
+        ref.load_hf(str(model_dir))
+    engine = make_engine(cfg.rollout, str(model_dir), log_dir=str(out / "engine_logs"), use_ray=True)
+
+    store = TrajectoryStore()
+    step = version = 0
+    if state is not None:
+        learner.load_checkpoint(str(resume_from / "learner"))
+        if critic is not None:
+            critic.load_checkpoint(str(resume_from / "critic"))
+        store = TrajectoryStore.load(resume_from)
+        loader.load_state_dict(state["loader"])
+        step, version = state["step"], state["weight_version"]
+        from megatron_specrl.resync.lifecycle import sync_weights
+        sync_weights(learner, engine, version, cfg.trainer.resync_bucket_mb << 20)
+        log.warning("resumed from %s at step %d (weight version %d, %d stored trajectories)",
+                    resume_from, step, version, len(store))
+
+    sampling = SamplingSettings(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
+    rollout = SpeculativeRollout(engine, store, mode=cfg.rollout.spec_mode, lenience=cfg.rollout.lenience,
+                                 sampling=sampling, max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.trainer.seed)
+    logger = MetricsLogger(out, cfg.model_dump(mode="json"), use_wandb=cfg.logging.wandb,
+                           wandb_mode=cfg.logging.wandb_mode, project=cfg.logging.project,
+                           run_name=cfg.logging.run_name, resume_step=step)
+    return Run(cfg=cfg, out=out, model_dir=model_dir, tokenizer=tokenizer, pad_id=pad_id, loader=loader,
+               train_records={r.id: r for r in train_records}, eval_records=eval_records,
+               reward_fn=default_reward_for(cfg.data), learner=learner, engine=engine, store=store,
+               rollout=rollout, logger=logger, critic=critic, ref=ref, step=step, version=version)
+
+
+def _find_resume(cfg: RunConfig, out: Path) -> Path | None:
+    resume = cfg.trainer.resume
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return ckpt.find_latest(out / "checkpoints")
+    path = Path(resume)
+    problem = ckpt.verify(path) if path.is_dir() else "not a directory"
+    if problem:
+        raise ConfigError(f"trainer.resume={resume!r}: {problem}")
+    return path
+
+
+def save_run_checkpoint(run: Run) -> Path:
+    tmp = ckpt.begin(run.out / "checkpoints", run.step)
+    run.learner.save_checkpoint(str(tmp / "learner"))
+    if run.critic is not None:
+        run.critic.save_checkpoint(str(tmp / "critic"))
+    run.store.save(tmp)
+    state = {"step": run.step, "weight_version": run.version, "loader": run.loader.state_dict(),
+             "tokenizer": tokenizer_fingerprint(run.model_dir), "model_dir": str(run.model_dir)}
+    return ckpt.commit(tmp, state, keep=run.cfg.trainer.keep_checkpoints)
+
+
+def evaluate(run: Run) -> dict[str, float]:
+    """Greedy accuracy on the held-out prompts (plain generation, no drafts)."""
+    if not run.eval_records:
+        return {}
+    reqs = [GenerateRequest(run.prompt_ids(r), run.cfg.rollout.max_new_tokens, seed=stable_seed("eval", r.id))
+            for r in run.eval_records]
+    results = run.engine.generate(reqs, SamplingSettings(temperature=0.0), run.version)
+    texts = run.tokenizer.batch_decode([r.token_ids for r in results], skip_special_tokens=True)
+    scores = [float(run.reward_fn(t, rec)) for t, rec in zip(texts, run.eval_records)]
+    return {"eval/reward_mean": sum(scores) / len(scores),
+            "eval/accuracy": sum(s > 0 for s in scores) / len(scores)}
+

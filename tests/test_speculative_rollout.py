@@ -1,0 +1,164 @@
+"""Verify -> accept -> extend on scripted engines: every branch of the orchestration."""
+
+import math
+
+import pytest
+import torch
+
+from megatron_specrl.engines.protocol import GenerateResult, SamplingSettings, ScoreResult, WeightVersionMismatch
+from megatron_specrl.rollout.batch import build_batch
+from megatron_specrl.rollout.speculative import SpeculativeRollout
+from megatron_specrl.rollout.store import Trajectory, TrajectoryStore
+
+EOS, PAD = 1, 0
+SURE, NEVER = 0.0, math.log(1e-12)   # log-probs that make acceptance certain / impossible
+
+
+class ScriptedEngine:
+    """Score returns the scripted log-probs; generate returns tokens 50, 51, ... then EOS."""
+
+    name = "scripted"
+
+    def __init__(self, new_logprobs, version=1, continuation=3):
+        self.new_logprobs, self._version, self.continuation = new_logprobs, version, continuation
+        self.score_requests, self.generate_requests = [], []
+
+    @property
+    def weight_version(self):
+        return self._version
+
+    def score(self, requests, sampling, weight_version):
+        if weight_version != self._version:
+            raise WeightVersionMismatch("stale")
+        self.score_requests += requests
+        return [ScoreResult(self.new_logprobs(r.continuation_ids), self._version) for r in requests]
+
+    def generate(self, requests, sampling, weight_version):
+        if weight_version != self._version:
+            raise WeightVersionMismatch("stale")
+        self.generate_requests += requests
+        out = []
+        for r in requests:
+            toks = [50 + i for i in range(self.continuation)] + [EOS]
+            finish = "stop"
+            if len(toks) > r.max_new_tokens:
+                toks, finish = toks[: r.max_new_tokens], "length"
+            out.append(GenerateResult(toks, [-0.5] * len(toks), finish, 0, self._version))
+        return out
+
+
+def _roll(engine, store, mode="exact", L=8, lenience=1.0):
+    return SpeculativeRollout(engine, store, mode=mode, lenience=lenience, sampling=SamplingSettings(),
+                              max_new_tokens=L, seed=0)
+
+
+def _store_with(draft, finish="stop", version=0, q=-0.1):
+    store = TrajectoryStore()
+    store.put("p0", 0, Trajectory(list(draft), [q] * len(draft), finish, version))
+    return store
+
+
+def test_empty_store_is_plain_generation():
+    engine = ScriptedEngine(lambda ids: [SURE] * len(ids))
+    samples, m = _roll(engine, TrajectoryStore()).run([("p0", [5, 6])], 2, 1, step=0)
+    assert engine.score_requests == [] and len(engine.generate_requests) == 2
+    assert all(r.prompt_ids == [5, 6] and r.max_new_tokens == 8 and r.ban_first_token is None
+               for r in engine.generate_requests)
+    assert samples[0].response_ids == [50, 51, 52, EOS] and samples[0].num_reused == 0
+    assert m["spec/reuse_ratio"] == 0.0
+
+
+def test_rejection_at_first_token_bans_it_in_exact_mode():
+    engine = ScriptedEngine(lambda ids: [NEVER] + [SURE] * (len(ids) - 1))
+    samples, m = _roll(engine, _store_with([9, 10, EOS])).run([("p0", [5])], 1, 1, step=0)
+    (req,) = engine.generate_requests
+    assert req.prompt_ids == [5] and req.max_new_tokens == 8 and req.ban_first_token == 9
+    assert samples[0].num_reused == 0 and m["spec/accepted_tokens"] == 0
+
+
+def test_rejection_in_the_middle_extends_from_there():
+    engine = ScriptedEngine(lambda ids: [SURE, SURE, SURE, NEVER, SURE, SURE][: len(ids)])
+    store = _store_with([9, 10, 11, 12, 13, EOS])
+    samples, m = _roll(engine, store).run([("p0", [5])], 1, 1, step=3)
+    (req,) = engine.generate_requests
+    assert req.prompt_ids == [5, 9, 10, 11] and req.max_new_tokens == 5 and req.ban_first_token == 12
+    s = samples[0]
+    assert s.response_ids == [9, 10, 11, 50, 51, 52, EOS] and s.num_reused == 3
+    assert s.logprobs == [SURE] * 3 + [-0.5] * 4        # current-policy log-probs for every token
+    assert store.get("p0", 0).token_ids == s.response_ids and store.get("p0", 0).weight_version == 1
+    assert m["spec/mean_accept_len"] == 3
+
+
+def test_lenient_resamples_from_the_full_distribution():
+    engine = ScriptedEngine(lambda ids: [SURE, NEVER, SURE][: len(ids)])
+    _roll(engine, _store_with([9, 10, EOS]), mode="lenient", lenience=math.exp(0.5)).run([("p0", [5])], 1, 1, 0)
+    assert engine.generate_requests[0].ban_first_token is None
+
+
+def test_full_acceptance_with_eos_generates_nothing():
+    engine = ScriptedEngine(lambda ids: [SURE] * len(ids))
+    samples, m = _roll(engine, _store_with([9, 10, EOS])).run([("p0", [5])], 1, 1, step=0)
+    assert engine.generate_requests == []
+    assert samples[0].response_ids == [9, 10, EOS] and samples[0].finish_reason == "stop"
+    assert m["spec/full_reuse_ratio"] == 1.0 and m["spec/reuse_ratio"] == 1.0
+
+
+def test_full_acceptance_without_eos_continues_the_draft():
+    engine = ScriptedEngine(lambda ids: [SURE] * len(ids))
+    samples, _ = _roll(engine, _store_with([9, 10, 11], finish="length"), L=8).run([("p0", [5])], 1, 1, 0)
+    (req,) = engine.generate_requests
+    assert req.prompt_ids == [5, 9, 10, 11] and req.max_new_tokens == 5 and req.ban_first_token is None
+    assert samples[0].response_ids == [9, 10, 11, 50, 51, 52, EOS]
+
+
+def test_old_response_longer_than_L_is_truncated_and_finishes_by_length():
+    engine = ScriptedEngine(lambda ids: [SURE] * len(ids))
+    samples, _ = _roll(engine, _store_with([9, 10, 11, 12, 13, 14, EOS]), L=4).run([("p0", [5])], 1, 1, 0)
+    assert len(engine.score_requests[0].continuation_ids) == 4
+    assert engine.generate_requests == []
+    assert samples[0].response_ids == [9, 10, 11, 12] and samples[0].finish_reason == "length"
+
+
+def test_entry_from_an_older_version_is_verified_under_current_weights():
+    engine = ScriptedEngine(lambda ids: [-0.2] * len(ids), version=7)
+    store = _store_with([9, 10, EOS], version=2, q=-0.2)
+    samples, _ = _roll(engine, store, mode="lenient").run([("p0", [5])], 1, 7, step=0)
+    assert engine.score_requests, "an old entry must still be verified, not trusted"
+    assert samples[0].weight_version == 7 and store.get("p0", 0).weight_version == 7
+    with pytest.raises(WeightVersionMismatch):
+        _roll(engine, store).run([("p0", [5])], 1, 6, step=1)
+
+
+def test_off_mode_ignores_the_store():
+    engine = ScriptedEngine(lambda ids: [SURE] * len(ids))
+    _roll(engine, _store_with([9, EOS]), mode="off").run([("p0", [5])], 1, 1, 0)
+    assert engine.score_requests == [] and len(engine.generate_requests) == 1
+
+
+@pytest.mark.parametrize("pad_id", [PAD, EOS])
+def test_batch_masks_eos_but_not_padding(pad_id):
+    engine = ScriptedEngine(lambda ids: [SURE] * len(ids), continuation=1)
+    store = _store_with([9, 10, 11, 12, EOS])
+    samples, _ = _roll(engine, store).run([("p0", [5, 6])], 1, 1, 0)
+    short = ScriptedEngine(lambda ids: [SURE] * len(ids), continuation=0)
+    samples += _roll(short, TrajectoryStore()).run([("p1", [7])], 1, 1, 0)[0]
+    batch = build_batch(samples, torch.tensor([1.0, -1.0]), pad_id=pad_id)
+    assert batch["input_ids"].shape == (2, 7)
+    assert batch["loss_mask"][0].tolist() == [0, 0, 1, 1, 1, 1, 1]       # response incl. EOS
+    assert batch["loss_mask"][1].tolist() == [0, 1, 0, 0, 0, 0, 0]       # just EOS, then padding
+    assert batch["input_ids"][1].tolist() == [7, EOS] + [pad_id] * 5
+    assert batch["advantages"][1].tolist() == [0, -1, 0, 0, 0, 0, 0]
+
+
+def test_store_round_trip_and_corruption(tmp_path):
+    store = TrajectoryStore()
+    store.put("a", 0, Trajectory([1, 2, 3], [-0.1, -0.2, -0.3], "stop", 3))
+    store.put("b", 1, Trajectory([], [], "length", 4))
+    store.save(tmp_path)
+    back = TrajectoryStore.load(tmp_path)
+    assert back.get("a", 0).token_ids == [1, 2, 3] and back.get("a", 0).weight_version == 3
+    assert back.get("a", 0).logprobs == pytest.approx([-0.1, -0.2, -0.3])
+    assert back.get("b", 1).token_ids == [] and len(back) == 2
+    (tmp_path / "trajectories.npz").write_bytes(b"garbage")
+    with pytest.raises(RuntimeError, match="corrupt"):
+        TrajectoryStore.load(tmp_path)

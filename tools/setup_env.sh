@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create or reuse the virtualenv .venv at the repository root and install the project (CPU build).
+# Idempotent: a stamp of setup.py's hash skips the install when nothing changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+stamp=.venv/.specrl-installed
+want=$(cat setup.py tools/setup_env.sh | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  # torch first and pinned: this machine's pip takes the local CPU wheel; a loose 'torch' pulls CUDA.
+  .venv/bin/python -m pip install -q torch==2.13.0
+  .venv/bin/python -m pip install -q -e ".[cpu,test]"
+  # PyPI's torchvision/torchaudio/torchcodec (pulled by vllm) are CUDA builds that break transformers on CPU.
+  .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  .venv/bin/python -c "import torch; assert not torch.version.cuda, 'a CUDA torch was installed: ' + torch.__version__"
+  echo "$want" > "$stamp"
+fi
