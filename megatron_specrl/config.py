@@ -154,6 +154,9 @@ class RunConfig(_Strict):
         if r.spec_mode == "exact" and (r.top_p != 1.0 or r.top_k != -1) and r.engine == "vllm":
             raise ValueError("rollout.spec_mode=exact with top_p/top_k needs the engine's processed "
                              "prompt log-probs, which vLLM does not return: use top_p=1, top_k=-1")
+        if r.spec_mode != "off" and r.engine == "vllm" and r.temperature != 1.0:
+            raise ValueError(f"rollout.temperature={r.temperature} with rollout.spec_mode={r.spec_mode}: vLLM "
+                             "verifies with untempered prompt log-probs, so speculative rollouts need temperature 1")
         batch = self.trainer.prompts_per_step * r.n_samples
         if batch % (le.dp * le.mini_batches) != 0:
             raise ValueError(f"trainer.prompts_per_step * rollout.n_samples = {batch} is not divisible by "

@@ -1,0 +1,53 @@
+"""Build the rollout engine(s) a RolloutConfig asks for.
+
+One engine -> that engine; num_engines > 1 -> an EngineRouter over them. With
+`use_ray` each engine is a Ray actor (needs `ray.init()` first), which is how
+failures become restartable; without it engines live in this process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_specrl.config import RolloutConfig
+from megatron_specrl.engines.protocol import RolloutEngine
+
+
+def engine_kwargs(cfg: RolloutConfig, model_path: str, log_dir: str | Path, index: int, seed: int,
+                  dtype: str) -> tuple[type, dict]:
+    """Engine class and constructor kwargs for engine `index`."""
+    common = dict(model_path=str(model_path), name=f"{cfg.engine}-{index}", seed=seed + index,
+                  max_model_len=cfg.max_model_len, tensor_parallel_size=cfg.engine_tp, dtype=dtype,
+                  gpu_memory_utilization=cfg.gpu_memory_utilization, log_dir=str(log_dir))
+    if cfg.engine == "vllm":
+        from megatron_specrl.engines.vllm_engine import VLLMEngine
+        # vLLM's raw log-probs are untempered: with temperature != 1 report the processed
+        # (tempered) ones instead; score() then refuses, as vLLM cannot temper prompt log-probs.
+        mode = "raw_logprobs" if cfg.temperature == 1.0 else "processed_logprobs"
+        return VLLMEngine, dict(common, kv_cache_gb=cfg.kv_cache_gb, logprobs_mode=mode)
+    from megatron_specrl.engines.sglang_engine import SGLangEngine
+    return SGLangEngine, common
+
+
+def make_engine(rollout_cfg: RolloutConfig, model_path: str, log_dir: str | Path, use_ray: bool,
+                seed: int = 0, dtype: str = "float32", num_cpus_per_engine: float = 1,
+                bucket_bytes: int = 512 << 20) -> RolloutEngine:
+    import torch
+
+    engines = []
+    for i in range(rollout_cfg.num_engines):
+        cls, kwargs = engine_kwargs(rollout_cfg, model_path, log_dir, i, seed, dtype)
+        if use_ray:
+            from megatron_specrl.engines.ray_engine import RayEngine
+            name = kwargs.pop("name")
+            kwargs.pop("log_dir")
+            gpus = rollout_cfg.engine_tp if torch.cuda.is_available() else 0
+            engines.append(RayEngine(cls, kwargs, name=name, log_dir=log_dir, num_cpus=num_cpus_per_engine,
+                                     num_gpus=gpus, timeout_s=rollout_cfg.engine_timeout_s,
+                                     bucket_bytes=bucket_bytes))
+        else:
+            engines.append(cls(**kwargs))
+    if len(engines) == 1:
+        return engines[0]
+    from megatron_specrl.engines.router import EngineRouter
+    return EngineRouter(engines)

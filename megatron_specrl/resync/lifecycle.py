@@ -1,0 +1,41 @@
+"""One weight resync: learner shards -> full HF tensors -> buckets -> engines -> new version.
+
+Order on every sync (nothing is served between load and reset):
+  1. the learner ranks gather their shards collectively; rank 0 packs buckets
+  2. each bucket goes to every engine as soon as it exists (peak extra memory ~ one
+     bucket on the learner, one in the object store, one in the engine)
+  3. finish_update(version): the engine bumps weight_version and resets its prefix
+     cache, then serves again. Requests sent under the old version are refused.
+Generation is paused by construction: the loop is synchronous, and an engine with
+a half-loaded update refuses requests until finish_update.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+def _engines_of(engine) -> list:
+    """The Ray engine handles behind a router (or the engine itself)."""
+    return list(getattr(engine, "engines", [engine]))
+
+
+def sync_weights(learner, engine, version: int, bucket_bytes: int, **debug) -> dict[str, float]:
+    import ray
+
+    t0 = time.perf_counter()
+    rank0_stream, other_streams = learner.bucket_streams(bucket_bytes, **debug)
+    targets = _engines_of(engine)
+    n_buckets = 0
+    for ref in rank0_stream:
+        n_buckets += 1
+        for e in targets:
+            e.update_weights_refs([ref], version)
+    for stream in other_streams:   # let the other ranks' generators run to completion
+        for _ in stream:
+            pass
+    t_load = time.perf_counter() - t0
+    for e in targets:
+        e.finish_update(version)
+    return {"resync/seconds": time.perf_counter() - t0, "resync/load_s": t_load,
+            "resync/buckets": float(n_buckets), "resync/version": float(version)}

@@ -1,0 +1,43 @@
+"""Atomic checkpoints: complete ones are found, half-written or damaged ones skipped."""
+
+import json
+
+from megatron_specrl import checkpoint as ckpt
+
+
+def _write(root, step, payload=b"weights"):
+    tmp = ckpt.begin(root, step)
+    (tmp / "learner").mkdir()
+    (tmp / "learner" / "shard.bin").write_bytes(payload)
+    return ckpt.commit(tmp, {"step": step, "weight_version": step}, keep=3)
+
+
+def test_latest_complete_checkpoint_wins(tmp_path):
+    _write(tmp_path, 10)
+    latest = _write(tmp_path, 20)
+    assert ckpt.find_latest(tmp_path) == latest
+    assert ckpt.load_state(latest)["step"] == 20
+
+
+def test_half_written_and_damaged_are_skipped(tmp_path, caplog):
+    good = _write(tmp_path, 10)
+    ckpt.begin(tmp_path, 30)                       # killed while writing: only a .tmp dir
+    bad = _write(tmp_path, 20)
+    (bad / "learner" / "shard.bin").write_bytes(b"flipped")
+    assert ckpt.find_latest(tmp_path) == good
+    assert "does not match its checksum" in caplog.text and "half-written" in caplog.text
+
+
+def test_missing_manifest_means_incomplete(tmp_path):
+    good = _write(tmp_path, 10)
+    (good / ckpt.MANIFEST).unlink()
+    assert ckpt.find_latest(tmp_path) is None
+    assert ckpt.verify(good) == "no manifest (half-written)"
+
+
+def test_keep_prunes_oldest(tmp_path):
+    for s in (1, 2, 3, 4, 5):
+        _write(tmp_path, s)
+    assert [p.name for p in sorted(tmp_path.glob("step_*"))] == ["step_00000003", "step_00000004", "step_00000005"]
+    manifest = json.loads((tmp_path / "step_00000005" / ckpt.MANIFEST).read_text())
+    assert "learner/shard.bin" in manifest["files"] and "trainer_state.json" in manifest["files"]
