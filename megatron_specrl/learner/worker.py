@@ -35,6 +35,11 @@ PER_TOKEN_KEYS = ("input_ids", "attention_mask", "loss_mask", "old_logprobs", "r
                   "ref_logprobs", "returns", "old_values")
 
 
+POLICY_METRICS = ("approx_kl", "entropy", "kl", "loss", "pg_clipfrac", "pg_clipfrac_dual", "pg_loss",
+                  "ratio_mean", "tis_mean")
+CRITIC_METRICS = ("loss", "value_mean", "vf_clipfrac", "vf_loss")
+
+
 def load_hf_state(hf_dir: str | Path) -> dict[str, Tensor]:
     """All tensors of the *.safetensors files in an HF directory."""
     from safetensors.torch import load_file
@@ -94,8 +99,8 @@ class LearnerWorker:
         self.hf_dir = None
 
     # ------------------------------------------------------------------ model
-    def load_hf(self, hf_dir: str | Path) -> None:
-        """Build this rank's model slice and load its shards from HF safetensors."""
+    def build(self, hf_dir: str | Path) -> None:
+        """Build this rank's model slice (random init) + optimizer from an HF config directory."""
         from transformers import AutoConfig
         from megatron_specrl.learner.model_provider import build_gpt_model
 
@@ -104,11 +109,16 @@ class LearnerWorker:
         self.hf_config = AutoConfig.from_pretrained(str(hf_dir))
         torch.manual_seed(self.seed)
         self.model = build_gpt_model(self.hf_config, s.tp, s.pp, role=self.role).to(self.device)
+        self._build_optimizer()
+
+    def load_hf(self, hf_dir: str | Path) -> None:
+        """Build this rank's model slice and load its shards from HF safetensors."""
+        s = self.settings
+        self.build(hf_dir)
         hf_state = load_hf_state(hf_dir)
         shards = hm.hf_to_megatron_shards(hf_state, self.hf_config, s.tp, s.pp, only=(self.tp_rank, self.pp_rank))
         self._load_local_shards(shards[(self.tp_rank, self.pp_rank)])
         del hf_state, shards
-        self._build_optimizer()
 
     def _load_local_shards(self, local: dict[str, Tensor]) -> None:
         params = dict(self.model.named_parameters())
@@ -321,12 +331,8 @@ class LearnerWorker:
         return norm
 
     def _reduce_metrics(self, store: list[dict], grad_norm: float) -> dict[str, float]:
-        keys = sorted({k for d in store for k in d})
-        if not keys and self.role == "policy":
-            keys = ["approx_kl", "entropy", "loss", "pg_clipfrac", "pg_clipfrac_dual", "pg_loss", "ratio_mean", "tis_mean"]
-        elif not keys:
-            keys = ["loss", "value_mean", "vf_clipfrac", "vf_loss"]
-        # Only the last stage has metrics; agree on the key set by the policy/critic defaults.
+        # Only the last stage holds metrics; every rank must all-reduce the same fixed key list.
+        keys = POLICY_METRICS if self.role == "policy" else CRITIC_METRICS
         vec = torch.zeros(len(keys), dtype=torch.float64)
         if self.last_stage and self.tp_rank == 0:
             for d in store:
@@ -410,10 +416,12 @@ class LearnerWorker:
             dist.barrier()
 
     # ------------------------------------------------------------------ checkpoints
-    def _sharded_state_dict(self) -> dict:
+    def _sharded_state_dict(self, optimizer: bool = True, rng: bool = True) -> dict:
         from megatron.core.dist_checkpointing.mapping import ShardedObject
         model_sd = self.model.sharded_state_dict(prefix="model.")
         sd: dict = {"model": model_sd}
+        if not optimizer:
+            return sd
         named = dict(self.model.named_parameters())
         opt_state: dict = {}
         for name, p in named.items():
@@ -423,8 +431,11 @@ class LearnerWorker:
             st = self.optimizer.state[p]
             for k in ("exp_avg", "exp_avg_sq"):
                 opt_state[f"{name}.{k}"] = dataclasses.replace(sh, key=f"optimizer.{k}.{sh.key}", data=st[k])
-            opt_state[f"{name}.step"] = float(st["step"])
+        steps = {float(st["step"]) for st in self.optimizer.state.values() if st}
+        opt_state["step"] = max(steps) if steps else 0.0   # one AdamW step count for all params
         sd["optimizer"] = opt_state
+        if not rng:
+            return sd
         pp, tp = self.settings.pp, self.settings.tp
         sd["rng"] = ShardedObject("rng_state", {"cpu": torch.get_rng_state(), "tracker": self._tracker_states()},
                                   (pp, tp), (self.pp_rank, self.tp_rank), replica_id=self.dp_rank)
@@ -452,30 +463,44 @@ class LearnerWorker:
         if self.world_size > 1:
             dist.barrier()
         self._ensure_optimizer_state()
-        dist_checkpointing.save(self._sharded_state_dict(), str(path), async_sharded_save=False)
+        with cuda_to_cpu():
+            dist_checkpointing.save(self._sharded_state_dict(), str(path), async_sharded_save=False)
         if self.rank == 0:
             (path / "specrl_learner.json").write_text(json.dumps(
                 {"tp": self.settings.tp, "pp": self.settings.pp, "dp": self.settings.dp, "role": self.role}))
         if self.world_size > 1:
             dist.barrier()
 
-    def load_checkpoint(self, path: str | Path) -> None:
-        """Load a dist checkpoint saved at any TP/PP split (dist_checkpointing reshards)."""
+    def load_checkpoint(self, path: str | Path, load_optimizer: bool = True) -> None:
+        """Load a dist checkpoint saved at any TP/PP split (dist_checkpointing reshards the model
+        and optimizer); per-rank RNG state is restored only when the layout is unchanged."""
         from megatron.core import dist_checkpointing
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
-        self._ensure_optimizer_state()
-        sd = self._sharded_state_dict()
-        loaded = dist_checkpointing.load(sd, str(path))
+        if self.model is None:
+            raise RuntimeError("call load_hf (or build the model) before load_checkpoint")
+        meta_file = Path(path) / "specrl_learner.json"
+        if not meta_file.is_file():
+            raise hm.CheckpointError(f"{path} is not a megatron-specrl learner checkpoint (no specrl_learner.json)")
+        meta = json.loads(meta_file.read_text())
+        same_layout = (meta["tp"], meta["pp"], meta["dp"]) == (self.settings.tp, self.settings.pp, self.settings.dp)
+        if load_optimizer:
+            self._ensure_optimizer_state()
+        sd = self._sharded_state_dict(optimizer=load_optimizer, rng=load_optimizer and same_layout)
+        with cuda_to_cpu():
+            loaded = dist_checkpointing.load(sd, str(path))
         model_sd = {k[len("model."):]: v for k, v in loaded["model"].items()}
         self.model.load_state_dict(model_sd, strict=False)
         named = dict(self.model.named_parameters())
-        for key, val in loaded["optimizer"].items():
+        opt = dict(loaded.get("optimizer", {}))
+        step = opt.pop("step", None)
+        for key, val in opt.items():
             name, k = key.rsplit(".", 1)
             st = self.optimizer.state[named[name]]
-            st[k] = torch.tensor(float(val)) if k == "step" else val
-        rng = loaded["rng"]
-        torch.set_rng_state(rng["cpu"])
-        get_cuda_rng_tracker().set_states(rng["tracker"])
+            st[k] = val
+            st["step"] = torch.tensor(float(step))
+        if "rng" in loaded:
+            torch.set_rng_state(loaded["rng"]["cpu"])
+            get_cuda_rng_tracker().set_states(loaded["rng"]["tracker"])
 
     def shutdown(self) -> None:
         destroy()

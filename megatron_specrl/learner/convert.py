@@ -1,0 +1,104 @@
+"""HF safetensors <-> Megatron dist checkpoint at any TP/PP split.
+
+Both directions run the real learner ranks (tp*pp gloo processes on CPU) so the
+checkpoint is exactly what training writes and reads:
+
+  hf-to-mcore: load HF weights into each rank's slice, save a dist checkpoint
+               (model + fresh optimizer state) and keep the HF config/tokenizer in <out>/hf/.
+  mcore-to-hf: build the model at --tp/--pp (default 1x1; dist checkpointing reshards),
+               load the checkpoint's model weights and export HF safetensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, direction: str, src: str, out: str, tp: int, pp: int) -> None:
+    from megatron_specrl.config import LearnerConfig
+    from megatron_specrl.learner.worker import LearnerWorker
+
+    w = LearnerWorker(rank, world, "127.0.0.1", port, LearnerConfig(tp=tp, pp=pp, dp=1))
+    try:
+        if direction == "hf-to-mcore":
+            w.load_hf(src)
+            w.save_checkpoint(out)
+        else:
+            w.build(Path(src) / "hf")
+            w.load_checkpoint(src, load_optimizer=False)
+            w.export_hf(out)
+    finally:
+        w.shutdown()
+
+
+def _copy_hf_metadata(hf_dir: Path, dst: Path) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in hf_dir.iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json", ".bin")):
+            shutil.copy2(f, dst / f.name)
+
+
+def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1) -> Path:
+    import torch.multiprocessing as mp
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    if not (hf_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{hf_dir} has no config.json")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mp.spawn(_rank_main, args=(tp * pp, _free_port(), "hf-to-mcore", str(hf_dir), str(out_dir), tp, pp),
+             nprocs=tp * pp, join=True)
+    _copy_hf_metadata(hf_dir, out_dir / "hf")
+    return out_dir
+
+
+def mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1) -> Path:
+    import torch.multiprocessing as mp
+    ckpt_dir = Path(ckpt_dir)
+    if not (ckpt_dir / "hf" / "config.json").is_file():
+        raise FileNotFoundError(f"{ckpt_dir} has no hf/config.json (was it written by `convert hf-to-mcore`?)")
+    mp.spawn(_rank_main, args=(tp * pp, _free_port(), "mcore-to-hf", str(ckpt_dir), str(out_dir), tp, pp),
+             nprocs=tp * pp, join=True)
+    return Path(out_dir)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-specrl convert", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="direction", required=True)
+    a = sub.add_parser("hf-to-mcore", help="HF safetensors dir -> Megatron dist checkpoint")
+    a.add_argument("--hf", required=True, help="HF model directory (config.json + *.safetensors)")
+    a.add_argument("--out", required=True, help="output dist checkpoint directory")
+    b = sub.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF safetensors dir")
+    b.add_argument("--ckpt", required=True, help="dist checkpoint directory written by hf-to-mcore or training")
+    b.add_argument("--out", required=True, help="output HF directory")
+    for s in (a, b):
+        s.add_argument("--tp", type=int, default=1)
+        s.add_argument("--pp", type=int, default=1)
+    return p
+
+
+def convert_main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.direction == "hf-to-mcore":
+            out = hf_to_mcore(args.hf, args.out, args.tp, args.pp)
+        else:
+            out = mcore_to_hf(args.ckpt, args.out, args.tp, args.pp)
+    except Exception as e:  # the spawned ranks' errors arrive here with their message
+        print(f"convert failed: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(convert_main(sys.argv[1:]))

@@ -1,0 +1,145 @@
+"""Weight-resync buckets and transports (CPU; GPU transports' plumbing tested on CPU)."""
+
+import pytest
+import torch
+
+from megatron_specrl.resync.buckets import Bucket, layer_group, plan_buckets
+from megatron_specrl.resync.transports import (
+    CudaIpcTransport, InProcessTransport, NcclBroadcastTransport, RayObjectStoreTransport, stage_groups,
+)
+
+
+def model_tensors():
+    g = torch.Generator().manual_seed(0)
+    out = [("model.embed_tokens.weight", torch.randn(64, 16, generator=g))]
+    for i in range(3):
+        p = f"model.layers.{i}."
+        out += [(p + "self_attn.q_proj.weight", torch.randn(16, 16, generator=g)),
+                (p + "self_attn.k_proj.weight", torch.randn(8, 16, generator=g).to(torch.bfloat16)),
+                (p + "mlp.gate_proj.weight", torch.randn(32, 16, generator=g)),
+                (p + "input_layernorm.weight", torch.ones(16))]
+    out += [("model.norm.weight", torch.ones(16)), ("lm_head.weight", torch.randn(64, 16, generator=g))]
+    return out
+
+
+def nbytes(t):
+    return t.numel() * t.element_size()
+
+
+def test_layer_group():
+    assert layer_group("model.layers.12.mlp.up_proj.weight") == "model.layers.12"
+    assert layer_group("lm_head.weight") == "lm_head.weight"
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 3000, 5000, 1 << 30])
+def test_plan_roundtrip_order_and_layers_whole(bucket_bytes):
+    ts = model_tensors()
+    buckets = list(plan_buckets(iter(ts), bucket_bytes))
+    flat = [(n, t) for b in buckets for n, t in b.unflatten()]
+    assert [n for n, _ in flat] == [n for n, _ in ts]
+    for (_, a), (_, b) in zip(ts, flat):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    seen = {}
+    for k, b in enumerate(buckets):
+        for n in b.names:                              # a layer never spans two buckets
+            assert seen.setdefault(layer_group(n), k) == k
+        if len({layer_group(n) for n in b.names}) > 1:
+            assert b.nbytes <= bucket_bytes            # only a single oversized group may exceed
+        assert set(b.buffers) <= {"float32", "bfloat16"} and all(v.dim() == 1 for v in b.buffers.values())
+    if bucket_bytes == 1 << 30:
+        assert len(buckets) == 1
+    if bucket_bytes == 1:
+        assert len(buckets) == len({layer_group(n) for n, _ in ts})
+
+
+def test_oversized_tensor_gets_own_bucket():
+    ts = [("a", torch.zeros(10)), ("big", torch.zeros(1000)), ("b", torch.zeros(10))]
+    bs = list(plan_buckets(iter(ts), 100))
+    assert [b.names for b in bs] == [["a"], ["big"], ["b"]]
+
+
+def test_plan_is_streaming():
+    """The planner pulls tensors lazily: the first bucket is out before the source is exhausted."""
+    pulled = []
+
+    def source():
+        for n, t in model_tensors():
+            pulled.append(n)
+            yield n, t
+
+    it = plan_buckets(source(), 3000)
+    first = next(it)
+    assert len(pulled) < len(model_tensors()) and first.names
+
+
+def test_bytes_roundtrip_and_transports():
+    ts = model_tensors()
+    (bucket,) = plan_buckets(iter(ts), 1 << 30)
+    again = Bucket.from_bytes(bucket.to_bytes())
+    assert again.metas == bucket.metas
+    for transport in (InProcessTransport(), CudaIpcTransport()):   # IPC handles work for CPU tensors too
+        got = transport.unpack(transport.pack(bucket))
+        assert [n for n, _ in got] == [n for n, _ in ts] and all(torch.equal(a, b) for (_, a), (_, b) in zip(ts, got))
+    ray_t = RayObjectStoreTransport()
+    got = ray_t.unpack(bucket.to_bytes())                           # what an actor receives for a ref
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(ts, got))
+
+
+def test_nccl_header_and_stage_groups():
+    (bucket,) = plan_buckets(iter(model_tensors()), 1 << 30)
+    head = NcclBroadcastTransport.header(bucket)
+    assert [k for k, _ in head["buffers"]] == ["bfloat16", "float32"]          # fixed order on all ranks
+    assert dict(head["buffers"]) == {k: v.numel() for k, v in bucket.buffers.items()}
+    # learner TP2 x PP2 (ranks 0-3, stage s = ranks 2s, 2s+1) + 2 engine workers
+    assert stage_groups(2, 2, lambda s: [2 * s, 2 * s + 1]) == [[0, 4, 5], [2, 4, 5]]
+
+
+def _broadcast_worker(rank, world, port, queue):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    t = NcclBroadcastTransport(group=None, src=0, device="cpu")
+    if rank == 0:
+        for b in plan_buckets(iter(model_tensors()), 3000):
+            t.pack(b)
+        t.pack(Bucket({}, []))                                            # end marker
+    else:
+        names = []
+        while True:
+            got = t.unpack()
+            if not got:
+                break
+            names += [n for n, _ in got]
+            ref = dict(model_tensors())
+            assert all(torch.equal(ref[n], v) for n, v in got)
+        queue.put(names)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_broadcast_transport_over_gloo():
+    """The NCCL transport's protocol, run over gloo on CPU (2 processes)."""
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_broadcast_worker, args=(r, 2, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    names = q.get(timeout=120)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert names == [n for n, _ in model_tensors()]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_ipc_transport_gpu():
+    (bucket,) = plan_buckets(iter([(n, t.cuda()) for n, t in model_tensors()]), 1 << 30)
+    t = CudaIpcTransport()
+    got = t.unpack(t.pack(bucket))
+    assert all(torch.equal(a.cuda(), b) for (_, a), (_, b) in zip(model_tensors(), got))
+    t.release()
