@@ -132,6 +132,7 @@ class LoggingConfig(_Strict):
 class RayConfig(_Strict):
     address: str | None = None       # None: local ray.init(); "auto": join a `ray start` cluster
     num_cpus: int | None = None
+    log_to_driver: bool = False      # engine/learner logs go to files under output_dir; errors still raise
 
 
 class RunConfig(_Strict):

@@ -18,7 +18,8 @@ class MetricsLogger:
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
-        self._truncate_after(resume_step)
+        truncate_jsonl(self.path, resume_step)
+        truncate_jsonl(self.dir / "data_order.jsonl", resume_step)
         self.console = Console(stderr=True)
         self.wandb = None
         if use_wandb and wandb_mode != "disabled":
@@ -35,14 +36,6 @@ class MetricsLogger:
             f.write_text(uuid.uuid4().hex[:12])
         return f.read_text().strip()
 
-    def _truncate_after(self, step: int) -> None:
-        """On resume, drop lines of steps after the checkpoint: they will be run again."""
-        if not self.path.exists():
-            return
-        kept = [ln for ln in self.path.read_text().splitlines()
-                if ln.strip() and json.loads(ln).get("step", 0) <= step]
-        self.path.write_text("".join(ln + "\n" for ln in kept))
-
     def log(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
         with open(self.path, "a") as f:
@@ -57,6 +50,22 @@ class MetricsLogger:
     def close(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def truncate_jsonl(path: Path, step: int) -> None:
+    """On resume, drop lines of steps after the checkpoint: they will be run again.
+    A torn last line (killed mid-write) is dropped too."""
+    if not path.exists():
+        return
+    kept = []
+    for ln in path.read_text().splitlines():
+        try:
+            row = json.loads(ln)
+        except json.JSONDecodeError:
+            continue
+        if row.get("step", 0) <= step:
+            kept.append(ln)
+    path.write_text("".join(ln + "\n" for ln in kept))
 
 
 def read_metrics(path: str | Path) -> list[dict]:

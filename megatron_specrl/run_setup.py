@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from megatron_specrl import checkpoint as ckpt
 from megatron_specrl.config import ConfigError, RunConfig, check_model_divisibility, to_yaml
+from megatron_specrl.faults import maybe_kill
 from megatron_specrl.engines.protocol import GenerateRequest, SamplingSettings
 from megatron_specrl.metrics import MetricsLogger, plot_metrics
 from megatron_specrl.models.resolve import read_hf_config, resolve_model, tokenizer_fingerprint
@@ -52,6 +53,13 @@ class Run:
         return render_prompt(record, self.tokenizer, self.cfg.data.apply_chat_template,
                              max_prompt_len=self.cfg.data.max_prompt_len)
 
+    def record_data_order(self, step: int, samples) -> None:
+        """Which prompts each step trained on: makes data order after a resume checkable."""
+        import json
+        ids = list(dict.fromkeys(s.prompt_id for s in samples))
+        with open(self.out / "data_order.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "prompt_ids": ids}) + "\n")
+
     def finish(self) -> None:
         """End of run: final checkpoint, HF export, plots."""
         if self.cfg.trainer.checkpoint_every and not (self.out / "checkpoints" / ckpt.step_dir_name(self.step)).exists():
@@ -75,7 +83,7 @@ def _init_ray(cfg: RunConfig) -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    kwargs = dict(address=cfg.ray.address, include_dashboard=False, log_to_driver=True)
+    kwargs = dict(address=cfg.ray.address, include_dashboard=False, log_to_driver=cfg.ray.log_to_driver)
     if cfg.ray.address is None:
         kwargs["num_cpus"] = cfg.ray.num_cpus or max(os.cpu_count() or 2, 2)
     ray.init(**kwargs)
@@ -87,7 +95,7 @@ def build_run(cfg: RunConfig) -> Run:
     from megatron_specrl.data.datasets import PromptLoader, load_records
     from megatron_specrl.engines.factory import make_engine
     from megatron_specrl.learner.group import LearnerGroup
-    from megatron_specrl.rewards import default_reward_for
+    from megatron_specrl.rewards import default_reward_for, get_reward
 
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -144,7 +152,7 @@ def build_run(cfg: RunConfig) -> Run:
                            run_name=cfg.logging.run_name, resume_step=step)
     return Run(cfg=cfg, out=out, model_dir=model_dir, tokenizer=tokenizer, pad_id=pad_id, loader=loader,
                train_records={r.id: r for r in train_records}, eval_records=eval_records,
-               reward_fn=default_reward_for(cfg.data), learner=learner, engine=engine, store=store,
+               reward_fn=get_reward(default_reward_for(cfg.data)), learner=learner, engine=engine, store=store,
                rollout=rollout, logger=logger, critic=critic, ref=ref, step=step, version=version)
 
 
@@ -162,6 +170,7 @@ def _find_resume(cfg: RunConfig, out: Path) -> Path | None:
 
 
 def save_run_checkpoint(run: Run) -> Path:
+    maybe_kill("checkpoint", run.step)
     tmp = ckpt.begin(run.out / "checkpoints", run.step)
     run.learner.save_checkpoint(str(tmp / "learner"))
     if run.critic is not None:
@@ -178,7 +187,7 @@ def evaluate(run: Run) -> dict[str, float]:
         return {}
     reqs = [GenerateRequest(run.prompt_ids(r), run.cfg.rollout.max_new_tokens, seed=stable_seed("eval", r.id))
             for r in run.eval_records]
-    results = run.engine.generate(reqs, SamplingSettings(temperature=0.0), run.version)
+    results = run.engine.generate(reqs, SamplingSettings(temperature=0.0, need_logprobs=False), run.version)
     texts = run.tokenizer.batch_decode([r.token_ids for r in results], skip_special_tokens=True)
     scores = [float(run.reward_fn(t, rec)) for t, rec in zip(texts, run.eval_records)]
     return {"eval/reward_mean": sum(scores) / len(scores),

@@ -14,6 +14,7 @@ from megatron_specrl.run_setup import Run, build_run, evaluate, save_run_checkpo
 from megatron_specrl.algorithms.rewards_step import score_samples, grpo_like_advantages
 from megatron_specrl.algorithms.ppo import ppo_advantages
 from megatron_specrl.config import RunConfig
+from megatron_specrl.faults import maybe_kill
 from megatron_specrl.rollout.batch import build_batch
 from megatron_specrl.rollout.dynamic import collect_rollouts
 from megatron_specrl.resync.lifecycle import sync_weights
@@ -22,7 +23,9 @@ from megatron_specrl.resync.lifecycle import sync_weights
 def train_step(run: Run, step: int) -> dict[str, float]:
     cfg, t0 = run.cfg, time.perf_counter()
     # 1-2. rollout (+ rewards and DAPO's dynamic sampling, which needs rewards to filter groups)
+    maybe_kill("rollout", step)
     samples, rewards, metrics = collect_rollouts(run, step)
+    run.record_data_order(step, samples)
     # 3. advantages
     if cfg.algorithm.name == "ppo":   # token-level advantages need the critic's values on the batch
         batch = build_batch(samples, torch.zeros(len(samples)), run.pad_id)
@@ -37,12 +40,14 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         batch["ref_logprobs"] = run.ref.compute_logprobs(batch)
     # 4. learn
     t_train = time.perf_counter()
+    maybe_kill("train", step)
     if run.critic is not None:
         metrics.update({f"critic/{k}": v for k, v in run.critic.train_step(batch).items()})
     metrics.update({f"train/{k}": v for k, v in run.learner.train_step(batch).items()})
     metrics["time/train_s"] = time.perf_counter() - t_train
     # 5. resync the engines to the new weights
     run.version += 1
+    maybe_kill("resync", step)
     metrics.update(sync_weights(run.learner, run.engine, run.version, cfg.trainer.resync_bucket_mb << 20))
     metrics["time/step_s"] = time.perf_counter() - t0
     metrics["weight_version"] = run.version

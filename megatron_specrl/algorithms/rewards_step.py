@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import torch
 
-from megatron_specrl.algorithms.advantages import grpo_advantages, overlong_penalty
+from megatron_specrl.algorithms.advantages import grpo_advantages
+from megatron_specrl.algorithms.dapo import overlong_penalty
 from megatron_specrl.config import RunConfig
 from megatron_specrl.rollout.speculative import RolloutSample
 
 
 def score_samples(samples: list[RolloutSample], records_by_id: dict, reward_fn, tokenizer,
-                  cfg: RunConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    """Task reward per sample (+ DAPO's soft overlong punishment); returns rewards and metrics."""
+                  cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """(shaped rewards, task rewards, metrics): task reward per sample, plus DAPO's soft overlong
+    punishment in the shaped one. Filters decide on task rewards, so shaping cannot flip them."""
     texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
     task = torch.tensor([float(reward_fn(t, records_by_id[s.prompt_id])) for t, s in zip(texts, samples)])
     rewards = task.clone()
@@ -32,7 +34,7 @@ def score_samples(samples: list[RolloutSample], records_by_id: dict, reward_fn, 
         "response/max_len": float(lengths.max()),
         "response/clip_ratio": sum(s.finish_reason == "length" for s in samples) / len(samples),
     }
-    return rewards, metrics
+    return rewards, task, metrics
 
 
 def group_ids_of(samples: list[RolloutSample]) -> list[str]:

@@ -35,6 +35,8 @@ class SamplingSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    # Eval needs no log-probs: then any temperature (0 = greedy) is fine on any engine.
+    need_logprobs: bool = True
 
 
 @dataclass

@@ -12,7 +12,7 @@ from collections import defaultdict
 
 import torch
 
-from megatron_specrl.algorithms.advantages import DynamicSamplingError, dapo_keep_mask
+from megatron_specrl.algorithms.dapo import dapo_keep_mask, dynamic_sample
 from megatron_specrl.algorithms.rewards_step import score_samples
 
 
@@ -20,8 +20,8 @@ def _rollout_round(run, step: int, round_idx: int):
     records = run.loader.next_batch()
     prompts = [(r.id, run.prompt_ids(r)) for r in records]
     samples, metrics = run.rollout.run(prompts, run.cfg.rollout.n_samples, run.version, step=f"{step}.{round_idx}")
-    rewards, reward_metrics = score_samples(samples, run.train_records, run.reward_fn, run.tokenizer, run.cfg)
-    return samples, rewards, {**metrics, **reward_metrics}
+    rewards, task, reward_metrics = score_samples(samples, run.train_records, run.reward_fn, run.tokenizer, run.cfg)
+    return samples, rewards, task, {**metrics, **reward_metrics}
 
 
 def _merge(rounds: list[dict]) -> dict[str, float]:
@@ -34,30 +34,28 @@ def _merge(rounds: list[dict]) -> dict[str, float]:
     return {k: (sum(v) if k.endswith(additive) else sum(v) / len(v)) for k, v in merged.items()}
 
 
+def _groups(samples, rewards, keep):
+    """Group samples by prompt (arrival order) -> ([(samples, rewards)], [keep flag per group])."""
+    by_id: dict[str, list[int]] = defaultdict(list)
+    for i, s in enumerate(samples):
+        by_id[s.prompt_id].append(i)
+    groups = [([samples[i] for i in idx], rewards[idx]) for idx in by_id.values()]
+    return groups, [bool(keep[idx[0]]) for idx in by_id.values()]
+
+
 def collect_rollouts(run, step: int):
+    """-> (samples, shaped rewards, metrics) for the step's training batch."""
     alg = run.cfg.algorithm
     if not alg.dynamic_sampling:
-        return _rollout_round(run, step, 0)
-    target = run.cfg.trainer.prompts_per_step
-    kept_samples, kept_rewards, round_metrics = [], [], []
-    for round_idx in range(alg.max_sampling_tries):
-        samples, rewards, metrics = _rollout_round(run, step, round_idx)
+        samples, rewards, _, metrics = _rollout_round(run, step, 0)
+        return samples, rewards, metrics
+    round_metrics = []
+
+    def generate(round_idx: int):
+        samples, rewards, task, metrics = _rollout_round(run, step, round_idx)
         round_metrics.append(metrics)
-        keep = dapo_keep_mask(rewards, [s.prompt_id for s in samples])
-        kept_samples += [s for s, k in zip(samples, keep.tolist()) if k]
-        kept_rewards.append(rewards[keep])
-        if len({s.prompt_id for s in kept_samples}) >= target:
-            break
-    groups = list(dict.fromkeys(s.prompt_id for s in kept_samples))
-    if len(groups) < target:
-        raise DynamicSamplingError(
-            f"dynamic sampling kept {len(groups)} of {target} prompt groups after "
-            f"algorithm.max_sampling_tries={alg.max_sampling_tries} rounds: every other group was all-correct "
-            f"or all-wrong. Raise max_sampling_tries, or use a harder/easier dataset.")
-    chosen = set(groups[:target])
-    rewards = torch.cat(kept_rewards)
-    idx = [i for i, s in enumerate(kept_samples) if s.prompt_id in chosen]
-    metrics = _merge(round_metrics)
-    metrics["dapo/sampling_rounds"] = len(round_metrics)
-    metrics["dapo/kept_group_ratio"] = len(groups) / (len(round_metrics) * target)
-    return [kept_samples[i] for i in idx], rewards[idx], metrics
+        return _groups(samples, rewards, dapo_keep_mask(task, [s.prompt_id for s in samples]))
+
+    groups, stats = dynamic_sample(generate, run.cfg.trainer.prompts_per_step, alg.max_sampling_tries)
+    metrics = {**_merge(round_metrics), **stats}
+    return [s for group, _ in groups for s in group], torch.cat([r for _, r in groups]), metrics

@@ -1,0 +1,395 @@
+"""Prompt data sets: loading (synthetic, .jsonl, .parquet), a resumable loader, prompt rendering.
+
+Every record gets a stable id, so rewards, logs, speculative caches and
+checkpoints refer to the same prompt however the data is shuffled or reloaded.
+Formats map common public layouts onto (prompt, answer):
+
+  gsm8k  question / answer, final answer after '#### '
+  math   MATH / DeepScaleR (problem + answer or a \\boxed{} solution) and verl's
+         DAPO-Math-17k parquet (prompt = chat messages, reward_model.ground_truth)
+  plain  prompt_key / answer_key as given
+  auto   detected from the first row
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from megatron_specrl.config import DataConfig
+from megatron_specrl.data import synthetic
+
+# Offset between the synthetic train and eval seeds (any large constant works; it is part of the ids).
+EVAL_SEED_OFFSET = 1_000_000
+
+
+class DatasetError(ValueError):
+    """A data file is missing, unreadable, or a row lacks a field; names file, row and field."""
+
+
+class PromptTooLongError(DatasetError):
+    """A rendered prompt is longer than data.max_prompt_len."""
+
+
+@dataclass
+class PromptRecord:
+    id: str
+    prompt: str                      # text of the (last) user turn
+    answer: str                      # ground truth, as a string
+    meta: dict = field(default_factory=dict)   # format, source, solution, messages (chat prompts), ...
+
+
+# --------------------------------------------------------------------------- reading rows
+
+def _read_rows(path: Path) -> Iterator[tuple[str, dict]]:
+    """Yield (location, row) with a human location ('line 7' / 'row 6') for error messages."""
+    if not path.is_file():
+        raise DatasetError(f"data file not found: {path}")
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        with open(path, encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DatasetError(f"{path}: line {lineno} is not valid JSON: {e}") from None
+                if not isinstance(row, dict):
+                    raise DatasetError(f"{path}: line {lineno} is a {type(row).__name__}, not a JSON object")
+                yield f"line {lineno}", row
+    elif suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            batches = pq.ParquetFile(path).iter_batches(batch_size=4096)
+        except Exception as e:  # pyarrow raises several types for corrupt files
+            raise DatasetError(f"cannot read parquet file {path}: {e}") from None
+        i = 0
+        for batch in batches:
+            for row in batch.to_pylist():
+                yield f"row {i}", row
+                i += 1
+    else:
+        raise DatasetError(f"unsupported data file {path}: expected .jsonl or .parquet "
+                           f"(or data.source=synthetic)")
+
+
+_MISSING = object()
+_NUMBER_RE = re.compile(r"-?[\d,]*\.?\d+")
+
+
+def _get(row: dict, key: str) -> Any:
+    """row[key], where a dotted key walks nested mappings (reward_model.ground_truth)."""
+    cur: Any = row
+    for part in key.split("."):
+        if not isinstance(cur, dict) or part not in cur or cur[part] is None:
+            return _MISSING
+        cur = cur[part]
+    return cur
+
+
+def _first(row: dict, keys: list[str]) -> tuple[str | None, Any]:
+    for k in keys:
+        v = _get(row, k)
+        if v is not _MISSING:
+            return k, v
+    return None, _MISSING
+
+
+# --------------------------------------------------------------------------- answer extraction
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} (or \\fbox{...}), braces balanced; None when absent."""
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    brace = text.find("{", start)
+    if brace < 0:
+        return None
+    depth = 0
+    for i in range(brace, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[brace + 1: i].strip()
+    return None
+
+
+def gsm8k_final_answer(solution: str) -> str | None:
+    """'... #### 1,234' -> '1234' (thousands separators removed); None without '####'."""
+    if "####" not in solution:
+        return None
+    return solution.rsplit("####", 1)[1].strip().replace(",", "").rstrip(".")
+
+
+# --------------------------------------------------------------------------- formats
+
+def _is_messages(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "content" in m for m in value)
+
+
+def detect_format(row: dict) -> str:
+    """Guess the layout from one row: gsm8k, math or plain."""
+    answer = row.get("answer")
+    if "question" in row and isinstance(answer, str) and "####" in answer:
+        return "gsm8k"
+    if "problem" in row or "reward_model" in row or _is_messages(row.get("prompt")):
+        return "math"
+    if isinstance(row.get("solution"), str) and "\\boxed" in row["solution"]:
+        return "math"
+    return "plain"
+
+
+def _candidates(data_cfg: DataConfig, fmt: str) -> tuple[list[str], list[str]]:
+    """Field names to try for (prompt, answer). Keys set explicitly in the config are used alone;
+    left at their defaults, the format's conventional names are tried after them."""
+    conventional = {
+        "gsm8k": (["question"], ["answer"]),
+        "math": (["problem", "prompt", "question"], ["answer", "reward_model.ground_truth", "solution"]),
+        "plain": ([], []),
+    }[fmt]
+    explicit = data_cfg.model_fields_set
+    prompt_keys = [data_cfg.prompt_key] + ([] if "prompt_key" in explicit else conventional[0])
+    answer_keys = [data_cfg.answer_key] + ([] if "answer_key" in explicit else conventional[1])
+    dedup = lambda ks: list(dict.fromkeys(ks))  # noqa: E731
+    return dedup(prompt_keys), dedup(answer_keys)
+
+
+def _missing(path: Path, where: str, what: str, keys: list[str], fmt: str, row: dict) -> DatasetError:
+    names = " or ".join(repr(k) for k in keys)
+    return DatasetError(f"{path}: {where}: missing {what} field {names} (format={fmt}); "
+                        f"fields present: {sorted(row)}. Set data.prompt_key / data.answer_key / data.format.")
+
+
+def _row_to_fields(row: dict, path: Path, where: str, fmt: str, data_cfg: DataConfig) -> tuple[str, str, dict]:
+    """(prompt text, answer, meta) for one row of a known format."""
+    prompt_keys, answer_keys = _candidates(data_cfg, fmt)
+    pkey, prompt = _first(row, prompt_keys)
+    if prompt is _MISSING:
+        raise _missing(path, where, "prompt", prompt_keys, fmt, row)
+    akey, answer = _first(row, answer_keys)
+    if answer is _MISSING:
+        raise _missing(path, where, "answer", answer_keys, fmt, row)
+
+    meta: dict = {"format": fmt, "source": str(path)}
+    if _is_messages(prompt):
+        meta["messages"] = [{"role": m.get("role", "user"), "content": m["content"]} for m in prompt]
+        users = [m["content"] for m in prompt if m.get("role", "user") == "user"]
+        prompt = users[-1] if users else prompt[-1]["content"]
+    elif not isinstance(prompt, str):
+        raise DatasetError(f"{path}: {where}: prompt field {pkey!r} is a {type(prompt).__name__}, "
+                           f"expected a string or a list of chat messages")
+
+    if fmt == "gsm8k" and isinstance(answer, str) and "####" in answer:
+        meta["solution"] = answer
+        answer = gsm8k_final_answer(answer)
+    elif fmt == "gsm8k" and isinstance(answer, str) and not _NUMBER_RE.fullmatch(answer.strip()):
+        raise DatasetError(f"{path}: {where}: gsm8k answer field 'answer' has no '#### <number>' final answer")
+    elif fmt == "math" and isinstance(answer, str) and "\\boxed" in answer:
+        meta["solution"] = answer
+        boxed = last_boxed(answer)
+        if boxed is None:
+            raise DatasetError(f"{path}: {where}: unbalanced \\boxed{{}} in answer field {akey!r}")
+        answer = boxed
+    elif fmt == "math" and akey == "solution":
+        raise DatasetError(f"{path}: {where}: math solution field 'solution' has no \\boxed{{}} answer "
+                           f"and no 'answer' field is present")
+    if isinstance(answer, (list, tuple)):  # some sets store ground truths as a one-element list
+        answer = answer[0] if len(answer) == 1 else json.dumps(answer)
+    return prompt, str(answer).strip(), meta
+
+
+# --------------------------------------------------------------------------- ids
+
+def stable_id(prompt: Any, answer: str) -> str:
+    """Content hash of (prompt, answer): the same row gets the same id in every run and order."""
+    blob = json.dumps([prompt, answer], sort_keys=True, ensure_ascii=False)
+    return "h-" + hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
+
+
+def _dedup_ids(records: list[PromptRecord]) -> list[PromptRecord]:
+    """Repeated ids get '#1', '#2', ... in file order, so they stay unique and deterministic."""
+    seen: dict[str, int] = {}
+    for r in records:
+        n = seen.get(r.id, 0)
+        seen[r.id] = n + 1
+        if n:
+            r.id = f"{r.id}#{n}"
+    return records
+
+
+def file_format(path: str | Path, data_cfg: DataConfig) -> str:
+    """The format load_file uses for this file: data.format, or the one detected from its first row."""
+    if data_cfg.format != "auto":
+        return data_cfg.format
+    for _, row in _read_rows(Path(path)):
+        return detect_format(row)
+    raise DatasetError(f"data file {path} has no rows")
+
+
+def load_file(path: str | Path, data_cfg: DataConfig) -> list[PromptRecord]:
+    """All records of a .jsonl / .parquet file, mapped through data_cfg.format and field keys."""
+    path = Path(path)
+    fmt = data_cfg.format
+    records = []
+    for where, row in _read_rows(path):
+        if fmt == "auto":
+            fmt = detect_format(row)
+        prompt, answer, meta = _row_to_fields(row, path, where, fmt, data_cfg)
+        rid = _get(row, data_cfg.id_key) if data_cfg.id_key else _MISSING
+        if rid is _MISSING or rid == "":
+            raw_prompt = meta.get("messages", prompt)
+            rid = stable_id(raw_prompt, answer)
+        records.append(PromptRecord(id=str(rid), prompt=prompt, answer=answer, meta=meta))
+    if not records:
+        raise DatasetError(f"data file {path} has no rows")
+    return _dedup_ids(records)
+
+
+# --------------------------------------------------------------------------- synthetic
+
+def _synthetic(n: int, seed: int) -> list[PromptRecord]:
+    return [PromptRecord(id=r["id"], prompt=r["prompt"], answer=r["answer"],
+                         meta={"format": "synthetic", "source": "synthetic", "solution": r["solution"]})
+            for r in synthetic.make_records(n, seed)]
+
+
+def _synthetic_eval(data_cfg: DataConfig, seed: int) -> list[PromptRecord]:
+    """Eval problems from another seed, minus any prompt that also occurs in the train set."""
+    train_prompts = {r.prompt for r in _synthetic(data_cfg.num_synthetic, seed)}
+    n, out = data_cfg.num_eval, []
+    pool = max(2 * n, 16)
+    while len(out) < n:
+        out = [r for r in _synthetic(pool, seed + EVAL_SEED_OFFSET) if r.prompt not in train_prompts][:n]
+        if pool > 64 * max(n, 1):
+            raise DatasetError(f"cannot draw {n} synthetic eval problems disjoint from the "
+                               f"{data_cfg.num_synthetic} train problems; lower data.num_eval")
+        pool *= 2
+    return out
+
+
+def load_records(data_cfg: DataConfig, split: str = "train", seed: int = 0) -> list[PromptRecord]:
+    """Records of `split`: 'train' reads data.source, 'eval' reads data.eval_source.
+
+    Synthetic data uses data.num_synthetic (train) and data.num_eval (eval,
+    another seed, disjoint prompts). For a file source without an eval_source
+    there is no eval set. Eval sets are capped at the first num_eval records;
+    num_eval=0 disables evaluation.
+    """
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    if split == "train":
+        if data_cfg.source == "synthetic":
+            return _synthetic(data_cfg.num_synthetic, seed)
+        return load_file(data_cfg.source, data_cfg)
+    if data_cfg.num_eval == 0:
+        return []
+    source = data_cfg.eval_source
+    if source is None:
+        source = "synthetic" if data_cfg.source == "synthetic" else None
+    if source is None:
+        return []
+    if source == "synthetic":
+        return _synthetic_eval(data_cfg, seed)
+    return load_file(source, data_cfg)[: data_cfg.num_eval]
+
+
+# --------------------------------------------------------------------------- loader
+
+class PromptLoader:
+    """Endless batches of records in a per-epoch shuffled order that a checkpoint can restore.
+
+    The order of epoch e depends only on (seed, e), so restoring (epoch, position)
+    replays exactly the batches an uninterrupted run would have seen.
+    """
+
+    def __init__(self, records: list[PromptRecord], batch_size: int, seed: int, shuffle: bool = True):
+        if not records:
+            raise ValueError("PromptLoader needs at least one record")
+        if batch_size < 1 or batch_size > len(records):
+            raise ValueError(f"batch_size={batch_size} must be between 1 and the number of records ({len(records)})")
+        self.records = list(records)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self._epoch = 0
+        self._position = 0
+        self._order = self._order_for(0)
+
+    def _order_for(self, epoch: int) -> list[int]:
+        order = list(range(len(self.records)))
+        if self.shuffle:
+            random.Random(f"{self.seed}:{epoch}").shuffle(order)  # str seeds hash deterministically
+        return order
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def position(self) -> int:
+        return self._position
+
+    def next_batch(self) -> list[PromptRecord]:
+        """The next batch_size records; a batch that runs off an epoch continues in the next one."""
+        batch = []
+        while len(batch) < self.batch_size:
+            if self._position == len(self._order):
+                self._epoch += 1
+                self._position = 0
+                self._order = self._order_for(self._epoch)
+            batch.append(self.records[self._order[self._position]])
+            self._position += 1
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"epoch": self._epoch, "position": self._position, "seed": self.seed,
+                "shuffle": self.shuffle, "num_records": len(self.records)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore (epoch, position); refuses a state saved over different data or another seed."""
+        for key, mine in (("num_records", len(self.records)), ("seed", self.seed), ("shuffle", self.shuffle)):
+            if key in state and state[key] != mine:
+                raise ValueError(f"loader state was saved with {key}={state[key]!r} but this loader has "
+                                 f"{key}={mine!r}; the data order cannot be restored")
+        if not 0 <= state["position"] <= len(self.records):
+            raise ValueError(f"loader state position {state['position']} out of range")
+        self._epoch = int(state["epoch"])
+        self._position = int(state["position"])
+        self._order = self._order_for(self._epoch)
+
+
+# --------------------------------------------------------------------------- rendering
+
+def render_prompt(record: PromptRecord, tokenizer, apply_chat_template: bool,
+                  max_prompt_len: int | None = None) -> list[int]:
+    """Token ids of the prompt the policy continues.
+
+    With apply_chat_template and a tokenizer that has a template, the chat
+    messages (or the prompt as one user turn) are rendered with the generation
+    prompt; the template supplies any BOS. Otherwise the raw text is encoded
+    with the tokenizer's own special tokens (none for the tiny tokenizer).
+    """
+    if apply_chat_template and getattr(tokenizer, "chat_template", None):
+        messages = record.meta.get("messages") or [{"role": "user", "content": record.prompt}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+    else:
+        ids = tokenizer(record.prompt, add_special_tokens=True).input_ids
+    ids = list(ids)
+    if max_prompt_len is not None and len(ids) > max_prompt_len:
+        raise PromptTooLongError(f"prompt of record {record.id!r} is {len(ids)} tokens, longer than "
+                                 f"data.max_prompt_len={max_prompt_len}; raise it or filter the data set")
+    return ids
+
+
+__all__ = ["PromptRecord", "DatasetError", "PromptTooLongError", "load_records", "load_file",
+           "detect_format", "file_format", "stable_id", "last_boxed", "gsm8k_final_answer", "PromptLoader", "render_prompt"]

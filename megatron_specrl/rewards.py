@@ -1,0 +1,178 @@
+"""Verifiable rewards: a name -> function registry.
+
+A reward function maps (response text, PromptRecord) to a float and must never
+raise on model output: a malformed response is simply worth 0.0. Model output is
+never passed to Python's eval; math answers are compared with math-verify.
+
+    @register_reward("my_task")
+    def my_task(response: str, record: PromptRecord) -> float: ...
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import re
+import threading
+from decimal import Decimal, InvalidOperation
+from typing import Callable
+
+from megatron_specrl.config import DataConfig
+from megatron_specrl.data import synthetic
+from megatron_specrl.data.datasets import PromptRecord, file_format
+
+RewardFn = Callable[[str, PromptRecord], float]
+
+_REGISTRY: dict[str, RewardFn] = {}
+log = logging.getLogger(__name__)
+
+
+class UnknownRewardError(KeyError):
+    """No reward registered under that name; the message lists the known names."""
+
+    def __str__(self) -> str:  # KeyError would print the message quoted
+        return str(self.args[0])
+
+
+def register_reward(name: str, *, overwrite: bool = False) -> Callable[[RewardFn], RewardFn]:
+    """Decorator registering `fn(response_text, record) -> float` under `name`."""
+    def deco(fn: RewardFn) -> RewardFn:
+        if name in _REGISTRY and not overwrite and _REGISTRY[name] is not fn:
+            raise ValueError(f"reward {name!r} is already registered; pass overwrite=True to replace it")
+        _REGISTRY[name] = fn
+        return fn
+    return deco
+
+
+def get_reward(name: str) -> RewardFn:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise UnknownRewardError(f"unknown reward {name!r}; registered rewards: {', '.join(sorted(_REGISTRY))}") from None
+
+
+def list_rewards() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+# --------------------------------------------------------------------------- arithmetic
+
+@register_reward("arithmetic")
+def arithmetic_reward(response: str, record: PromptRecord) -> float:
+    """1.0 when the final 'A:<n>' equals the answer exactly, else 0.0 (malformed included)."""
+    got = synthetic.extract_answer(response)
+    if got is None:
+        return 0.0
+    try:
+        return float(got == int(record.answer))
+    except ValueError:
+        return 0.0
+
+
+# --------------------------------------------------------------------------- gsm8k
+
+_NUM_RE = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+_HASH_RE = re.compile(r"####\s*(-?\$?\d[\d,]*(?:\.\d+)?|-?\.\d+)")
+
+
+def _to_decimal(text: str) -> Decimal | None:
+    try:
+        return Decimal(text.replace(",", "").replace("$", "").strip())
+    except (InvalidOperation, ValueError):
+        return None
+
+
+def _numbers_equal(pred: str | None, gold: str) -> float:
+    if pred is None:
+        return 0.0
+    a, b = _to_decimal(pred), _to_decimal(gold)
+    return float(a is not None and b is not None and a == b)
+
+
+@register_reward("gsm8k")
+def gsm8k_reward(response: str, record: PromptRecord) -> float:
+    """The number after the last '####', else the last number in the response, must equal the answer."""
+    hashes = _HASH_RE.findall(response)
+    if hashes:
+        return _numbers_equal(hashes[-1], record.answer)
+    nums = _NUM_RE.findall(response)
+    return _numbers_equal(nums[-1] if nums else None, record.answer)
+
+
+@register_reward("gsm8k_strict")
+def gsm8k_strict_reward(response: str, record: PromptRecord) -> float:
+    """Only a '#### <n>' final answer counts (verl's strict GSM8K scoring)."""
+    hashes = _HASH_RE.findall(response)
+    return _numbers_equal(hashes[-1] if hashes else None, record.answer)
+
+
+# --------------------------------------------------------------------------- math-verify
+
+MATH_VERIFY_TIMEOUT_S = 5
+
+
+def _gold_text(answer: str) -> str:
+    return answer if ("\\boxed" in answer or "$" in answer) else f"\\boxed{{{answer}}}"
+
+
+def _math_verify_score(response: str, answer: str, timeout_s: int | None) -> float:
+    """math-verify parse + verify; its own timeouts use SIGALRM, so only in a main thread."""
+    from math_verify import parse, verify
+
+    try:
+        gold = parse(_gold_text(answer), parsing_timeout=timeout_s)
+        pred = parse(response, parsing_timeout=timeout_s)
+        if not gold or not pred:
+            return 0.0
+        return float(verify(gold, pred, timeout_seconds=timeout_s))
+    except Exception:  # math-verify or sympy choking on odd output is a wrong answer, not a crash
+        return 0.0
+
+
+class _SubprocessScorer:
+    """Off the main thread SIGALRM is unavailable: score in a child process that can be killed."""
+
+    def __init__(self):
+        self._pool = None
+        self._lock = threading.Lock()
+
+    def __call__(self, response: str, answer: str, timeout_s: float) -> float:
+        with self._lock:
+            if self._pool is None:
+                self._pool = multiprocessing.get_context("spawn").Pool(1)
+            job = self._pool.apply_async(_math_verify_score, (response, answer, MATH_VERIFY_TIMEOUT_S))
+            try:
+                return job.get(timeout=timeout_s)
+            except multiprocessing.TimeoutError:
+                log.warning("math_verify timed out after %.0fs; scoring 0.0", timeout_s)
+                self._pool.terminate()
+                self._pool = None
+                return 0.0
+
+
+_subprocess_scorer = _SubprocessScorer()
+
+
+@register_reward("math_verify")
+def math_verify_reward(response: str, record: PromptRecord) -> float:
+    """1.0 when math-verify finds the response's final answer equivalent to record.answer."""
+    if threading.current_thread() is threading.main_thread():
+        return _math_verify_score(response, record.answer, MATH_VERIFY_TIMEOUT_S)
+    return _subprocess_scorer(response, record.answer, 3 * MATH_VERIFY_TIMEOUT_S)
+
+
+# --------------------------------------------------------------------------- defaults
+
+_FORMAT_REWARD = {"synthetic": "arithmetic", "gsm8k": "gsm8k", "math": "math_verify", "plain": "math_verify"}
+
+
+def default_reward_for(data_cfg: DataConfig) -> str:
+    """Name of the reward that fits the data: arithmetic, gsm8k or math_verify (math and plain)."""
+    if data_cfg.source == "synthetic":
+        return "arithmetic"
+    return _FORMAT_REWARD[file_format(data_cfg.source, data_cfg)]
+
+
+__all__ = ["RewardFn", "UnknownRewardError", "register_reward", "get_reward", "list_rewards",
+           "arithmetic_reward", "gsm8k_reward", "gsm8k_strict_reward", "math_verify_reward",
+           "default_reward_for"]

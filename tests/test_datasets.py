@@ -1,0 +1,176 @@
+"""Data loading: formats, field errors, stable ids, resumable loader order, prompt rendering."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from megatron_specrl.config import DataConfig
+from megatron_specrl.data.datasets import (
+    DatasetError, PromptLoader, PromptRecord, PromptTooLongError, file_format, last_boxed, load_records,
+    render_prompt,
+)
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def write_parquet(path, rows):
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+GSM8K_ROWS = [
+    {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"},
+    {"question": "A farm has 1,200 hens and buys 300 more.", "answer": "1200+300=1500\n#### 1,500"},
+]
+MATH_ROWS = [  # MATH / DeepScaleR style
+    {"problem": "What is $\\frac{1}{2}+\\frac{1}{4}$?", "solution": "We get $\\boxed{\\frac{3}{4}}$.",
+     "level": "Level 1"},
+    {"problem": "Compute $2^{10}$.", "answer": "1024", "solution": "It is \\boxed{1024}."},
+]
+DAPO_ROWS = [  # verl's DAPO-Math-17k parquet layout
+    {"data_source": "math_dapo",
+     "prompt": [{"role": "user", "content": "Solve: 2+2. Put your answer after 'Answer:'."}],
+     "ability": "MATH", "reward_model": {"ground_truth": "4", "style": "rule-lighteval/MATH_v2"},
+     "extra_info": {"index": "a1b2"}},
+    {"data_source": "math_dapo",
+     "prompt": [{"role": "user", "content": "Solve: 3*3."}],
+     "ability": "MATH", "reward_model": {"ground_truth": "9", "style": "rule-lighteval/MATH_v2"},
+     "extra_info": {"index": "c3d4"}},
+]
+
+
+@pytest.mark.parametrize("writer", [write_jsonl, write_parquet], ids=["jsonl", "parquet"])
+def test_gsm8k_both_file_types(tmp_path, writer):
+    path = writer(tmp_path / ("d.jsonl" if writer is write_jsonl else "d.parquet"), GSM8K_ROWS)
+    for fmt in ("gsm8k", "auto"):
+        recs = load_records(DataConfig(source=str(path), format=fmt))
+        assert [r.answer for r in recs] == ["7", "1500"]
+        assert recs[0].prompt.startswith("Tom has")
+        assert recs[0].meta["format"] == "gsm8k" and "#### 7" in recs[0].meta["solution"]
+    assert file_format(path, DataConfig(source=str(path))) == "gsm8k"
+
+
+def test_math_formats(tmp_path):
+    recs = load_records(DataConfig(source=str(write_jsonl(tmp_path / "m.jsonl", MATH_ROWS)), format="math"))
+    assert [r.answer for r in recs] == ["\\frac{3}{4}", "1024"]   # boxed solution, then explicit answer
+    auto = load_records(DataConfig(source=str(tmp_path / "m.jsonl")))
+    assert [r.answer for r in auto] == ["\\frac{3}{4}", "1024"] and auto[0].meta["format"] == "math"
+
+
+def test_dapo_math_parquet_chat_prompt(tmp_path):
+    path = write_parquet(tmp_path / "dapo.parquet", DAPO_ROWS)
+    cfg = DataConfig(source=str(path), id_key="extra_info.index")
+    recs = load_records(cfg)
+    assert [(r.id, r.answer) for r in recs] == [("a1b2", "4"), ("c3d4", "9")]
+    assert recs[0].prompt.startswith("Solve: 2+2")
+    assert recs[0].meta["messages"] == [{"role": "user", "content": DAPO_ROWS[0]["prompt"][0]["content"]}]
+    assert recs[0].meta["format"] == "math"
+
+
+def test_plain_format_with_custom_keys(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"q": "1+1?", "a": 2, "uid": "x"}, {"q": "2+2?", "a": 4, "uid": "y"}])
+    recs = load_records(DataConfig(source=str(path), format="plain", prompt_key="q", answer_key="a", id_key="uid"))
+    assert [(r.id, r.prompt, r.answer) for r in recs] == [("x", "1+1?", "2"), ("y", "2+2?", "4")]
+
+
+def test_missing_field_names_field_file_and_row(tmp_path):
+    rows = [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}, {"prompt": "c"}]
+    path = write_jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(DatasetError) as e:
+        load_records(DataConfig(source=str(path), format="plain"))
+    msg = str(e.value)
+    assert "'answer'" in msg and "bad.jsonl" in msg and "line 3" in msg
+
+    ppath = write_parquet(tmp_path / "bad.parquet", [{"question": "q", "other": "x"}])
+    with pytest.raises(DatasetError) as e:
+        load_records(DataConfig(source=str(ppath), format="plain", prompt_key="question", answer_key="final"))
+    assert "'final'" in str(e.value) and "bad.parquet" in str(e.value) and "row 0" in str(e.value)
+
+    with pytest.raises(DatasetError, match="question"):  # gsm8k row without the question field
+        load_records(DataConfig(source=str(write_jsonl(tmp_path / "g.jsonl", [{"answer": "#### 3"}])), format="gsm8k"))
+    with pytest.raises(DatasetError, match="not found"):
+        load_records(DataConfig(source=str(tmp_path / "nope.jsonl")))
+    with pytest.raises(DatasetError, match="jsonl or .parquet"):
+        load_records(DataConfig(source=str(write_jsonl(tmp_path / "x.csv", rows))))
+
+
+def test_stable_ids_across_shuffles_and_reloads(tmp_path):
+    rows = [{"prompt": f"p{i}", "answer": str(i)} for i in range(20)] + [{"prompt": "p3", "answer": "3"}]
+    path = write_jsonl(tmp_path / "noid.jsonl", rows)
+    a = load_records(DataConfig(source=str(path), format="plain"))
+    shuffled_rows = list(reversed(rows[:20])) + rows[20:]
+    b = load_records(DataConfig(source=str(write_jsonl(tmp_path / "noid2.jsonl", shuffled_rows)), format="plain"))
+    ids_a = {r.prompt + "/" + r.answer: r.id for r in a[:20]}
+    ids_b = {r.prompt + "/" + r.answer: r.id for r in b[:20]}
+    assert ids_a == ids_b                                  # id is a function of the content, not the position
+    assert len({r.id for r in a}) == 21                    # the duplicate got a deterministic suffix
+    assert a[20].id == a[3].id + "#1"
+    assert [r.id for r in load_records(DataConfig(source=str(path), format="plain"))] == [r.id for r in a]
+
+    loader = PromptLoader(a, batch_size=7, seed=3)
+    epoch0 = [r.id for _ in range(3) for r in loader.next_batch()]
+    assert sorted(epoch0) == sorted(r.id for r in a)       # one epoch = the same set, permuted
+    assert epoch0 != [r.id for r in a]
+
+
+def test_synthetic_train_and_eval():
+    cfg = DataConfig(num_synthetic=100, num_eval=20)
+    train, train2 = load_records(cfg, "train", seed=5), load_records(cfg, "train", seed=5)
+    ev = load_records(cfg, "eval", seed=5)
+    assert len(train) == 100 and len(ev) == 20
+    assert [r.id for r in train] == [r.id for r in train2]
+    assert not {r.prompt for r in ev} & {r.prompt for r in train}
+    assert not {r.id for r in ev} & {r.id for r in train}
+    assert int(train[0].answer) == sum(int(t) for t in train[0].prompt[2:-1].split("+"))
+    assert load_records(DataConfig(num_eval=0), "eval") == []
+
+
+def test_loader_state_round_trip_gives_identical_order():
+    recs = [PromptRecord(id=str(i), prompt=f"p{i}", answer="0", meta={}) for i in range(10)]
+    ref = PromptLoader(recs, batch_size=4, seed=11)
+    full = [[r.id for r in ref.next_batch()] for _ in range(8)]  # spans several epochs (wraps mid-batch)
+    assert ref.epoch == 3
+
+    run = PromptLoader(recs, batch_size=4, seed=11)
+    first = [[r.id for r in run.next_batch()] for _ in range(3)]
+    state = json.loads(json.dumps(run.state_dict()))          # survives a checkpoint file
+    resumed = PromptLoader(recs, batch_size=4, seed=11)
+    resumed.load_state_dict(state)
+    rest = [[r.id for r in resumed.next_batch()] for _ in range(5)]
+    assert first + rest == full
+
+    assert [r.id for r in PromptLoader(recs, 10, seed=0, shuffle=False).next_batch()] == [str(i) for i in range(10)]
+    with pytest.raises(ValueError, match="num_records"):
+        PromptLoader(recs[:5], batch_size=4, seed=11).load_state_dict(state)
+    with pytest.raises(ValueError, match="batch_size"):
+        PromptLoader(recs, batch_size=11, seed=0)
+
+
+def test_render_prompt(tiny_llama):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    rec = PromptRecord(id="a", prompt="Q:3+4+2=", answer="9", meta={})
+    ids = render_prompt(rec, tok, apply_chat_template=True, max_prompt_len=64)  # no template: raw text
+    assert ids == tok("Q:3+4+2=", add_special_tokens=False).input_ids
+    assert tok.bos_token_id not in ids and tok.decode(ids) == "Q:3+4+2="
+    with pytest.raises(PromptTooLongError, match="max_prompt_len=4"):
+        render_prompt(rec, tok, apply_chat_template=False, max_prompt_len=4)
+
+    tok.chat_template = ("{% for m in messages %}<|bos|>{{ m['role'] }}:{{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant:{% endif %}")
+    chat = PromptRecord(id="b", prompt="hi", answer="1",
+                        meta={"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]})
+    text = tok.decode(render_prompt(chat, tok, apply_chat_template=True))
+    assert text == "<|bos|>system:be brief\n<|bos|>user:hi\nassistant:"
+    assert tok.decode(render_prompt(chat, tok, apply_chat_template=False)) == "hi"
+
+
+def test_last_boxed():
+    assert last_boxed("a \\boxed{1} b \\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
+    assert last_boxed("no box") is None and last_boxed("\\boxed{unclosed") is None

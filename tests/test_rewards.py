@@ -1,0 +1,86 @@
+"""Rewards: right / wrong / malformed for each built-in, registry errors, user rewards."""
+
+import json
+import threading
+
+import pytest
+
+from megatron_specrl.config import DataConfig
+from megatron_specrl.data.datasets import PromptRecord
+from megatron_specrl.rewards import (
+    UnknownRewardError, default_reward_for, get_reward, list_rewards, register_reward,
+)
+
+
+def rec(answer: str) -> PromptRecord:
+    return PromptRecord(id="r", prompt="p", answer=answer, meta={})
+
+
+def test_arithmetic():
+    r = get_reward("arithmetic")
+    assert r("3+4=7;7+2=9;A:9", rec("9")) == 1.0
+    assert r("3+4=7;7+2=10;A:10", rec("9")) == 0.0
+    assert r("3+4=7;7+2=9;A:", rec("9")) == 0.0            # malformed: no final answer
+    assert r("A:9 trailing junk", rec("9")) == 0.0          # answer must end the response
+    assert r("", rec("9")) == 0.0
+
+
+def test_gsm8k():
+    r, strict = get_reward("gsm8k"), get_reward("gsm8k_strict")
+    assert r("3+4=7 so\n#### 7", rec("7")) == 1.0
+    assert r("It costs $1,500.", rec("1500")) == 1.0          # last number, separators and $ ignored
+    assert r("#### 7.0", rec("7")) == 1.0
+    assert r("#### 8 but maybe 7", rec("7")) == 0.0           # '####' wins over the last number
+    assert r("first 7 then 8", rec("7")) == 0.0
+    assert r("no number at all", rec("7")) == 0.0
+    assert strict("the answer is 7", rec("7")) == 0.0 and strict("#### 7", rec("7")) == 1.0
+
+
+def test_math_verify():
+    r = get_reward("math_verify")
+    assert r("so the answer is $\\boxed{\\frac{1}{2}}$", rec("\\frac{1}{2}")) == 1.0
+    assert r("The result is \\boxed{0.5}", rec("\\frac{1}{2}")) == 1.0   # equivalent forms
+    assert r("Answer: 34", rec("34")) == 1.0                              # DAPO-Math answer line
+    assert r("\\boxed{3}", rec("\\frac{1}{2}")) == 0.0
+    assert r("I have no idea", rec("34")) == 0.0
+    assert r("\\boxed{\\frac{1}{", rec("34")) == 0.0                      # malformed latex
+    assert r("__import__('os').system('echo pwned')", rec("0")) == 0.0    # never evaluated
+
+
+def test_math_verify_off_the_main_thread():
+    """SIGALRM timeouts only work in the main thread; elsewhere a killable child process scores."""
+    out = {}
+    t = threading.Thread(target=lambda: out.update(
+        ok=get_reward("math_verify")("\\boxed{42}", rec("42")),
+        bad=get_reward("math_verify")("\\boxed{41}", rec("42"))))
+    t.start()
+    t.join(timeout=120)
+    assert out == {"ok": 1.0, "bad": 0.0}
+
+
+def test_registry_errors_and_user_reward():
+    with pytest.raises(UnknownRewardError) as e:
+        get_reward("nope")
+    assert "nope" in str(e.value) and "arithmetic" in str(e.value) and "math_verify" in str(e.value)
+
+    @register_reward("test_length_bonus")
+    def length_bonus(response: str, record: PromptRecord) -> float:
+        return min(1.0, len(response) / 10)
+
+    assert get_reward("test_length_bonus") is length_bonus and "test_length_bonus" in list_rewards()
+    assert get_reward("test_length_bonus")("12345", rec("0")) == 0.5
+    with pytest.raises(ValueError, match="already registered"):
+        register_reward("test_length_bonus")(lambda text, record: 0.0)
+    register_reward("test_length_bonus", overwrite=True)(lambda text, record: 0.25)
+    assert get_reward("test_length_bonus")("x", rec("0")) == 0.25
+
+
+def test_default_reward_for(tmp_path):
+    assert default_reward_for(DataConfig()) == "arithmetic"
+    g = tmp_path / "g.jsonl"
+    g.write_text(json.dumps({"question": "q", "answer": "x\n#### 3"}) + "\n")
+    assert default_reward_for(DataConfig(source=str(g))) == "gsm8k"
+    m = tmp_path / "m.jsonl"
+    m.write_text(json.dumps({"problem": "q", "answer": "3"}) + "\n")
+    assert default_reward_for(DataConfig(source=str(m))) == "math_verify"
+    assert default_reward_for(DataConfig(source=str(g), format="math")) == "math_verify"

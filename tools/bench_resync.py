@@ -1,0 +1,188 @@
+"""Benchmark one weight resync (learner Ray actors -> buckets -> object store -> vLLM engine actor).
+
+Prints bytes moved, seconds, GB/s, the ratio to this machine's memcpy bandwidth
+(measured in the same run, same byte count) and the peak extra memory: the RSS rise
+over the pre-sync baseline of learner rank 0, the engine actor and this driver,
+sampled every few ms with psutil while the sync runs.
+
+The model is a randomly initialised Llama (default ~60M parameters, 240 MB fp32)
+built locally with transformers (no download) and cached next to the tiny models.
+
+    python tools/bench_resync.py --bucket-mb 64 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+
+def build_bench_model(hidden: int, layers: int, intermediate: int, vocab: int, seed: int = 0) -> Path:
+    """Random Llama checkpoint + the tiny tokenizer (the engine needs one; ids stay < its length)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from megatron_specrl.models.resolve import cache_root
+    from megatron_specrl.models.tiny import build_tokenizer
+
+    out = cache_root() / f"bench-llama-h{hidden}-l{layers}-f{intermediate}-v{vocab}-s{seed}"
+    if (out / "config.json").is_file() and list(out.glob("*.safetensors")):
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(out)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                      num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128 or 1,
+                      max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                      dtype="float32")
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
+    """Best-of-n torch copy of `nbytes` (read + write of the same bytes a resync moves once)."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)          # first touch of the destination pages
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    del src, dst
+    return nbytes / best / 1e9
+
+
+class RssPeak:
+    """Peak RSS rise of some processes over their baseline, sampled in a background thread."""
+
+    def __init__(self, pids: dict[str, int], interval_s: float = 0.005):
+        import psutil
+        self.procs = {k: psutil.Process(p) for k, p in pids.items()}
+        self.interval_s = interval_s
+        self.base = self.peak = {}
+        self._stop = threading.Event()
+
+    def _rss(self) -> dict[str, int]:
+        return {k: p.memory_info().rss for k, p in self.procs.items()}
+
+    def __enter__(self):
+        self.base = self._rss()
+        self.peak = dict(self.base)
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(self.interval_s):
+            for k, v in self._rss().items():
+                self.peak[k] = max(self.peak[k], v)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        for k, v in self._rss().items():
+            self.peak[k] = max(self.peak[k], v)
+
+    def extra_mb(self) -> dict[str, float]:
+        return {k: (self.peak[k] - self.base[k]) / 2**20 for k in self.procs}
+
+
+def _pid(actor_self) -> int:   # runs inside a learner actor via __ray_call__
+    return os.getpid()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--bucket-mb", type=int, default=64)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3, help="syncs timed (after none: the first one is reported too)")
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--intermediate", type=int, default=1536)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--verify", action="store_true", help="read the engine weights back and compare with the learner")
+    p.add_argument("--json", default=None, help="also write the results here")
+    args = p.parse_args(argv)
+
+    import ray
+    from rich.console import Console
+    from rich.table import Table
+
+    from megatron_specrl.config import LearnerConfig, RolloutConfig
+    from megatron_specrl.engines.factory import make_engine
+    from megatron_specrl.learner.group import LearnerGroup
+    from megatron_specrl.learner.hf_mapping import expected_hf_shapes
+    from megatron_specrl.resync.lifecycle import sync_weights
+
+    console = Console(width=120)
+    t_start = time.perf_counter()
+    model_dir = build_bench_model(args.hidden, args.layers, args.intermediate, args.vocab)
+    from transformers import AutoConfig
+    hf_cfg = AutoConfig.from_pretrained(str(model_dir))
+    nbytes = sum(4 * torch.Size(s).numel() for s in expected_hf_shapes(hf_cfg).values())
+    console.print(f"model {model_dir.name}: {nbytes / 4e6:.1f}M parameters, {nbytes / 2**20:.0f} MiB fp32; "
+                  f"learner TP={args.tp} x PP={args.pp}; bucket {args.bucket_mb} MiB")
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    learner = engine = None
+    try:
+        learner = LearnerGroup(LearnerConfig(tp=args.tp, pp=args.pp), seed=0)
+        learner.load_hf(str(model_dir))
+        engine = make_engine(RolloutConfig(kv_cache_gb=0.25), str(model_dir),
+                             log_dir=tempfile.mkdtemp(prefix="bench-resync-"), use_ray=True,
+                             bucket_bytes=args.bucket_mb << 20)
+        pids = {"learner rank 0": ray.get(learner.actors[0].__ray_call__.remote(_pid)),
+                "engine actor": engine.pid, "driver": os.getpid()}
+        t_setup = time.perf_counter() - t_start
+        mc = memcpy_gbps(nbytes)
+
+        runs = []
+        for version in range(1, args.repeats + 1):
+            with RssPeak(pids) as mem:
+                out = sync_weights(learner, engine, version, args.bucket_mb << 20)
+            runs.append({"seconds": out["resync/seconds"], "buckets": int(out["resync/buckets"]),
+                         "gbps": nbytes / out["resync/seconds"] / 1e9, "extra_mb": mem.extra_mb()})
+        mc = max(mc, memcpy_gbps(nbytes))   # measured again after the syncs: same run, warm machine
+
+        table = Table(title=f"resync of {nbytes / 2**20:.0f} MiB (memcpy {mc:.2f} GB/s on this machine, same run)")
+        for c in ("sync", "buckets", "seconds", "GB/s", "ratio to memcpy", *(f"peak extra MiB: {k}" for k in pids)):
+            table.add_column(c, justify="right")
+        for i, r in enumerate(runs, 1):
+            table.add_row(str(i), str(r["buckets"]), f"{r['seconds']:.2f}", f"{r['gbps']:.3f}",
+                          f"{r['gbps'] / mc:.3f}", *(f"{r['extra_mb'][k]:.0f}" for k in pids))
+        console.print(table)
+        med = statistics.median(r["seconds"] for r in runs)
+        console.print(f"median: {nbytes / 2**20:.0f} MiB in {med:.2f} s = {nbytes / med / 1e9:.3f} GB/s "
+                      f"= {nbytes / med / 1e9 / mc:.3f} x memcpy; setup {t_setup:.0f} s")
+
+        if args.verify:
+            from megatron_specrl.resync.check import learner_hf_state, read_engine_weights
+            from megatron_specrl.resync.readout import compare_weights
+            rows = compare_weights(read_engine_weights(engine)[engine.name], learner_hf_state(learner))
+            console.print(f"verify: {len(rows)} tensors, max |engine - learner| {max(r.max_abs for r in rows):.3g}")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"bytes": nbytes, "memcpy_gbps": mc, "runs": runs}, indent=1))
+        console.print(f"total wall time {time.perf_counter() - t_start:.0f} s")
+        return 0
+    finally:
+        for x in (engine, learner):
+            if x is not None:
+                x.shutdown()
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
