@@ -85,10 +85,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+PASSTHROUGH = ("convert", "check-resync", "bench-rollout", "launch")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv and argv[0] in PASSTHROUGH:   # these parse their own flags, --help included
+        args = parser.parse_args(argv[:1])
+        args.rest = argv[1:]
+    else:
+        args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        return int(args.func(args) or 0)
     except ConfigError as e:
         print(f"megatron-specrl: config error: {e}", file=sys.stderr)
         return 2

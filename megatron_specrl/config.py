@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from omegaconf import OmegaConf
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -64,6 +64,12 @@ class RolloutConfig(_Strict):
     gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
     colocate: bool = True
     engine_timeout_s: float = Field(600.0, gt=0)
+
+    @field_validator("spec_mode", mode="before")
+    @classmethod
+    def _yaml_off(cls, v):
+        """YAML 1.1 reads a bare `off` as False; the user meant the mode."""
+        return "off" if v is False else v
 
 
 class LossConfig(_Strict):

@@ -158,4 +158,36 @@ def read_warmup_info(path: Path) -> dict:
     return json.loads((Path(path) / _MARKER).read_text())
 
 
-__all__ = ["warmup_sft", "warmup_key", "task_params", "read_warmup_info"]
+@torch.no_grad()
+def synthetic_accuracy(model_dir: Path, n: int = 200, temperature: float = 0.0, seed: int = 777,
+                       max_new_tokens: int = 64, batch_size: int = 50) -> dict:
+    """Format rate and accuracy of an HF checkpoint on fresh synthetic problems (HF generate).
+
+    temperature=0 is greedy. A quick check that a warm-up left RL something to learn.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    problems = synthetic.make_problems(n, seed=seed)
+    torch.manual_seed(seed)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    well_formed = correct = 0
+    for i in range(0, n, batch_size):
+        chunk = problems[i: i + batch_size]
+        enc = [tok(p.prompt, add_special_tokens=False).input_ids for p in chunk]
+        width = max(map(len, enc))
+        ids = torch.tensor([[pad] * (width - len(e)) + e for e in enc])          # left padding
+        attn = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
+        sampling = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0) if temperature > 0 \
+            else dict(do_sample=False)
+        out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens,
+                             pad_token_id=pad, eos_token_id=tok.eos_token_id, **sampling)
+        for p, row in zip(chunk, out[:, width:]):
+            got = synthetic.extract_answer(tok.decode(row, skip_special_tokens=True))
+            well_formed += got is not None
+            correct += got == p.answer
+    return {"format_rate": well_formed / n, "accuracy": correct / n}
+
+
+__all__ = ["warmup_sft", "warmup_key", "task_params", "read_warmup_info", "synthetic_accuracy"]

@@ -44,6 +44,13 @@ def test_bad_values_name_the_key(override, needle):
     assert needle in str(err.value)
 
 
+def test_spec_mode_off_survives_yaml(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("rollout:\n  spec_mode: off\n")
+    assert load_config(recipe).rollout.spec_mode == "off"
+    assert load_config(None, ["rollout.spec_mode=off"]).rollout.spec_mode == "off"
+
+
 def test_malformed_recipe_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [unclosed\n")

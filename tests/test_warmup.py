@@ -64,3 +64,13 @@ def test_a_half_written_dir_is_not_trusted(tiny_llama, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         warmup_sft(tiny_llama, tmp_path, steps=3, lr=3e-3, seed=0, batch_size=4)
     assert sorted(p.name for p in tmp_path.iterdir()) == [final.name]    # the failed attempt left nothing
+
+
+def test_synthetic_accuracy_reports_rates(warmed):
+    from megatron_specrl.warmup import synthetic_accuracy
+
+    _, out = warmed
+    for temperature in (0.0, 1.0):
+        stats = synthetic_accuracy(out, n=8, temperature=temperature, max_new_tokens=24, batch_size=4)
+        assert set(stats) == {"format_rate", "accuracy"}
+        assert 0.0 <= stats["accuracy"] <= stats["format_rate"] <= 1.0

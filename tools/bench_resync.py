@@ -98,6 +98,29 @@ class RssPeak:
         return {k: (self.peak[k] - self.base[k]) / 2**20 for k in self.procs}
 
 
+def breakdown(learner, engine, version: int, bucket_bytes: int, pids) -> dict:
+    """The same sync in two separated halves: the learner's gather + pack + object-store put
+    (all buckets materialised), then the engine's read + unpack + in-place reload + cache reset."""
+    import ray
+    with RssPeak(pids) as m1:
+        t = time.perf_counter()
+        rank0, others = learner.bucket_streams(bucket_bytes)
+        refs = list(rank0)
+        for s in others:
+            for _ in s:
+                pass
+        ray.wait(refs, num_returns=len(refs))
+        t_learner = time.perf_counter() - t
+    with RssPeak(pids) as m2:
+        t = time.perf_counter()
+        engine.update_weights_refs(refs, version)
+        engine.finish_update(version)
+        t_engine = time.perf_counter() - t
+    del refs
+    return {"learner gather+pack+put": (t_learner, m1.extra_mb()),
+            "engine get+unpack+reload": (t_engine, m2.extra_mb())}
+
+
 def _pid(actor_self) -> int:   # runs inside a learner actor via __ray_call__
     return os.getpid()
 
@@ -155,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                 out = sync_weights(learner, engine, version, args.bucket_mb << 20)
             runs.append({"seconds": out["resync/seconds"], "buckets": int(out["resync/buckets"]),
                          "gbps": nbytes / out["resync/seconds"] / 1e9, "extra_mb": mem.extra_mb()})
+        split = breakdown(learner, engine, args.repeats + 1, args.bucket_mb << 20, pids)
         mc = max(mc, memcpy_gbps(nbytes))   # measured again after the syncs: same run, warm machine
 
         table = Table(title=f"resync of {nbytes / 2**20:.0f} MiB (memcpy {mc:.2f} GB/s on this machine, same run)")
@@ -165,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
                           f"{r['gbps'] / mc:.3f}", *(f"{r['extra_mb'][k]:.0f}" for k in pids))
         console.print(table)
         med = statistics.median(r["seconds"] for r in runs)
+        for what, (sec, extra) in split.items():
+            console.print(f"  {what}: {sec:.2f} s ({nbytes / sec / 1e9:.3f} GB/s), peak extra MiB "
+                          + ", ".join(f"{k} {v:.0f}" for k, v in extra.items()))
         console.print(f"median: {nbytes / 2**20:.0f} MiB in {med:.2f} s = {nbytes / med / 1e9:.3f} GB/s "
                       f"= {nbytes / med / 1e9 / mc:.3f} x memcpy; setup {t_setup:.0f} s")
 

@@ -80,8 +80,9 @@ class LearnerGroup:
     def bucket_streams(self, bucket_bytes: int, **kwargs):
         """Start the collective weight gather on all ranks; returns rank 0's stream of bucket refs
         and the other ranks' streams (which must be drained so their generators finish)."""
-        streams = [a.hf_bucket_stream.options(num_returns="streaming").remote(bucket_bytes, **kwargs)
-                   for a in self.actors]
+        # Backpressure: rank 0 packs at most two buckets ahead of the engines.
+        streams = [a.hf_bucket_stream.options(num_returns="streaming", _generator_backpressure_num_objects=2)
+                   .remote(bucket_bytes, **kwargs) for a in self.actors]
         return streams[0], streams[1:]
 
     def shutdown(self) -> None:

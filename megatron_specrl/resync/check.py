@@ -30,7 +30,7 @@ from megatron_specrl.resync.lifecycle import _engines_of, sync_weights
 from megatron_specrl.resync.readout import WeightRow, compare_weights
 
 __all__ = ["Probe", "CheckReport", "compare_weights", "make_probe_prompts", "probe_logprobs", "resync",
-           "read_engine_weights", "learner_hf_state", "run_check", "logprob_check", "check_resync_main"]
+           "read_engine_weights", "learner_hf_state", "run_check", "check_resync", "logprob_check", "check_resync_main"]
 
 T1 = SamplingSettings(temperature=1.0)
 
@@ -333,9 +333,9 @@ def check_resync_main(argv: list[str] | None = None, learner=None, engine=None) 
     model_dir = _model_dir(args.model)
     prompts, pad_id = _prompt_ids_for(model_dir, args.num_prompts, args.seed)
     bucket_bytes = args.bucket_mb << 20
-    started_ray = owned = False
+    started_ray = False
+    built = []                      # what this call started, and so shuts down
     if learner is None or engine is None:
-        owned = True
         if not ray.is_initialized():
             os.environ.setdefault("RAY_DEDUP_LOGS", "0")
             ray.init(num_cpus=max(os.cpu_count() or 2, 2), include_dashboard=False, log_to_driver=False)
@@ -346,6 +346,7 @@ def check_resync_main(argv: list[str] | None = None, learner=None, engine=None) 
             from megatron_specrl.learner.group import LearnerGroup
             console.print(f"learner: TP={args.tp} x PP={args.pp} ({args.tp * args.pp} Ray actors), {model_dir}")
             learner = LearnerGroup(LearnerConfig(tp=args.tp, pp=args.pp, lr=args.lr), seed=args.seed)
+            built.append(learner)
             learner.load_hf(str(model_dir))
         if engine is None:
             from megatron_specrl.config import RolloutConfig
@@ -353,6 +354,7 @@ def check_resync_main(argv: list[str] | None = None, learner=None, engine=None) 
             log_dir = args.log_dir or tempfile.mkdtemp(prefix="check-resync-")
             engine = make_engine(RolloutConfig(kv_cache_gb=0.25), str(model_dir), log_dir=log_dir, use_ray=True,
                                  seed=args.seed, bucket_bytes=bucket_bytes)
+            built.append(engine)
         report = check_resync(learner, engine, prompts, pad_id=pad_id, train_step=args.train_step,
                               swap_kv=args.swap_kv, swap_gate_up=args.swap_gate_up,
                               skip_cache_reset=args.skip_cache_reset, compare_tensors=not args.no_weights,
@@ -361,13 +363,11 @@ def check_resync_main(argv: list[str] | None = None, learner=None, engine=None) 
         print_report(report, console, args.show_tensors, args.show_tokens)
         return 0 if report.passed else 1
     finally:
-        if owned:
-            for x in (engine, learner):
-                if x is not None:
-                    try:
-                        x.shutdown()
-                    except Exception:  # keep shutting down
-                        pass
+        for x in reversed(built):
+            try:
+                x.shutdown()
+            except Exception:  # keep shutting the rest down
+                pass
         if started_ray:
             ray.shutdown()
 
