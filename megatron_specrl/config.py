@@ -40,7 +40,7 @@ class DataConfig(_Strict):
     answer_key: str = "answer"
     id_key: str | None = "id"
     eval_source: str | None = None
-    num_synthetic: int = Field(512, gt=0)
+    num_synthetic: int = Field(128, gt=0)
     num_eval: int = Field(64, ge=0)
     shuffle: bool = True
     apply_chat_template: bool = False
@@ -89,7 +89,7 @@ class LearnerConfig(_Strict):
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
     dp: int = Field(1, ge=1)
-    micro_batch_size: int = Field(8, ge=1)
+    micro_batch_size: int = Field(32, ge=1)
     max_tokens_per_microbatch: int | None = Field(None, gt=0)   # dynamic batching by tokens
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -115,11 +115,11 @@ class AlgorithmConfig(_Strict):
 
 
 class TrainerConfig(_Strict):
-    total_steps: int = Field(30, ge=1)
+    total_steps: int = Field(100, ge=1)
     prompts_per_step: int = Field(16, ge=1)
     seed: int = 1
-    eval_every: int = Field(10, ge=0)
-    checkpoint_every: int = Field(10, ge=0)
+    eval_every: int = Field(20, ge=0)
+    checkpoint_every: int = Field(20, ge=0)
     keep_checkpoints: int = Field(2, ge=1)
     resume: Literal["auto", "never"] | str = "auto"
     check_resync_every: int = Field(0, ge=0)

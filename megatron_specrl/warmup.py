@@ -8,6 +8,11 @@ leaving a partial accuracy for RL to improve.
 The result is a plain HF checkpoint directory keyed by a hash of everything
 that determines it (base weights, steps, lr, seed, batch size, task knobs), so
 repeated runs and tests reuse it instead of training again.
+
+Measured on tiny-llama (batch 32, lr 3e-3, cosine): 400 steps take ~12 s of
+training on 2 idle CPU cores and leave ~100% well-formed answers with ~40-46%
+greedy / ~27-35% temperature-1 accuracy; 500 steps give ~40-55% at
+temperature 1, 800 steps ~90%. tiny-qwen2 (tied embeddings) learns slower.
 """
 
 from __future__ import annotations
