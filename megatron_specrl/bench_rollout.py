@@ -118,11 +118,11 @@ def bench_rollout_main(argv: list[str]) -> int:
         train(cfg)
         results[mode] = per_epoch(read_metrics(root / mode / "metrics.jsonl"), steps_per_epoch)
 
-    console = Console()
+    console = Console(width=200)
     table = Table(title=f"rollout per epoch ({args.prompts} prompts, {steps_per_epoch} steps/epoch)")
-    for col in ["epoch", *[f"{m} s" for m in modes], *[f"{m} gen tok" for m in modes],
-                *[f"{m} reuse" for m in modes if m != "off"], *[f"{m} reward" for m in modes],
-                *[f"off/{m}" for m in modes if m != "off" and "off" in modes]]:
+    for col in ["epoch", *[f"{m[:3]} s" for m in modes], *[f"{m[:3]} gen" for m in modes],
+                *[f"{m[:3]} reuse" for m in modes if m != "off"], *[f"{m[:3]} reward" for m in modes],
+                *[f"off/{m[:3]}" for m in modes if m != "off" and "off" in modes]]:
         table.add_column(col, justify="right")
     for i in range(args.epochs):
         row = [str(i + 1)]

@@ -141,7 +141,7 @@ class VLLMEngine:
             # ("CPU Generator does not use offset": the runner rewinds the generator of a
             # discarded partial-prefill sample). Without chunking no sample is discarded.
             kwargs["enable_chunked_prefill"] = False
-            kwargs["max_num_batched_tokens"] = max(max_model_len, 2048)
+            kwargs["max_num_batched_tokens"] = max(max_model_len, 8192)
         kwargs.update(llm_kwargs)
         self._log.info("starting vLLM engine %s with %s", name, kwargs)
         try:
