@@ -27,7 +27,7 @@ class ModelConfig(_Strict):
     # HF checkpoint directory, or "tiny-llama" / "tiny-qwen2" to build the embedded tiny model.
     path: str = "tiny-llama"
     # Short SFT warm-up on the synthetic task before RL (tiny models only); 0 disables it.
-    warmup_steps: int = Field(300, ge=0)
+    warmup_steps: int = Field(400, ge=0)
     warmup_lr: float = Field(3e-3, gt=0)
     dtype: Literal["float32", "bfloat16"] = "float32"
 
