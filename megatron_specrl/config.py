@@ -40,8 +40,8 @@ class DataConfig(_Strict):
     answer_key: str = "answer"
     id_key: str | None = "id"
     eval_source: str | None = None
-    num_synthetic: int = Field(128, gt=0)
-    num_eval: int = Field(64, ge=0)
+    num_synthetic: int = Field(512, gt=0)
+    num_eval: int = Field(256, ge=0)
     shuffle: bool = True
     apply_chat_template: bool = False
     max_prompt_len: int = Field(64, gt=0)
@@ -115,11 +115,11 @@ class AlgorithmConfig(_Strict):
 
 
 class TrainerConfig(_Strict):
-    total_steps: int = Field(100, ge=1)
+    total_steps: int = Field(128, ge=1)
     prompts_per_step: int = Field(16, ge=1)
     seed: int = 1
-    eval_every: int = Field(20, ge=0)
-    checkpoint_every: int = Field(20, ge=0)
+    eval_every: int = Field(16, ge=0)
+    checkpoint_every: int = Field(32, ge=0)
     keep_checkpoints: int = Field(2, ge=1)
     resume: Literal["auto", "never"] | str = "auto"
     check_resync_every: int = Field(0, ge=0)

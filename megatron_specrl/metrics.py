@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-CONSOLE_KEYS = [("reward/mean", "reward"), ("response/mean_len", "len"), ("spec/reuse_ratio", "reuse"),
+CONSOLE_KEYS = [("eval/accuracy", "eval_acc"), ("reward/mean", "reward"), ("response/mean_len", "len"), ("spec/reuse_ratio", "reuse"),
                 ("spec/rollout_s", "rollout_s"), ("train/loss", "loss"), ("time/step_s", "step_s")]
 
 
@@ -73,7 +73,7 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 
 def plot_metrics(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
-    """One PNG per curve the README promises: reward, response length, rollout seconds, reuse ratio."""
+    """One PNG per curve: reward, response length, rollout seconds, reuse ratio, eval accuracy."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -83,7 +83,8 @@ def plot_metrics(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for key, name in [("reward/mean", "reward"), ("response/mean_len", "response_length"),
-                      ("spec/rollout_s", "rollout_seconds"), ("spec/reuse_ratio", "reuse_ratio")]:
+                      ("spec/rollout_s", "rollout_seconds"), ("spec/reuse_ratio", "reuse_ratio"),
+                      ("eval/accuracy", "eval_accuracy")]:
         pts = [(r["step"], r[key]) for r in rows if key in r]
         if not pts:
             continue

@@ -57,6 +57,8 @@ def train_step(run: Run, step: int) -> dict[str, float]:
 def train(cfg: RunConfig) -> Run:
     run = build_run(cfg)
     try:
+        if cfg.trainer.eval_every and run.step == 0:   # the baseline every later eval is compared with
+            run.logger.log(0, evaluate(run))
         with run.progress:
             task = run.progress.add_task("training", total=cfg.trainer.total_steps, completed=run.step)
             while run.step < cfg.trainer.total_steps:
