@@ -115,3 +115,14 @@ def test_corrupt_safetensors_file(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00garbage")
     with pytest.raises(hm.CheckpointError, match="model.safetensors"):
         load_hf_state(tmp_path)
+
+
+def test_local_param_name_follows_transformer_engine_renames():
+    local = "decoder.layers.3.input_layernorm.weight"
+    te = "decoder.layers.3.self_attention.linear_qkv.layer_norm_weight"
+    assert hm.local_param_name(local, {local: 0}) == local
+    assert hm.local_param_name(local, {te: 0}) == te
+    assert hm.local_param_name("decoder.layers.0.pre_mlp_layernorm.weight",
+                               {"decoder.layers.0.mlp.linear_fc1.layer_norm_weight": 0}).endswith("layer_norm_weight")
+    with pytest.raises(KeyError, match="no parameter"):
+        hm.local_param_name("decoder.final_layernorm.weight", {})

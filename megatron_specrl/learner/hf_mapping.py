@@ -65,6 +65,17 @@ TE_RENAMES = {
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+def local_param_name(name: str, available) -> str:
+    """The model's own name for a local-spec parameter name: under the TransformerEngine spec the
+    layernorms are fused into the following linear (TE_RENAMES)."""
+    if name in available:
+        return name
+    for local_suffix, te_suffix in TE_RENAMES.items():
+        if name.endswith(local_suffix) and name[: -len(local_suffix)] + te_suffix in available:
+            return name[: -len(local_suffix)] + te_suffix
+    raise KeyError(f"model has no parameter {name!r} (nor its TransformerEngine name)")
+
+
 # ----------------------------------------------------------------------------- config helpers
 def _dims(cfg):
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

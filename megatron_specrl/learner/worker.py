@@ -373,7 +373,8 @@ class LearnerWorker:
             src = self.rank_of[(stage, 0, 0)]
             shards = None
             if self.pp_rank == stage and self.dp_rank == 0:
-                src_t = params[name].grad if grads else params[name]
+                param = params[hm.local_param_name(name, params)]
+                src_t = param.grad if grads else param
                 local = src_t.detach().float().contiguous()
                 if tp > 1:
                     gathered = [torch.empty_like(local) for _ in range(tp)]
