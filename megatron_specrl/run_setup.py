@@ -18,6 +18,7 @@ from megatron_specrl.config import ConfigError, RunConfig, check_model_divisibil
 from megatron_specrl.faults import maybe_kill
 from megatron_specrl.engines.protocol import GenerateRequest, SamplingSettings
 from megatron_specrl.metrics import MetricsLogger, plot_metrics
+from megatron_specrl.placement import cluster_gpus, plan_placement
 from megatron_specrl.models.resolve import read_hf_config, resolve_model, tokenizer_fingerprint
 from megatron_specrl.rollout.speculative import SpeculativeRollout, stable_seed
 from megatron_specrl.rollout.store import TrajectoryStore
@@ -41,6 +42,7 @@ class Run:
     store: TrajectoryStore
     rollout: SpeculativeRollout
     logger: MetricsLogger
+    placement: object = None
     critic: object | None = None
     ref: object | None = None
     step: int = 0
@@ -118,17 +120,21 @@ def build_run(cfg: RunConfig) -> Run:
                           f"{state.get('tokenizer')}, model.path {model_dir} has {tokenizer_fingerprint(model_dir)}")
 
     _init_ray(cfg)
-    learner = LearnerGroup(cfg.learner, seed=cfg.trainer.seed)
+    placement = plan_placement(cfg, cluster_gpus())
+    learner = LearnerGroup(cfg.learner, seed=cfg.trainer.seed, num_gpus_per_rank=placement.learner_gpus_per_rank)
     learner.load_hf(str(model_dir))
     critic = ref = None
     if cfg.algorithm.name == "ppo":
         critic_cfg = cfg.learner.model_copy(update={"lr": cfg.algorithm.critic_lr})
-        critic = LearnerGroup(critic_cfg, seed=cfg.trainer.seed, role="critic")
+        critic = LearnerGroup(critic_cfg, seed=cfg.trainer.seed, role="critic",
+                              num_gpus_per_rank=placement.learner_gpus_per_rank)
         critic.load_hf(str(model_dir))
     if cfg.learner.loss.kl_coef > 0:
-        ref = LearnerGroup(cfg.learner, seed=cfg.trainer.seed, role="reference")
+        ref = LearnerGroup(cfg.learner, seed=cfg.trainer.seed, role="reference",
+                           num_gpus_per_rank=placement.learner_gpus_per_rank)
         ref.load_hf(str(model_dir))
-    engine = make_engine(cfg.rollout, str(model_dir), log_dir=str(out / "engine_logs"), use_ray=True)
+    engine = make_engine(cfg.rollout, str(model_dir), log_dir=str(out / "engine_logs"), use_ray=True,
+                         gpus_per_engine=placement.gpus_per_engine)
 
     store = TrajectoryStore()
     step = version = 0
@@ -153,7 +159,7 @@ def build_run(cfg: RunConfig) -> Run:
     return Run(cfg=cfg, out=out, model_dir=model_dir, tokenizer=tokenizer, pad_id=pad_id, loader=loader,
                train_records={r.id: r for r in train_records}, eval_records=eval_records,
                reward_fn=get_reward(default_reward_for(cfg.data)), learner=learner, engine=engine, store=store,
-               rollout=rollout, logger=logger, critic=critic, ref=ref, step=step, version=version)
+               rollout=rollout, logger=logger, placement=placement, critic=critic, ref=ref, step=step, version=version)
 
 
 def _find_resume(cfg: RunConfig, out: Path) -> Path | None:

@@ -41,6 +41,10 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     # 4. learn
     t_train = time.perf_counter()
     maybe_kill("train", step)
+    sleeping = run.placement.engines_sleep_during_training
+    if sleeping:   # colocated: the learner gets the engines' GPU memory while it trains
+        for e in getattr(run.engine, "engines", [run.engine]):
+            e.release_memory()
     if run.critic is not None:
         metrics.update({f"critic/{k}": v for k, v in run.critic.train_step(batch).items()})
     metrics.update({f"train/{k}": v for k, v in run.learner.train_step(batch).items()})
@@ -48,7 +52,8 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     # 5. resync the engines to the new weights
     run.version += 1
     maybe_kill("resync", step)
-    metrics.update(sync_weights(run.learner, run.engine, run.version, cfg.trainer.resync_bucket_mb << 20))
+    metrics.update(sync_weights(run.learner, run.engine, run.version, cfg.trainer.resync_bucket_mb << 20,
+                                wake_engines=sleeping))
     metrics["time/step_s"] = time.perf_counter() - t0
     metrics["weight_version"] = run.version
     return metrics

@@ -16,6 +16,8 @@ from megatron_specrl.engines.protocol import RolloutEngine
 def engine_kwargs(cfg: RolloutConfig, model_path: str, log_dir: str | Path, index: int, seed: int,
                   dtype: str) -> tuple[type, dict]:
     """Engine class and constructor kwargs for engine `index`."""
+    import torch
+
     common = dict(model_path=str(model_path), name=f"{cfg.engine}-{index}", seed=seed + index,
                   max_model_len=cfg.max_model_len, tensor_parallel_size=cfg.engine_tp, dtype=dtype,
                   gpu_memory_utilization=cfg.gpu_memory_utilization, log_dir=str(log_dir))
@@ -24,16 +26,20 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, log_dir: str | Path, inde
         # vLLM's raw log-probs are untempered: with temperature != 1 report the processed
         # (tempered) ones instead; score() then refuses, as vLLM cannot temper prompt log-probs.
         mode = "raw_logprobs" if cfg.temperature == 1.0 else "processed_logprobs"
-        return VLLMEngine, dict(common, kv_cache_gb=cfg.kv_cache_gb, logprobs_mode=mode)
+        # Sleep mode lets colocated engines hand their GPU memory to the learner during training.
+        sleep = {"enable_sleep_mode": True} if cfg.colocate and torch.cuda.is_available() else {}
+        return VLLMEngine, dict(common, kv_cache_gb=cfg.kv_cache_gb, logprobs_mode=mode, **sleep)
     from megatron_specrl.engines.sglang_engine import SGLangEngine
     return SGLangEngine, common
 
 
 def make_engine(rollout_cfg: RolloutConfig, model_path: str, log_dir: str | Path, use_ray: bool,
                 seed: int = 0, dtype: str = "float32", num_cpus_per_engine: float = 1,
-                bucket_bytes: int = 512 << 20) -> RolloutEngine:
+                bucket_bytes: int = 512 << 20, gpus_per_engine: float | None = None) -> RolloutEngine:
     import torch
 
+    if gpus_per_engine is None:
+        gpus_per_engine = rollout_cfg.engine_tp if torch.cuda.is_available() else 0
     engines = []
     for i in range(rollout_cfg.num_engines):
         cls, kwargs = engine_kwargs(rollout_cfg, model_path, log_dir, i, seed, dtype)
@@ -41,9 +47,8 @@ def make_engine(rollout_cfg: RolloutConfig, model_path: str, log_dir: str | Path
             from megatron_specrl.engines.ray_engine import RayEngine
             name = kwargs.pop("name")
             kwargs.pop("log_dir")
-            gpus = rollout_cfg.engine_tp if torch.cuda.is_available() else 0
             engines.append(RayEngine(cls, kwargs, name=name, log_dir=log_dir, num_cpus=num_cpus_per_engine,
-                                     num_gpus=gpus, timeout_s=rollout_cfg.engine_timeout_s,
+                                     num_gpus=gpus_per_engine, timeout_s=rollout_cfg.engine_timeout_s,
                                      bucket_bytes=bucket_bytes))
         else:
             engines.append(cls(**kwargs))

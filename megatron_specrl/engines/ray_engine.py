@@ -152,6 +152,12 @@ class RayEngine:
     def reset_prefix_cache(self) -> None:
         self._get(self.submit("reset_prefix_cache"), self.timeout_s, "reset_prefix_cache")
 
+    def release_memory(self) -> None:
+        self._get(self.submit("release_memory"), self.timeout_s, "release_memory")
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        self._get(self.submit("resume_memory", tags), self.timeout_s, "resume_memory")
+
     def health(self) -> EngineHealth:
         try:
             h = self._get(self.submit("health"), min(self.timeout_s, 30.0), "health")

@@ -254,6 +254,19 @@ class VLLMEngine:
             self._pending_version = None
             self._log.info("serving weight version %d", version)
 
+    def release_memory(self) -> None:
+        """Colocated GPUs: free KV cache and offload weights while the learner trains (vLLM sleep
+        mode, level 1). A no-op on CPU, where vLLM's sleep mode does nothing."""
+        if not self._on_cpu:
+            with self._lock:
+                self.llm.sleep(level=1)
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Take memory back: tags=["weights"] before loading new weights, then ["kv_cache"]."""
+        if not self._on_cpu:
+            with self._lock:
+                self.llm.wake_up(tags=tags)
+
     def reset_prefix_cache(self) -> None:
         with self._lock:
             self._reset_cache()

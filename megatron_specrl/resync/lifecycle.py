@@ -20,12 +20,15 @@ def _engines_of(engine) -> list:
     return list(getattr(engine, "engines", [engine]))
 
 
-def sync_weights(learner, engine, version: int, bucket_bytes: int, **debug) -> dict[str, float]:
-    import ray
-
+def sync_weights(learner, engine, version: int, bucket_bytes: int, wake_engines: bool = False,
+                 **debug) -> dict[str, float]:
+    """wake_engines: colocated engines slept through training; weights come back first, KV cache last."""
     t0 = time.perf_counter()
-    rank0_stream, other_streams = learner.bucket_streams(bucket_bytes, **debug)
     targets = _engines_of(engine)
+    if wake_engines:
+        for e in targets:
+            e.resume_memory(["weights"])
+    rank0_stream, other_streams = learner.bucket_streams(bucket_bytes, **debug)
     n_buckets = 0
     for ref in rank0_stream:
         n_buckets += 1
@@ -37,5 +40,7 @@ def sync_weights(learner, engine, version: int, bucket_bytes: int, **debug) -> d
     t_load = time.perf_counter() - t0
     for e in targets:
         e.finish_update(version)
+        if wake_engines:
+            e.resume_memory(["kv_cache"])
     return {"resync/seconds": time.perf_counter() - t0, "resync/load_s": t_load,
             "resync/buckets": float(n_buckets), "resync/version": float(version)}
