@@ -143,3 +143,12 @@ def test_cuda_ipc_transport_gpu():
     got = t.unpack(t.pack(bucket))
     assert all(torch.equal(a.cuda(), b) for (_, a), (_, b) in zip(model_tensors(), got))
     t.release()
+
+
+def test_numpy_payload_round_trip_keeps_bf16_and_values():
+    named = [("model.layers.0.a", torch.randn(3, 4)), ("model.layers.0.b", torch.randn(5).to(torch.bfloat16)),
+             ("lm_head.weight", torch.arange(6, dtype=torch.float32).view(2, 3))]
+    back = Bucket.from_payload(Bucket.from_tensors(named).to_payload()).unflatten()
+    assert [n for n, _ in back] == [n for n, _ in named]
+    for (_, a), (_, b) in zip(named, back):
+        assert a.dtype == b.dtype and torch.equal(a, b)

@@ -42,10 +42,11 @@ class EngineActor:
     def weight_version(self) -> int:
         return self.engine.weight_version
 
-    def update_weights_blob(self, blob: bytes, version: int) -> int:
-        """`blob` is a Bucket.to_bytes(); Ray resolves an ObjectRef argument to it,
-        so N actors read one object-store copy."""
-        named = Bucket.from_bytes(blob).unflatten()
+    def update_weights_blob(self, blob: bytes | dict, version: int) -> int:
+        """`blob` is a Bucket.to_payload() (or to_bytes()); Ray resolves an ObjectRef argument
+        to it, so N actors read one object-store copy."""
+        bucket = Bucket.from_wire(blob)
+        named = bucket.unflatten()
         self.engine.update_weights(named, version)
         return len(named)
 
@@ -137,7 +138,7 @@ class RayEngine:
         """Object-store refs of the weight buckets (put once, readable by every actor)."""
         import ray
         for bucket in plan_buckets(named_tensors, self.bucket_bytes):
-            yield ray.put(bucket.to_bytes())
+            yield ray.put(bucket.to_payload())
 
     def update_weights_refs(self, refs: Iterable, version: int) -> None:
         for ref in refs:

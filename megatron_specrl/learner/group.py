@@ -20,10 +20,10 @@ class RayLearnerWorker(LearnerWorker):
     """LearnerWorker plus a streaming view of its weights as resync buckets."""
 
     def hf_bucket_stream(self, bucket_bytes: int, swap_kv: bool = False, swap_gate_up: bool = False):
-        """Every rank iterates (the gather is collective); only rank 0 yields buckets, as
-        safetensors blobs that engine actors read straight from the object store."""
+        """Every rank iterates (the gather is collective); only rank 0 yields buckets, as numpy
+        payloads that Ray writes once into its object store and engine actors read from there."""
         for bucket in plan_buckets(self.iter_hf_state(swap_kv=swap_kv, swap_gate_up=swap_gate_up), bucket_bytes):
-            yield bucket.to_bytes()
+            yield bucket.to_payload()
 
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()

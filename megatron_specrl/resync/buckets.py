@@ -72,6 +72,27 @@ class Bucket:
     def metas_from_json(text: str) -> list[TensorMeta]:
         return [TensorMeta(n, d, tuple(s), o, k) for n, d, s, o, k in json.loads(text)]
 
+    def to_payload(self) -> dict:
+        """Numpy views of the buffers + metadata: Ray serialises numpy zero-copy into its object
+        store (one copy, no safetensors blob), and readers map it without copying. bf16 has no
+        numpy dtype, so it travels as int16 bits."""
+        arrays = {k: (v.view(torch.int16) if v.dtype == torch.bfloat16 else v).cpu().numpy()
+                  for k, v in self.buffers.items()}
+        return {"meta": self.meta_json(), "arrays": arrays}
+
+    @classmethod
+    def from_payload(cls, payload: dict) -> "Bucket":
+        buffers = {}
+        for k, arr in payload["arrays"].items():
+            t = torch.from_numpy(arr.copy() if not arr.flags.writeable else arr)
+            buffers[k] = t.view(torch.bfloat16) if k == "bfloat16" else t
+        return cls(buffers, cls.metas_from_json(payload["meta"]))
+
+    @classmethod
+    def from_wire(cls, obj: "dict | bytes") -> "Bucket":
+        """Either form a bucket crosses processes in: a numpy payload or a safetensors blob."""
+        return cls.from_payload(obj) if isinstance(obj, dict) else cls.from_bytes(obj)
+
     def to_bytes(self) -> bytes:
         """safetensors blob (buffers + metadata) for crossing process boundaries."""
         from safetensors.torch import save

@@ -165,7 +165,7 @@ def learner_hf_state(learner, bucket_bytes: int = 64 << 20) -> dict[str, torch.T
     rank0, others = learner.bucket_streams(bucket_bytes)
     state = {}
     for ref in rank0:
-        state.update(Bucket.from_bytes(ray.get(ref)).unflatten())
+        state.update(Bucket.from_wire(ray.get(ref)).unflatten())
     for stream in others:
         for _ in stream:
             pass

@@ -54,12 +54,12 @@ class RayObjectStoreTransport(Transport):
 
     def pack(self, bucket: Bucket):
         import ray
-        return ray.put(bucket.to_bytes())
+        return ray.put(bucket.to_payload())
 
     def unpack(self, payload) -> list[tuple[str, torch.Tensor]]:
         import ray
         blob = ray.get(payload) if isinstance(payload, ray.ObjectRef) else payload
-        return Bucket.from_bytes(blob).unflatten()
+        return Bucket.from_wire(blob).unflatten()
 
 
 @dataclass
