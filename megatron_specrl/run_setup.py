@@ -187,6 +187,30 @@ def save_run_checkpoint(run: Run) -> Path:
     return ckpt.commit(tmp, state, keep=run.cfg.trainer.keep_checkpoints)
 
 
+def rollout_with_recovery(run: Run, step: int, collect):
+    """One step's rollouts; if an engine dies, restart it, push the current weights and retry the
+    same prompts once (the loader is rewound, so the data order does not change)."""
+    from megatron_specrl.engines.protocol import EngineError
+    from megatron_specrl.faults import maybe_kill_engine
+    from megatron_specrl.resync.lifecycle import engines_of, sync_weights
+
+    loader_state = run.loader.state_dict()
+    maybe_kill_engine(engines_of(run.engine), step)
+    try:
+        return collect(run, step)
+    except EngineError as err:
+        log.warning("rollout of step %d failed: %s; restarting the engines at weight version %d",
+                    step, str(err).splitlines()[0], run.version)
+    for e in engines_of(run.engine):
+        e.restart()
+    if run.version > 0:
+        sync_weights(run.learner, run.engine, run.version, run.cfg.trainer.resync_bucket_mb << 20)
+    run.loader.load_state_dict(loader_state)
+    samples, rewards, metrics = collect(run, step)
+    metrics["engine/restarts"] = 1.0
+    return samples, rewards, metrics
+
+
 def evaluate(run: Run) -> dict[str, float]:
     """Greedy accuracy on the held-out prompts (plain generation, no drafts)."""
     if not run.eval_records:

@@ -10,21 +10,21 @@ import time
 
 import torch
 
-from megatron_specrl.run_setup import Run, build_run, evaluate, save_run_checkpoint
+from megatron_specrl.run_setup import Run, build_run, evaluate, rollout_with_recovery, save_run_checkpoint
 from megatron_specrl.algorithms.rewards_step import score_samples, grpo_like_advantages
 from megatron_specrl.algorithms.ppo import ppo_advantages
 from megatron_specrl.config import RunConfig
 from megatron_specrl.faults import maybe_kill
 from megatron_specrl.rollout.batch import build_batch
 from megatron_specrl.rollout.dynamic import collect_rollouts
-from megatron_specrl.resync.lifecycle import sync_weights
+from megatron_specrl.resync.lifecycle import engines_of, sync_weights
 
 
 def train_step(run: Run, step: int) -> dict[str, float]:
     cfg, t0 = run.cfg, time.perf_counter()
     # 1-2. rollout (+ rewards and DAPO's dynamic sampling, which needs rewards to filter groups)
     maybe_kill("rollout", step)
-    samples, rewards, metrics = collect_rollouts(run, step)
+    samples, rewards, metrics = rollout_with_recovery(run, step, collect_rollouts)
     run.record_data_order(step, samples)
     # 3. advantages
     if cfg.algorithm.name == "ppo":   # token-level advantages need the critic's values on the batch
@@ -43,7 +43,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     maybe_kill("train", step)
     sleeping = run.placement.engines_sleep_during_training
     if sleeping:   # colocated: the learner gets the engines' GPU memory while it trains
-        for e in getattr(run.engine, "engines", [run.engine]):
+        for e in engines_of(run.engine):
             e.release_memory()
     if run.critic is not None:
         metrics.update({f"critic/{k}": v for k, v in run.critic.train_step(batch).items()})

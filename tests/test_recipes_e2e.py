@@ -30,6 +30,8 @@ def test_recipe_runs(recipe, extra, tmp_path, model_cache):
             "trainer.prompts_per_step=8", "rollout.n_samples=4", "trainer.eval_every=3", "data.num_eval=16",
             "trainer.checkpoint_every=0", "logging.wandb=false", *extra]
     env = dict(os.environ, MEGATRON_SPECRL_CACHE=str(model_cache))
+    if recipe == "tiny-cpu-ppo":
+        env["SPECRL_KILL_ENGINE_AT"] = "2"   # the engine dies; the trainer restarts it and retries
     proc = subprocess.run([sys.executable, "-m", "megatron_specrl.cli", "train", *args], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -40,6 +42,7 @@ def test_recipe_runs(recipe, extra, tmp_path, model_cache):
     assert (out / "hf_final" / "model.safetensors").is_file() and (out / "plots" / "reward.png").is_file()
     if recipe == "tiny-cpu-ppo":
         assert "critic/vf_loss" in last
+        assert rows[2].get("engine/restarts") == 1.0 and "restarting the engines" in proc.stderr
     if "trainer.check_resync_every=2" in extra:
         assert rows[2]["resync/logprob_abs_diff"] < 1e-4
         assert rows[2]["train/rollout_learner_logprob_abs_diff"] < 1e-4

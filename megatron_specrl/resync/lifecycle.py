@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 
 
-def _engines_of(engine) -> list:
+def engines_of(engine) -> list:
     """The Ray engine handles behind a router (or the engine itself)."""
     return list(getattr(engine, "engines", [engine]))
 
@@ -24,7 +24,7 @@ def sync_weights(learner, engine, version: int, bucket_bytes: int, wake_engines:
                  **debug) -> dict[str, float]:
     """wake_engines: colocated engines slept through training; weights come back first, KV cache last."""
     t0 = time.perf_counter()
-    targets = _engines_of(engine)
+    targets = engines_of(engine)
     if wake_engines:
         for e in targets:
             e.resume_memory(["weights"])
