@@ -39,9 +39,11 @@ class LearnerGroup:
     def __init__(self, settings: LearnerConfig, seed: int, role: str = "policy",
                  num_cpus_per_rank: float = 0.01, num_gpus_per_rank: float = 0.0, env: dict | None = None):
         world = settings.tp * settings.pp * settings.dp
+        # Idle learner threads must not spin on the cores the engine is decoding on (OpenMP's
+        # default wait policy busy-waits after every parallel region).
+        env = {"OMP_WAIT_POLICY": "PASSIVE", **(env or {})}
         actor_cls = ray.remote(RayLearnerWorker).options(
-            num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank,
-            runtime_env={"env_vars": dict(env or {})} if env else None)
+            num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank, runtime_env={"env_vars": env})
         addr, port = ray.util.get_node_ip_address(), _free_port()
         self.role = role
         self.actors = [actor_cls.remote(rank, world, addr, port, settings, seed=seed, role=role)
