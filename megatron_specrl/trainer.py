@@ -11,7 +11,7 @@ import time
 import torch
 
 from megatron_specrl.run_setup import Run, build_run, evaluate, rollout_with_recovery, save_run_checkpoint
-from megatron_specrl.algorithms.rewards_step import score_samples, grpo_like_advantages
+from megatron_specrl.algorithms.rewards_step import grpo_like_advantages
 from megatron_specrl.algorithms.ppo import ppo_advantages
 from megatron_specrl.config import RunConfig
 from megatron_specrl.faults import maybe_kill

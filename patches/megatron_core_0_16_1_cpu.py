@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import operator
-import sys
 import types
 from functools import reduce
 

@@ -256,7 +256,7 @@ class LearnerWorker:
         return {k: sum(h[k] for h in history) / len(history) for k in history[0]}
 
     def _optimizer_step(self, batch: dict, rows: list[int], step: bool = True) -> dict[str, float]:
-        s, lc = self.settings, self.settings.loss
+        lc = self.settings.loss
         mask_all = batch["loss_mask"][rows]
         denom = L.aggregation_denominator(mask_all, lc.agg_mode)
         n_tokens = max(float(mask_all.sum()), 1.0)

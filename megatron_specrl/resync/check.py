@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_specrl.engines.protocol import GenerateRequest, SamplingSettings, ScoreRequest
-from megatron_specrl.resync.lifecycle import _engines_of, sync_weights
+from megatron_specrl.resync.lifecycle import engines_of, sync_weights
 from megatron_specrl.resync.readout import WeightRow, compare_weights
 
 __all__ = ["Probe", "CheckReport", "compare_weights", "make_probe_prompts", "probe_logprobs", "resync",
@@ -123,7 +123,7 @@ def _set_skip_cache_reset(actor, flag: bool) -> None:   # runs inside the Engine
 def set_skip_cache_reset(engine, flag: bool) -> None:
     """Toggle the engines' debug flag (in Ray actors without restarting them)."""
     import ray
-    for e in _engines_of(engine):
+    for e in engines_of(engine):
         if getattr(e, "actor", None) is not None:
             ray.get(e.actor.__ray_call__.remote(_set_skip_cache_reset, flag))
         else:
@@ -145,7 +145,7 @@ def resync(learner, engine, version: int, bucket_bytes: int = 64 << 20, swap_kv:
 def read_engine_weights(engine) -> dict[str, dict[str, torch.Tensor]]:
     """{engine name: {vLLM name: fp32 tensor}} for every engine behind `engine`."""
     out = {}
-    for e in _engines_of(engine):
+    for e in engines_of(engine):
         if hasattr(e, "submit"):
             out[e.name] = e.wait(e.submit("read_weights"), "read_weights")
         elif hasattr(e, "read_weights"):
