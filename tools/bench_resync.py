@@ -63,7 +63,9 @@ def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
 
 
 class RssPeak:
-    """Peak RSS rise of some processes over their baseline, sampled in a background thread."""
+    """Peak rise of private resident memory (RSS minus shared pages, so Ray's object store, which
+    is shared memory, is not counted in every process that maps it) over each process's baseline,
+    sampled in a background thread."""
 
     def __init__(self, pids: dict[str, int], interval_s: float = 0.005):
         import psutil
@@ -73,7 +75,11 @@ class RssPeak:
         self._stop = threading.Event()
 
     def _rss(self) -> dict[str, int]:
-        return {k: p.memory_info().rss for k, p in self.procs.items()}
+        out = {}
+        for k, p in self.procs.items():
+            m = p.memory_info()
+            out[k] = m.rss - getattr(m, "shared", 0)
+        return out
 
     def __enter__(self):
         self.base = self._rss()

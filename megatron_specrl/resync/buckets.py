@@ -11,6 +11,7 @@ repacks fused linears (qkv, gate_up) per layer and must see the whole layer.
 from __future__ import annotations
 
 import json
+import warnings
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
@@ -58,7 +59,8 @@ class Bucket:
             offset = sum(p.numel() for p in parts)
             metas.append(TensorMeta(name, key, tuple(t.shape), offset, t.numel()))
             parts.append(t.detach().reshape(-1))
-        buffers = {k: torch.cat(v) if len(v) > 1 else v[0].clone() for k, v in by_dtype.items()}
+        # A lone tensor is used as it is (a view, no copy): the bucket only reads its buffers.
+        buffers = {k: torch.cat(v) if len(v) > 1 else v[0] for k, v in by_dtype.items()}
         return cls(buffers, metas)
 
     def unflatten(self) -> list[tuple[str, torch.Tensor]]:
@@ -84,7 +86,9 @@ class Bucket:
     def from_payload(cls, payload: dict) -> "Bucket":
         buffers = {}
         for k, arr in payload["arrays"].items():
-            t = torch.from_numpy(arr.copy() if not arr.flags.writeable else arr)
+            with warnings.catch_warnings():   # read-only object-store memory: we only read it
+                warnings.simplefilter("ignore", UserWarning)
+                t = torch.from_numpy(arr)
             buffers[k] = t.view(torch.bfloat16) if k == "bfloat16" else t
         return cls(buffers, cls.metas_from_json(payload["meta"]))
 
