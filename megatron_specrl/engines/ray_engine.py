@@ -74,9 +74,17 @@ class RayEngine:
 
         cls = ray.remote(EngineActor).options(
             num_cpus=self.num_cpus, num_gpus=self.num_gpus, max_restarts=0, max_concurrency=1,
-            runtime_env={"env_vars": dict(ACTOR_ENV)})
+            runtime_env={"env_vars": self._actor_env()})
         self.actor = cls.remote(self.engine_cls, self.engine_kwargs)
         self._pid = self._get(self.actor.pid.remote(), self.start_timeout_s, "start")
+
+    def _actor_env(self) -> dict:
+        """Ray pins OMP_NUM_THREADS to the actor's num_cpus (1 here); a CPU engine would then
+        decode on one core while the learner sits idle during rollouts. Give it the node's cores."""
+        env = dict(ACTOR_ENV)
+        if not self.num_gpus:
+            env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+        return env
 
     def restart(self) -> None:
         """Kill the actor (if still alive) and start a fresh engine from `model_path`:
