@@ -108,3 +108,11 @@ def find_latest(root: Path) -> Path | None:
 
 def load_state(ckpt: Path) -> dict:
     return json.loads((ckpt / "trainer_state.json").read_text())
+
+
+def check_tokenizer(state: dict, ckpt: Path, fingerprint: str, model_dir: Path) -> None:
+    """A run must not resume with another tokenizer: its token ids (and drafts) would mean other text."""
+    from megatron_specrl.config import ConfigError
+    if state.get("tokenizer") != fingerprint:
+        raise ConfigError(f"tokenizer mismatch: checkpoint {ckpt} was trained with tokenizer "
+                          f"{state.get('tokenizer')}, model.path {model_dir} has {fingerprint}")

@@ -29,7 +29,6 @@ class ModelConfig(_Strict):
     # Short SFT warm-up on the synthetic task before RL (tiny models only); 0 disables it.
     warmup_steps: int = Field(400, ge=0)
     warmup_lr: float = Field(3e-3, gt=0)
-    dtype: Literal["float32", "bfloat16"] = "float32"
 
 
 class DataConfig(_Strict):
@@ -200,7 +199,7 @@ def _parse_overrides(overrides: list[str]):
         raise ConfigError(f"cannot parse overrides {overrides}: {e}") from None
 
 
-def _format_validation_error(err: ValidationError, merged: dict) -> str:
+def _format_validation_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
@@ -233,7 +232,7 @@ def load_config(recipe: str | Path | None, overrides: list[str] | None = None) -
     try:
         return RunConfig.model_validate(plain)
     except ValidationError as e:
-        raise ConfigError(_format_validation_error(e, plain)) from None
+        raise ConfigError(_format_validation_error(e)) from None
 
 
 def to_yaml(cfg: RunConfig) -> str:

@@ -19,7 +19,7 @@ from megatron_specrl.faults import maybe_kill
 from megatron_specrl.engines.protocol import GenerateRequest, SamplingSettings
 from megatron_specrl.metrics import MetricsLogger, plot_metrics
 from megatron_specrl.placement import cluster_gpus, plan_placement
-from megatron_specrl.models.resolve import read_hf_config, resolve_model, tokenizer_fingerprint
+from megatron_specrl.models.resolve import read_hf_config, resolve_model, shape_of, tokenizer_fingerprint
 from megatron_specrl.rollout.speculative import SpeculativeRollout, stable_seed
 from megatron_specrl.rollout.store import TrajectoryStore
 
@@ -33,6 +33,7 @@ class Run:
     model_dir: Path
     tokenizer: object
     pad_id: int
+    tokenizer_id: str
     loader: object
     train_records: dict
     eval_records: list
@@ -54,6 +55,12 @@ class Run:
         from megatron_specrl.data.datasets import render_prompt
         return render_prompt(record, self.tokenizer, self.cfg.data.apply_chat_template,
                              max_prompt_len=self.cfg.data.max_prompt_len)
+
+    def resync(self, wake_engines: bool = False) -> dict[str, float]:
+        """Push the learner's current weights to every engine as weight version `self.version`."""
+        from megatron_specrl.resync.lifecycle import sync_weights
+        return sync_weights(self.learner, self.engine, self.version, self.cfg.trainer.resync_bucket_mb << 20,
+                            wake_engines=wake_engines)
 
     def record_data_order(self, step: int, samples) -> None:
         """Which prompts each step trained on: makes data order after a resume checkable."""
@@ -103,9 +110,7 @@ def build_run(cfg: RunConfig) -> Run:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(to_yaml(cfg))
     model_dir = resolve_model(cfg.model, seed=0)
-    hf = read_hf_config(model_dir)
-    check_model_divisibility(cfg, hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"],
-                             hf["num_hidden_layers"])
+    check_model_divisibility(cfg, *shape_of(read_hf_config(model_dir)))
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     train_records = load_records(cfg.data, split="train", seed=cfg.trainer.seed)
@@ -115,9 +120,9 @@ def build_run(cfg: RunConfig) -> Run:
 
     resume_from = _find_resume(cfg, out)
     state = ckpt.load_state(resume_from) if resume_from else None
-    if state and state.get("tokenizer") != tokenizer_fingerprint(model_dir):
-        raise ConfigError(f"tokenizer mismatch: checkpoint {resume_from} was trained with tokenizer "
-                          f"{state.get('tokenizer')}, model.path {model_dir} has {tokenizer_fingerprint(model_dir)}")
+    tokenizer_id = tokenizer_fingerprint(model_dir)
+    if state is not None:
+        ckpt.check_tokenizer(state, resume_from, tokenizer_id, model_dir)
 
     _init_ray(cfg)
     placement = plan_placement(cfg, cluster_gpus())
@@ -138,17 +143,14 @@ def build_run(cfg: RunConfig) -> Run:
 
     store = TrajectoryStore()
     step = version = 0
-    if state is not None:
+    resumed = state is not None
+    if resumed:
         learner.load_checkpoint(str(resume_from / "learner"))
         if critic is not None:
             critic.load_checkpoint(str(resume_from / "critic"))
         store = TrajectoryStore.load(resume_from)
         loader.load_state_dict(state["loader"])
         step, version = state["step"], state["weight_version"]
-        from megatron_specrl.resync.lifecycle import sync_weights
-        sync_weights(learner, engine, version, cfg.trainer.resync_bucket_mb << 20)
-        log.warning("resumed from %s at step %d (weight version %d, %d stored trajectories)",
-                    resume_from, step, version, len(store))
 
     sampling = SamplingSettings(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
     rollout = SpeculativeRollout(engine, store, mode=cfg.rollout.spec_mode, lenience=cfg.rollout.lenience,
@@ -156,10 +158,15 @@ def build_run(cfg: RunConfig) -> Run:
     logger = MetricsLogger(out, cfg.model_dump(mode="json"), use_wandb=cfg.logging.wandb,
                            wandb_mode=cfg.logging.wandb_mode, project=cfg.logging.project,
                            run_name=cfg.logging.run_name, resume_step=step)
-    return Run(cfg=cfg, out=out, model_dir=model_dir, tokenizer=tokenizer, pad_id=pad_id, loader=loader,
-               train_records={r.id: r for r in train_records}, eval_records=eval_records,
-               reward_fn=get_reward(default_reward_for(cfg.data)), learner=learner, engine=engine, store=store,
-               rollout=rollout, logger=logger, placement=placement, critic=critic, ref=ref, step=step, version=version)
+    run = Run(cfg=cfg, out=out, model_dir=model_dir, tokenizer=tokenizer, pad_id=pad_id, tokenizer_id=tokenizer_id,
+              loader=loader, train_records={r.id: r for r in train_records}, eval_records=eval_records,
+              reward_fn=get_reward(default_reward_for(cfg.data)), learner=learner, engine=engine, store=store,
+              rollout=rollout, logger=logger, placement=placement, critic=critic, ref=ref, step=step, version=version)
+    if resumed:   # the engines started from the HF weights: give them the checkpoint's
+        run.resync()
+        log.warning("resumed from %s at step %d (weight version %d, %d stored trajectories)",
+                    resume_from, step, version, len(store))
+    return run
 
 
 def _find_resume(cfg: RunConfig, out: Path) -> Path | None:
@@ -183,7 +190,7 @@ def save_run_checkpoint(run: Run) -> Path:
         run.critic.save_checkpoint(str(tmp / "critic"))
     run.store.save(tmp)
     state = {"step": run.step, "weight_version": run.version, "loader": run.loader.state_dict(),
-             "tokenizer": tokenizer_fingerprint(run.model_dir), "model_dir": str(run.model_dir)}
+             "tokenizer": run.tokenizer_id, "model_dir": str(run.model_dir)}
     return ckpt.commit(tmp, state, keep=run.cfg.trainer.keep_checkpoints)
 
 
@@ -192,7 +199,7 @@ def rollout_with_recovery(run: Run, step: int, collect):
     same prompts once (the loader is rewound, so the data order does not change)."""
     from megatron_specrl.engines.protocol import EngineError
     from megatron_specrl.faults import maybe_kill_engine
-    from megatron_specrl.resync.lifecycle import engines_of, sync_weights
+    from megatron_specrl.resync.lifecycle import engines_of
 
     loader_state = run.loader.state_dict()
     maybe_kill_engine(engines_of(run.engine), step)
@@ -204,7 +211,7 @@ def rollout_with_recovery(run: Run, step: int, collect):
     for e in engines_of(run.engine):
         e.restart()
     if run.version > 0:
-        sync_weights(run.learner, run.engine, run.version, run.cfg.trainer.resync_bucket_mb << 20)
+        run.resync()
     run.loader.load_state_dict(loader_state)
     samples, rewards, metrics = collect(run, step)
     metrics["engine/restarts"] = 1.0

@@ -17,7 +17,7 @@ from megatron_specrl.config import RunConfig
 from megatron_specrl.faults import maybe_kill
 from megatron_specrl.rollout.batch import build_batch
 from megatron_specrl.rollout.dynamic import collect_rollouts
-from megatron_specrl.resync.lifecycle import engines_of, sync_weights
+from megatron_specrl.resync.lifecycle import engines_of
 
 
 def train_step(run: Run, step: int) -> dict[str, float]:
@@ -52,8 +52,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     # 5. resync the engines to the new weights
     run.version += 1
     maybe_kill("resync", step)
-    metrics.update(sync_weights(run.learner, run.engine, run.version, cfg.trainer.resync_bucket_mb << 20,
-                                wake_engines=sleeping))
+    metrics.update(run.resync(wake_engines=sleeping))
     metrics["time/step_s"] = time.perf_counter() - t0
     metrics["weight_version"] = run.version
     return metrics

@@ -41,3 +41,28 @@ def test_keep_prunes_oldest(tmp_path):
     assert [p.name for p in sorted(tmp_path.glob("step_*"))] == ["step_00000003", "step_00000004", "step_00000005"]
     manifest = json.loads((tmp_path / "step_00000005" / ckpt.MANIFEST).read_text())
     assert "learner/shard.bin" in manifest["files"] and "trainer_state.json" in manifest["files"]
+
+
+def test_resume_with_another_tokenizer_is_refused(tmp_path):
+    import pytest
+    from megatron_specrl.config import ConfigError
+
+    state = {"step": 4, "tokenizer": "aaaa"}
+    ckpt.check_tokenizer(state, tmp_path, "aaaa", tmp_path)            # same tokenizer: fine
+    with pytest.raises(ConfigError, match="tokenizer mismatch: checkpoint .* tokenizer aaaa, model.path .* has bbbb"):
+        ckpt.check_tokenizer(state, tmp_path, "bbbb", tmp_path)
+
+
+def test_resume_from_a_damaged_path_names_the_problem(tmp_path):
+    import pytest
+    from megatron_specrl.config import ConfigError, load_config
+    from megatron_specrl.run_setup import _find_resume
+
+    bad = _write(tmp_path, 10)
+    (bad / "learner" / "shard.bin").write_bytes(b"flipped")
+    cfg = load_config(None, [f"trainer.resume={bad}"])
+    with pytest.raises(ConfigError, match=r"trainer.resume=.*step_00000010.*learner/shard.bin does not match its checksum"):
+        _find_resume(cfg, tmp_path)
+    cfg = load_config(None, [f"trainer.resume={tmp_path / 'nowhere'}"])
+    with pytest.raises(ConfigError, match="not a directory"):
+        _find_resume(cfg, tmp_path)

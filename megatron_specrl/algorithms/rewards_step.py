@@ -1,7 +1,7 @@
 """Rewards and advantages for one rollout batch, per algorithm (GRPO, DAPO, PPO).
 
-The training loop calls `score_samples` then `advantages_for`; the algorithm is
-chosen by the recipe, the loop is the same for all three.
+The training loop calls `score_samples`, then `grpo_like_advantages` (GRPO, DAPO) or
+algorithms.ppo.ppo_advantages (PPO); the recipe picks, the loop is the same for all three.
 """
 
 from __future__ import annotations

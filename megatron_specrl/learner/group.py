@@ -25,9 +25,6 @@ class RayLearnerWorker(LearnerWorker):
         for bucket in plan_buckets(self.iter_hf_state(swap_kv=swap_kv, swap_gate_up=swap_gate_up), bucket_bytes):
             yield bucket.to_payload()
 
-    def node_ip(self) -> str:
-        return ray.util.get_node_ip_address()
-
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -45,7 +42,6 @@ class LearnerGroup:
         actor_cls = ray.remote(RayLearnerWorker).options(
             num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank, runtime_env={"env_vars": env})
         addr, port = ray.util.get_node_ip_address(), _free_port()
-        self.role = role
         self.actors = [actor_cls.remote(rank, world, addr, port, settings, seed=seed, role=role)
                        for rank in range(world)]
 

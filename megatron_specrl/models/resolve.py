@@ -60,6 +60,10 @@ def model_shape(model_cfg: ModelConfig) -> tuple[int, int, int]:
         from megatron_specrl.models.tiny import ARCHS, DEFAULT_NUM_LAYERS
         spec = ARCHS[TINY[model_cfg.path]]
         return spec["num_attention_heads"], spec["num_key_value_heads"], DEFAULT_NUM_LAYERS
-    hf = read_hf_config(resolve_model(model_cfg))
-    heads = hf["num_attention_heads"]
-    return heads, hf.get("num_key_value_heads") or heads, hf["num_hidden_layers"]
+    return shape_of(read_hf_config(resolve_model(model_cfg)))
+
+
+def shape_of(hf_config: dict) -> tuple[int, int, int]:
+    """(attention heads, kv heads, layers) of an HF config.json (no kv heads: plain multi-head)."""
+    heads = hf_config["num_attention_heads"]
+    return heads, hf_config.get("num_key_value_heads") or heads, hf_config["num_hidden_layers"]

@@ -27,6 +27,8 @@ import torch
 
 from megatron_specrl.engines.protocol import GenerateRequest, SamplingSettings, ScoreRequest
 from megatron_specrl.resync.lifecycle import engines_of, sync_weights
+from megatron_specrl.rollout.batch import build_batch
+from megatron_specrl.rollout.speculative import RolloutSample
 from megatron_specrl.resync.readout import WeightRow, compare_weights
 
 __all__ = ["Probe", "CheckReport", "compare_weights", "make_probe_prompts", "probe_logprobs", "resync",
@@ -86,20 +88,11 @@ class Probe:
 
 
 def _batch(prompts, responses, pad_id, logprobs=None, advantages=None) -> dict[str, torch.Tensor]:
-    n, T = len(prompts), max(len(p) + len(r) for p, r in zip(prompts, responses))
-    b = {"input_ids": torch.full((n, T), pad_id, dtype=torch.long), "attention_mask": torch.zeros(n, T, dtype=torch.long),
-         "loss_mask": torch.zeros(n, T), "rollout_logprobs": torch.zeros(n, T), "advantages": torch.zeros(n, T)}
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        P, R = len(p), len(r)
-        b["input_ids"][i, :P + R] = torch.tensor(p + r)
-        b["attention_mask"][i, :P + R] = 1
-        b["loss_mask"][i, P:P + R] = 1.0
-        if logprobs is not None:
-            b["rollout_logprobs"][i, P:P + R] = torch.tensor(logprobs[i], dtype=torch.float32)
-        if advantages is not None:
-            b["advantages"][i, P:P + R] = advantages[i]
-    b["old_logprobs"] = b["rollout_logprobs"].clone()
-    return b
+    """The probe as the trainer's learner batch (rollout.batch.build_batch)."""
+    samples = [RolloutSample("probe", i, list(p), list(r), list(logprobs[i]) if logprobs else [0.0] * len(r),
+                             "stop", 0, -1) for i, (p, r) in enumerate(zip(prompts, responses))]
+    adv = torch.tensor(advantages, dtype=torch.float32) if advantages is not None else torch.zeros(len(samples))
+    return build_batch(samples, adv, pad_id)
 
 
 def probe_logprobs(engine, learner, version: int, prompts: list[list[int]], max_new_tokens: int = 16,

@@ -2,8 +2,8 @@
 
 Order on every sync (nothing is served between load and reset):
   1. the learner ranks gather their shards collectively; rank 0 packs buckets
-  2. each bucket goes to every engine as soon as it exists (peak extra memory ~ one
-     bucket on the learner, one in the object store, one in the engine)
+  2. each bucket goes to every engine as soon as it exists (measured peak extra private memory:
+     about one bucket plus the largest tensor on the learner; buckets sit in the object store)
   3. finish_update(version): the engine bumps weight_version and resets its prefix
      cache, then serves again. Requests sent under the old version are refused.
 Generation is paused by construction: the loop is synchronous, and an engine with

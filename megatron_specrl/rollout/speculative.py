@@ -42,7 +42,6 @@ class _Plan:
     prompt_ids: list[int]
     draft: Trajectory | None
     draft_ids: list[int] = field(default_factory=list)
-    draft_finished: bool = False
     draft_finish_reason: str = "length"
     p_logprobs: list[float] = field(default_factory=list)
     accepted: int = 0
@@ -73,7 +72,6 @@ class SpeculativeRollout:
             plan.draft_ids = list(draft.token_ids[:L])   # an old response longer than L is truncated
             ended_by_eos = draft.finish_reason == "stop" and len(draft.token_ids) <= L
             plan.draft_finish_reason = "stop" if ended_by_eos else "length"
-            plan.draft_finished = ended_by_eos or len(plan.draft_ids) == L
         return plan
 
     def run(self, prompts: list[tuple[str, list[int]]], n_samples: int, weight_version: int,
@@ -102,7 +100,9 @@ class SpeculativeRollout:
             p.accepted, p.ban = acc.num_accepted, acc.ban_token
             excess += acc.lenient_excess
             n_excess += acc.num_accepted
-            p.needs_generation = not (acc.num_accepted == len(p.draft_ids) and p.draft_finished)
+            # a fully accepted draft needs nothing more if it ended at EOS or filled all L tokens
+            draft_done = p.draft_finish_reason == "stop" or len(p.draft_ids) == self.max_new_tokens
+            p.needs_generation = not (acc.num_accepted == len(p.draft_ids) and draft_done)
 
         # 4. extend (plain generation for plans without a draft) in one batch
         to_extend = [p for p in plans if p.needs_generation]
