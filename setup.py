@@ -39,5 +39,10 @@ setup(
     python_requires=">=3.10,<3.12",
     install_requires=CORE,
     extras_require=EXTRAS,
-    entry_points={"console_scripts": ["megatron-specrl=megatron_specrl.cli:main"]},
+    entry_points={
+        "console_scripts": ["megatron-specrl=megatron_specrl.cli:main"],
+        # vLLM loads these in every engine process (workers included) unless VLLM_PLUGINS excludes them.
+        "vllm.general_plugins": ["specrl_batched_prompt_logprobs="
+                                 "patches.vllm_0_32_0_batched_prompt_logprobs:apply"],
+    },
 )

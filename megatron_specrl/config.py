@@ -44,6 +44,15 @@ class DataConfig(_Strict):
     shuffle: bool = True
     apply_chat_template: bool = False
     max_prompt_len: int = Field(64, gt=0)
+    # Terms per synthetic sum (min, max): more terms, longer worked traces (~7 tokens a term).
+    synthetic_terms: tuple[int, int] = (3, 6)
+
+    @field_validator("synthetic_terms")
+    @classmethod
+    def _terms_range(cls, v):
+        if not 2 <= v[0] <= v[1]:
+            raise ValueError(f"needs 2 <= min <= max terms, got {list(v)}")
+        return v
 
 
 class RolloutConfig(_Strict):

@@ -109,7 +109,7 @@ def build_run(cfg: RunConfig) -> Run:
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(to_yaml(cfg))
-    model_dir = resolve_model(cfg.model, seed=0)
+    model_dir = resolve_model(cfg.model, seed=0, task_terms=tuple(cfg.data.synthetic_terms))
     check_model_divisibility(cfg, *shape_of(read_hf_config(model_dir)))
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -35,10 +35,14 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.ind
 _MARKER = "warmup.json"
 
 
-def task_params() -> dict:
-    """The synthetic task's difficulty knobs (make_problems defaults): part of the cache key."""
+def task_params(terms: tuple[int, int] | None = None) -> dict:
+    """The synthetic task's difficulty knobs (make_problems defaults, or `terms` = (min, max)
+    terms per sum): part of the cache key, so a longer task gets its own warm-up."""
     sig = inspect.signature(synthetic.make_problems)
-    return {k: sig.parameters[k].default for k in ("min_terms", "max_terms", "max_value")}
+    params = {k: sig.parameters[k].default for k in ("min_terms", "max_terms", "max_value")}
+    if terms is not None:
+        params["min_terms"], params["max_terms"] = int(terms[0]), int(terms[1])
+    return params
 
 
 def _hash_dir(path: Path) -> str:
@@ -51,10 +55,11 @@ def _hash_dir(path: Path) -> str:
     return h.hexdigest()
 
 
-def warmup_key(base_dir: Path, steps: int, lr: float, seed: int, batch_size: int) -> str:
+def warmup_key(base_dir: Path, steps: int, lr: float, seed: int, batch_size: int,
+               terms: tuple[int, int] | None = None) -> str:
     """Cache key: changes whenever the base model, the recipe or the task changes."""
     spec = {"base": _hash_dir(Path(base_dir)), "steps": steps, "lr": lr, "seed": seed,
-            "batch_size": batch_size, "task": task_params(), "version": 1}
+            "batch_size": batch_size, "task": task_params(terms), "version": 1}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -91,7 +96,8 @@ def _lr_at(step: int, steps: int, lr: float) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def _train(base_dir: Path, out_dir: Path, steps: int, lr: float, seed: int, batch_size: int) -> dict:
+def _train(base_dir: Path, out_dir: Path, steps: int, lr: float, seed: int, batch_size: int,
+           terms: tuple[int, int] | None = None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
@@ -100,7 +106,8 @@ def _train(base_dir: Path, out_dir: Path, steps: int, lr: float, seed: int, batc
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     # A seed namespace disjoint from the RL record seeds, so warm-up data is its own stream.
-    problems = synthetic.make_problems(steps * batch_size, seed=1_000_003 + seed)
+    task = task_params(terms)
+    problems = synthetic.make_problems(steps * batch_size, seed=1_000_003 + seed, **task)
     data = _encode(problems, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     losses, t0 = [], time.perf_counter()
@@ -121,13 +128,14 @@ def _train(base_dir: Path, out_dir: Path, steps: int, lr: float, seed: int, batc
             shutil.copy2(f, out_dir / f.name)
     model.save_pretrained(str(out_dir), safe_serialization=True)
     tok.save_pretrained(str(out_dir))
-    return {"steps": steps, "lr": lr, "seed": seed, "batch_size": batch_size, "task": task_params(),
+    return {"steps": steps, "lr": lr, "seed": seed, "batch_size": batch_size, "task": task,
             "seconds": round(seconds, 2), "first_loss": losses[0] if losses else None,
             "final_loss": sum(losses[-10:]) / max(1, len(losses[-10:])) if losses else None,
             "losses": [round(x, 5) for x in losses]}
 
 
-def warmup_sft(base_dir: Path, cache_root: Path, steps: int, lr: float, seed: int, batch_size: int = 32) -> Path:
+def warmup_sft(base_dir: Path, cache_root: Path, steps: int, lr: float, seed: int, batch_size: int = 32,
+               terms: tuple[int, int] | None = None) -> Path:
     """SFT `base_dir` on the synthetic task and return the cached HF checkpoint dir.
 
     The dir is written under a temporary name and renamed into place, so a
@@ -137,13 +145,13 @@ def warmup_sft(base_dir: Path, cache_root: Path, steps: int, lr: float, seed: in
     base_dir, cache_root = Path(base_dir), Path(cache_root)
     if not (base_dir / "config.json").is_file():
         raise FileNotFoundError(f"warm-up base model {base_dir} has no config.json")
-    final = cache_root / f"warmup-{warmup_key(base_dir, steps, lr, seed, batch_size)}"
+    final = cache_root / f"warmup-{warmup_key(base_dir, steps, lr, seed, batch_size, terms)}"
     if (final / _MARKER).is_file():
         return final
     cache_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=cache_root))
     try:
-        info = _train(base_dir, tmp, steps, lr, seed, batch_size)
+        info = _train(base_dir, tmp, steps, lr, seed, batch_size, terms)
         (tmp / _MARKER).write_text(json.dumps(info))
         if final.exists() and not (final / _MARKER).is_file():
             shutil.rmtree(final)  # a leftover without its marker is not trusted
@@ -165,7 +173,7 @@ def read_warmup_info(path: Path) -> dict:
 
 @torch.no_grad()
 def synthetic_accuracy(model_dir: Path, n: int = 200, temperature: float = 0.0, seed: int = 777,
-                       max_new_tokens: int = 64, batch_size: int = 50) -> dict:
+                       max_new_tokens: int = 64, batch_size: int = 50, terms: tuple[int, int] | None = None) -> dict:
     """Format rate and accuracy of an HF checkpoint on fresh synthetic problems (HF generate).
 
     temperature=0 is greedy. A quick check that a warm-up left RL something to learn.
@@ -174,7 +182,7 @@ def synthetic_accuracy(model_dir: Path, n: int = 200, temperature: float = 0.0, 
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    problems = synthetic.make_problems(n, seed=seed)
+    problems = synthetic.make_problems(n, seed=seed, **task_params(terms))
     torch.manual_seed(seed)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     well_formed = correct = 0

@@ -37,6 +37,7 @@ def test_overrides_are_dotted_and_typed():
     ("rollout.max_model_len=32", "rollout.max_model_len=32"),
     ("learner.dp=3", "learner.dp * learner.mini_batches = 3"),
     ("nokey", "not of the form key=value"),
+    ("data.synthetic_terms=[6,3]", "'data.synthetic_terms'"),
 ])
 def test_bad_values_name_the_key(override, needle):
     with pytest.raises(ConfigError) as err:

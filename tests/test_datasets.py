@@ -130,6 +130,12 @@ def test_synthetic_train_and_eval():
     assert load_records(DataConfig(num_eval=0), "eval") == []
 
 
+def test_synthetic_terms_set_the_trace_length():
+    long = load_records(DataConfig(num_synthetic=50, num_eval=10, synthetic_terms=(8, 12)), "train", seed=5)
+    assert all(8 <= len(r.prompt[2:-1].split("+")) <= 12 for r in long)
+    assert all(len(r.meta["solution"].split(";")) == len(r.prompt[2:-1].split("+")) for r in long)
+
+
 def test_loader_state_round_trip_gives_identical_order():
     recs = [PromptRecord(id=str(i), prompt=f"p{i}", answer="0", meta={}) for i in range(10)]
     ref = PromptLoader(recs, batch_size=4, seed=11)

@@ -109,6 +109,50 @@ def test_score_writes_prefix_cache_for_extension(engine):
     assert ext.num_cached_tokens >= full_blocks == 64
 
 
+def test_batched_prompt_logprobs_patch_matches_vllm_loop(engine):
+    """patches/vllm_0_32_0_batched_prompt_logprobs: the batched verification returns exactly what
+    vLLM's per-request loop returns, for a mixed batch (lengths, top-k counts) in one step."""
+    import patches.vllm_0_32_0_batched_prompt_logprobs as batched
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    assert batched.is_applied()                       # VLLMEngine installs it
+    reqs = [ScoreRequest(rand_ids(5 + 7 * i, 100 + i), rand_ids(3 + 11 * i, 200 + i)) for i in range(12)]
+    prompts = [TokensPrompt(prompt_token_ids=rand_ids(9 + i, 300 + i)) for i in range(6)]
+    params = [SamplingParams(max_tokens=1, prompt_logprobs=k, detokenize=False) for k in (0, 3, 0, 5, 3, 0)]
+
+    def run():
+        scores = [s.logprobs for s in engine.score(reqs, T1, 0)]
+        outs = engine.llm.generate(prompts, params, use_tqdm=False)
+        tops = [[sorted((t, round(lp.logprob, 6)) for t, lp in pos.items()) for pos in o.prompt_logprobs[1:]]
+                for o in outs]
+        return scores, tops
+
+    batched_scores, batched_tops = run()
+    batched.revert()
+    try:
+        loop_scores, loop_tops = run()
+    finally:
+        assert batched.apply()
+    assert batched_scores == loop_scores                 # bit-identical
+    assert batched_tops == loop_tops
+    assert [len(t[0]) for t in batched_tops] == [1, 4, 1, 6, 4, 1]   # k top + the prompt token
+    assert all(len(s) == len(r.continuation_ids) for s, r in zip(batched_scores, reqs))
+
+
+def test_batched_prompt_logprobs_patch_is_version_pinned(monkeypatch):
+    import vllm
+
+    import patches.vllm_0_32_0_batched_prompt_logprobs as batched
+    batched.revert()
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    try:
+        assert batched.apply() is False and not batched.is_applied()
+    finally:
+        monkeypatch.undo()
+        assert batched.apply() is True
+
+
 def test_ban_first_token(engine):
     """The banned token never comes first, may come later, and the first log-prob is unbanned."""
     prompt = rand_ids(24, 21)

@@ -50,7 +50,8 @@ def test_cache_key_covers_the_recipe(tiny_llama, tiny_qwen2):
     assert k == warmup_key(tiny_llama, 20, 3e-3, 0, 16)
     assert len({k, warmup_key(tiny_llama, 21, 3e-3, 0, 16), warmup_key(tiny_llama, 20, 1e-3, 0, 16),
                 warmup_key(tiny_llama, 20, 3e-3, 1, 16), warmup_key(tiny_llama, 20, 3e-3, 0, 8),
-                warmup_key(tiny_qwen2, 20, 3e-3, 0, 16)}) == 6
+                warmup_key(tiny_qwen2, 20, 3e-3, 0, 16), warmup_key(tiny_llama, 20, 3e-3, 0, 16, (8, 12))}) == 7
+    assert warmup_key(tiny_llama, 20, 3e-3, 0, 16, (3, 6)) == k     # the default task: caches stay valid
 
 
 def test_a_half_written_dir_is_not_trusted(tiny_llama, tmp_path, monkeypatch):

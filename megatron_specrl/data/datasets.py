@@ -256,19 +256,19 @@ def load_file(path: str | Path, data_cfg: DataConfig) -> list[PromptRecord]:
 
 # --------------------------------------------------------------------------- synthetic
 
-def _synthetic(n: int, seed: int) -> list[PromptRecord]:
+def _synthetic(n: int, seed: int, terms: tuple[int, int]) -> list[PromptRecord]:
     return [PromptRecord(id=r["id"], prompt=r["prompt"], answer=r["answer"],
                          meta={"format": "synthetic", "source": "synthetic", "solution": r["solution"]})
-            for r in synthetic.make_records(n, seed)]
+            for r in synthetic.make_records(n, seed, min_terms=terms[0], max_terms=terms[1])]
 
 
 def _synthetic_eval(data_cfg: DataConfig, seed: int) -> list[PromptRecord]:
     """Eval problems from another seed, minus any prompt that also occurs in the train set."""
-    train_prompts = {r.prompt for r in _synthetic(data_cfg.num_synthetic, seed)}
+    train_prompts = {r.prompt for r in _synthetic(data_cfg.num_synthetic, seed, data_cfg.synthetic_terms)}
     n, out = data_cfg.num_eval, []
     pool = max(2 * n, 16)
     while len(out) < n:
-        out = [r for r in _synthetic(pool, seed + EVAL_SEED_OFFSET) if r.prompt not in train_prompts][:n]
+        out = [r for r in _synthetic(pool, seed + EVAL_SEED_OFFSET, data_cfg.synthetic_terms) if r.prompt not in train_prompts][:n]
         if pool > 64 * max(n, 1):
             raise DatasetError(f"cannot draw {n} synthetic eval problems disjoint from the "
                                f"{data_cfg.num_synthetic} train problems; lower data.num_eval")
@@ -288,7 +288,7 @@ def load_records(data_cfg: DataConfig, split: str = "train", seed: int = 0) -> l
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     if split == "train":
         if data_cfg.source == "synthetic":
-            return _synthetic(data_cfg.num_synthetic, seed)
+            return _synthetic(data_cfg.num_synthetic, seed, data_cfg.synthetic_terms)
         return load_file(data_cfg.source, data_cfg)
     if data_cfg.num_eval == 0:
         return []

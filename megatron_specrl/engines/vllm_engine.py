@@ -126,6 +126,8 @@ class VLLMEngine:
                  skip_cache_reset: bool = False, **llm_kwargs):
         from vllm import LLM
 
+        from patches.vllm_0_32_0_batched_prompt_logprobs import apply as batch_prompt_logprobs
+
         self.name = name
         self.log_path = Path(log_dir or os.environ.get("SPECRL_ENGINE_LOG_DIR", "logs/engines")) / f"{name}.log"
         self._log_handler = attach_log_file(self.log_path)
@@ -158,6 +160,9 @@ class VLLMEngine:
             kwargs["enable_chunked_prefill"] = False
             kwargs["max_num_batched_tokens"] = max(max_model_len, 8192)
         kwargs.update(llm_kwargs)
+        # In-process workers (CPU, tests) take the patch from here; multiprocess workers load it
+        # through the `vllm.general_plugins` entry point (setup.py; VLLM_PLUGINS may exclude it).
+        self._log.info("batched prompt log-probs patch applied: %s", batch_prompt_logprobs())
         self._log.info("starting vLLM engine %s with %s", name, kwargs)
         try:
             self.llm = LLM(**kwargs)

@@ -21,7 +21,8 @@ def cache_root() -> Path:
     return Path(os.environ.get("MEGATRON_SPECRL_CACHE", Path.home() / ".cache" / "megatron_specrl"))
 
 
-def resolve_model(model_cfg: ModelConfig, seed: int = 0) -> Path:
+def resolve_model(model_cfg: ModelConfig, seed: int = 0, task_terms: tuple[int, int] | None = None) -> Path:
+    """`task_terms`: the synthetic task's (min, max) terms, which the tiny model is warmed up on."""
     if model_cfg.path in TINY:
         from megatron_specrl.models.tiny import build_tiny_model
         base = cache_root() / f"{model_cfg.path}-seed{seed}"
@@ -31,7 +32,7 @@ def resolve_model(model_cfg: ModelConfig, seed: int = 0) -> Path:
             return base
         from megatron_specrl.warmup import warmup_sft
         return Path(warmup_sft(base, cache_root() / "warmup", steps=model_cfg.warmup_steps,
-                               lr=model_cfg.warmup_lr, seed=seed))
+                               lr=model_cfg.warmup_lr, seed=seed, terms=task_terms))
     path = Path(model_cfg.path)
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.path={model_cfg.path!r} is not a local HF checkpoint directory "
