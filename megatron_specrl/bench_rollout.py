@@ -3,7 +3,13 @@
 Same recipe, seed and data order for each mode, run one after another in one
 process; a small dataset so every prompt comes back each epoch (drafts exist
 from epoch 2 on). Prints per-epoch rollout seconds, generated tokens, reuse
-ratio and reward, and the off/exact and off/lenient rollout-time ratios.
+ratio, rollout reward and held-out greedy accuracy (what the policy learned,
+which rollout reward alone hides: lenient reuses old, possibly better, samples),
+and the off/exact and off/lenient rollout-time ratios.
+
+The default recipe is tiny-cpu-grpo-long (~67-token worked traces): with the
+~27-token traces of tiny-cpu-grpo, a rollout on this CPU is mostly fixed
+per-request cost rather than decoding, which is not the regime RLVR runs in.
 """
 
 from __future__ import annotations
@@ -25,11 +31,13 @@ STEADY_FROM_EPOCH = 3
 def _parse(argv):
     p = argparse.ArgumentParser(prog="megatron-specrl bench-rollout", description=__doc__)
     p.add_argument("overrides", nargs="*", help="config key=value overrides (recipe keys)")
-    p.add_argument("--recipe", default="tiny-cpu-grpo")
+    p.add_argument("--recipe", default="tiny-cpu-grpo-long")
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--prompts", type=int, default=32, help="dataset size (prompts per epoch)")
     p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--eval-prompts", type=int, default=128,
+                   help="held-out prompts for greedy accuracy at the start and after every epoch (0: off)")
     p.add_argument("--output-dir", default=None)
     p.add_argument("--json", dest="json_path", default=None, help="write per-epoch results and a summary here")
     p.add_argument("--plot", dest="plot_path", default=None, help="write a PNG of the curves here")
@@ -37,9 +45,12 @@ def _parse(argv):
 
 
 def per_epoch(rows: list[dict], steps_per_epoch: int) -> list[dict]:
+    """Sum the step rows of each epoch; `eval_accuracy` is the eval logged at the epoch's last step."""
+    steps = [r for r in rows if "spec/rollout_s" in r]
+    evals = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
     epochs = []
-    for e in range(math.ceil(len(rows) / steps_per_epoch)):
-        chunk = rows[e * steps_per_epoch:(e + 1) * steps_per_epoch]
+    for e in range(math.ceil(len(steps) / steps_per_epoch)):
+        chunk = steps[e * steps_per_epoch:(e + 1) * steps_per_epoch]
         total = lambda k: sum(r.get(k, 0.0) for r in chunk)
         response_tokens = sum(r.get("response/mean_len", 0.0) for r in chunk)
         epochs.append({
@@ -51,6 +62,7 @@ def per_epoch(rows: list[dict], steps_per_epoch: int) -> list[dict]:
                                                                + total("spec/generated_tokens"), 1),
             "reward": sum(r.get("reward/mean", 0.0) for r in chunk) / len(chunk),
             "mean_response_len": response_tokens / len(chunk),
+            "eval_accuracy": evals.get(chunk[-1].get("step")),
         })
     return epochs
 
@@ -65,6 +77,8 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, float]:
         summary[f"reuse_ratio_{m}"] = acc / max(acc + gen, 1)
         summary[f"rollout_s_{m}"] = secs[m]
         summary[f"reward_{m}"] = sum(e["reward"] for e in results[m]) / max(len(results[m]), 1)
+        if results[m] and results[m][-1].get("eval_accuracy") is not None:
+            summary[f"final_eval_accuracy_{m}"] = results[m][-1]["eval_accuracy"]
     if "off" in secs:
         for m in secs:
             if m != "off" and secs[m] > 0:
@@ -78,13 +92,15 @@ def plot(results: dict[str, list[dict]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.5))
     for m, eps in results.items():
         x = [e["epoch"] for e in eps]
         axes[0].plot(x, [e["rollout_s"] for e in eps], marker="o", label=m)
         axes[1].plot(x, [e["reuse_ratio"] for e in eps], marker="o", label=m)
         axes[2].plot(x, [e["reward"] for e in eps], marker="o", label=m)
-    for ax, title in zip(axes, ["rollout seconds / epoch", "reuse ratio", "mean reward"]):
+        axes[3].plot(x, [e["eval_accuracy"] for e in eps], marker="o", label=m)
+    for ax, title in zip(axes, ["rollout seconds / epoch", "reuse ratio", "mean rollout reward",
+                                "held-out greedy accuracy"]):
         ax.set_title(title)
         ax.set_xlabel("epoch")
         ax.grid(alpha=0.3)
@@ -112,7 +128,8 @@ def bench_rollout_main(argv: list[str]) -> int:
             *args.overrides, f"rollout.spec_mode={mode}", f"output_dir={root / mode}",
             f"data.num_synthetic={args.prompts}", f"trainer.prompts_per_step={args.prompts_per_step}",
             f"trainer.total_steps={steps_per_epoch * args.epochs}", "trainer.resume=never",
-            "trainer.checkpoint_every=0", "trainer.eval_every=0", "trainer.export_hf=false",
+            "trainer.checkpoint_every=0", f"trainer.eval_every={steps_per_epoch if args.eval_prompts else 0}",
+            f"data.num_eval={args.eval_prompts}", "trainer.export_hf=false",
             "logging.wandb=false", "logging.plots=false",
         ])
         train(cfg)
@@ -122,6 +139,7 @@ def bench_rollout_main(argv: list[str]) -> int:
     table = Table(title=f"rollout per epoch ({args.prompts} prompts, {steps_per_epoch} steps/epoch)")
     for col in ["epoch", *[f"{m[:3]} s" for m in modes], *[f"{m[:3]} gen" for m in modes],
                 *[f"{m[:3]} reuse" for m in modes if m != "off"], *[f"{m[:3]} reward" for m in modes],
+                *([f"{m[:3]} eval" for m in modes] if args.eval_prompts else []),
                 *[f"off/{m[:3]}" for m in modes if m != "off" and "off" in modes]]:
         table.add_column(col, justify="right")
     for i in range(args.epochs):
@@ -130,6 +148,8 @@ def bench_rollout_main(argv: list[str]) -> int:
         row += [f"{results[m][i]['generated_tokens']:.0f}" for m in modes]
         row += [f"{results[m][i]['reuse_ratio']:.2f}" for m in modes if m != "off"]
         row += [f"{results[m][i]['reward']:.3f}" for m in modes]
+        if args.eval_prompts:
+            row += [f"{results[m][i]['eval_accuracy']:.3f}" for m in modes]
         if "off" in modes:
             row += [f"{results['off'][i]['rollout_s'] / max(results[m][i]['rollout_s'], 1e-9):.2f}x"
                     for m in modes if m != "off"]
