@@ -132,6 +132,9 @@ class TrainerConfig(_Strict):
     resume: Literal["auto", "never"] | str = "auto"
     check_resync_every: int = Field(0, ge=0)
     resync_bucket_mb: int = Field(512, gt=0)
+    # How weights reach the engines: auto picks from the placement (resync/choose.py); ray = object
+    # store (any host), broadcast = one process group (gloo on CPU, NCCL on GPU), cuda_ipc = colocated GPU.
+    resync_transport: Literal["auto", "ray", "broadcast", "cuda_ipc"] = "auto"
     export_hf: bool = True
 
 

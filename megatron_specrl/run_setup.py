@@ -19,6 +19,8 @@ from megatron_specrl.faults import maybe_kill
 from megatron_specrl.engines.protocol import GenerateRequest, SamplingSettings
 from megatron_specrl.metrics import MetricsLogger, plot_metrics
 from megatron_specrl.placement import cluster_gpus, plan_placement
+from megatron_specrl.resync.choose import resolve_transport
+from megatron_specrl.resync.routes import make_route
 from megatron_specrl.models.resolve import read_hf_config, resolve_model, shape_of, tokenizer_fingerprint
 from megatron_specrl.rollout.speculative import SpeculativeRollout, stable_seed
 from megatron_specrl.rollout.store import TrajectoryStore
@@ -44,6 +46,7 @@ class Run:
     rollout: SpeculativeRollout
     logger: MetricsLogger
     placement: object = None
+    resync_route: object = None       # resync.routes route of trainer.resync_transport (None: object store)
     critic: object | None = None
     ref: object | None = None
     step: int = 0
@@ -60,7 +63,7 @@ class Run:
         """Push the learner's current weights to every engine as weight version `self.version`."""
         from megatron_specrl.resync.lifecycle import sync_weights
         return sync_weights(self.learner, self.engine, self.version, self.cfg.trainer.resync_bucket_mb << 20,
-                            wake_engines=wake_engines)
+                            wake_engines=wake_engines, route=self.resync_route)
 
     def record_data_order(self, step: int, samples) -> None:
         """Which prompts each step trained on: makes data order after a resume checkable."""
@@ -126,6 +129,7 @@ def build_run(cfg: RunConfig) -> Run:
 
     _init_ray(cfg)
     placement = plan_placement(cfg, cluster_gpus())
+    transport = resolve_transport(cfg.trainer.resync_transport, placement, cfg.rollout.num_engines)
     learner = LearnerGroup(cfg.learner, seed=cfg.trainer.seed, num_gpus_per_rank=placement.learner_gpus_per_rank)
     learner.load_hf(str(model_dir))
     critic = ref = None
@@ -161,7 +165,10 @@ def build_run(cfg: RunConfig) -> Run:
     run = Run(cfg=cfg, out=out, model_dir=model_dir, tokenizer=tokenizer, pad_id=pad_id, tokenizer_id=tokenizer_id,
               loader=loader, train_records={r.id: r for r in train_records}, eval_records=eval_records,
               reward_fn=get_reward(default_reward_for(cfg.data)), learner=learner, engine=engine, store=store,
-              rollout=rollout, logger=logger, placement=placement, critic=critic, ref=ref, step=step, version=version)
+              rollout=rollout, logger=logger, placement=placement, critic=critic, ref=ref, step=step, version=version,
+              resync_route=make_route(transport, timeout_s=cfg.rollout.engine_timeout_s))
+    logger.console.print(f"weight resync transport: {transport} (trainer.resync_transport="
+                         f"{cfg.trainer.resync_transport})")
     if resumed:   # the engines started from the HF weights: give them the checkpoint's
         run.resync()
         log.warning("resumed from %s at step %d (weight version %d, %d stored trajectories)",

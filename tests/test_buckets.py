@@ -5,7 +5,7 @@ import torch
 
 from megatron_specrl.resync.buckets import Bucket, layer_group, plan_buckets
 from megatron_specrl.resync.transports import (
-    CudaIpcTransport, InProcessTransport, NcclBroadcastTransport, RayObjectStoreTransport, stage_groups,
+    BroadcastTransport, CudaIpcTransport, InProcessTransport, RayObjectStoreTransport, stage_groups,
 )
 
 
@@ -85,54 +85,59 @@ def test_bytes_roundtrip_and_transports():
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(ts, got))
 
 
-def test_nccl_header_and_stage_groups():
+def test_broadcast_header_and_stage_groups():
     (bucket,) = plan_buckets(iter(model_tensors()), 1 << 30)
-    head = NcclBroadcastTransport.header(bucket)
+    head = BroadcastTransport.header(bucket)
     assert [k for k, _ in head["buffers"]] == ["bfloat16", "float32"]          # fixed order on all ranks
     assert dict(head["buffers"]) == {k: v.numel() for k, v in bucket.buffers.items()}
     # learner TP2 x PP2 (ranks 0-3, stage s = ranks 2s, 2s+1) + 2 engine workers
     assert stage_groups(2, 2, lambda s: [2 * s, 2 * s + 1]) == [[0, 4, 5], [2, 4, 5]]
 
 
-def _broadcast_worker(rank, world, port, queue):
-    import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    t = NcclBroadcastTransport(group=None, src=0, device="cpu")
-    if rank == 0:
-        for b in plan_buckets(iter(model_tensors()), 3000):
-            t.pack(b)
-        t.pack(Bucket({}, []))                                            # end marker
-    else:
-        names = []
-        while True:
-            got = t.unpack()
-            if not got:
-                break
-            names += [n for n, _ in got]
-            ref = dict(model_tensors())
-            assert all(torch.equal(ref[n], v) for n, v in got)
-        queue.put(names)
-    dist.destroy_process_group()
+def test_cuda_ipc_keeps_each_bucket_alive_until_every_engine_loaded():
+    """What gets packed, and the keep-alive: the sender holds the bucket while every engine loads it
+    (they read its memory in place) and frees it right after, also when an engine fails."""
+    t = CudaIpcTransport()
+    buckets = list(plan_buckets(iter(model_tensors()), 3000))
+    loads = []
+
+    def load_everywhere(payload):
+        assert t.kept == 1                              # alive while the engines read it
+        assert payload.device_uuid is None and set(payload.handles) == set(buckets[len(loads)].buffers)
+        loads.append([[n for n, _ in t.unpack(payload)] for _engine in range(2)])
+        return len(loads)
+
+    assert [t.push(b, load_everywhere) for b in buckets] == list(range(1, len(buckets) + 1))
+    assert t.kept == 0                                   # one bucket alive at a time, none after
+    assert [names[0] for names in loads] == [b.names for b in buckets] and all(a == b for a, b in loads)
+
+    def engine_dies(payload):
+        raise RuntimeError("engine 1 died")
+
+    with pytest.raises(RuntimeError, match="engine 1 died"):
+        t.push(buckets[0], engine_dies)
+    assert t.kept == 0
 
 
-@pytest.mark.slow
-def test_broadcast_transport_over_gloo():
-    """The NCCL transport's protocol, run over gloo on CPU (2 processes)."""
-    import socket
-    import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_broadcast_worker, args=(r, 2, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    names = q.get(timeout=120)
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
-    assert names == [n for n, _ in model_tensors()]
+def test_push_ipc_drains_the_gather_after_a_failure():
+    from megatron_specrl.resync.streams import push_ipc
+    pulled = []
+
+    def gather():
+        for name, tensor in model_tensors():
+            pulled.append(name)
+            yield name, tensor
+
+    calls = []
+
+    def load_everywhere(payload):
+        calls.append(payload)
+        if len(calls) == 2:
+            raise RuntimeError("engine 0: out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        push_ipc(plan_buckets(gather(), 3000), torch.device("cpu"), load_everywhere)
+    assert len(calls) == 2 and pulled == [n for n, _ in model_tensors()]   # the other ranks' gather finished
 
 
 @pytest.mark.gpu
@@ -140,7 +145,9 @@ def test_broadcast_transport_over_gloo():
 def test_cuda_ipc_transport_gpu():
     (bucket,) = plan_buckets(iter([(n, t.cuda()) for n, t in model_tensors()]), 1 << 30)
     t = CudaIpcTransport()
-    got = t.unpack(t.pack(bucket))
+    payload = t.pack(bucket)
+    assert payload.device_uuid == str(torch.cuda.get_device_properties(0).uuid)
+    got = t.unpack(payload, device=0)
     assert all(torch.equal(a.cuda(), b) for (_, a), (_, b) in zip(model_tensors(), got))
     t.release()
 

@@ -36,3 +36,43 @@ def test_disaggregated_uses_separate_pools():
 def test_impossible_layouts_are_named(over, gpus, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         plan_placement(_cfg(*over), gpus_available=gpus)
+
+
+@pytest.mark.parametrize("colocate, gpus, engines, want", [
+    (True, 0, 1, "ray"), (False, 0, 2, "ray"),              # CPU: the object store
+    (True, 8, 1, "cuda_ipc"),                              # one engine on learner rank 0's GPU
+    (True, 8, 2, "ray"),                                   # IPC cannot reach the second engine's GPU
+    (False, 8, 2, "broadcast"),                            # disaggregated: NCCL
+])
+def test_auto_transport_follows_the_placement(colocate, gpus, engines, want):
+    from megatron_specrl.resync.choose import resolve_transport
+    cfg = _cfg(f"rollout.colocate={str(colocate).lower()}", f"rollout.num_engines={engines}", "learner.dp=2")
+    assert resolve_transport("auto", plan_placement(cfg, gpus), engines) == want
+    assert resolve_transport("ray", plan_placement(cfg, gpus), engines) == "ray"
+
+
+@pytest.mark.parametrize("requested, colocate, gpus, engines, ok, needle", [
+    ("broadcast", True, 0, 1, True, ""),                   # gloo on CPU
+    ("broadcast", False, 8, 1, True, ""),
+    ("broadcast", True, 8, 1, False, "NCCL cannot put learner rank 0 and an engine on the same GPU"),
+    ("cuda_ipc", True, 8, 1, True, ""),
+    ("cuda_ipc", True, 0, 1, False, "needs engines colocated on the learner's GPUs"),
+    ("cuda_ipc", False, 8, 1, False, "needs engines colocated on the learner's GPUs"),
+    ("cuda_ipc", True, 8, 2, False, "rollout.num_engines=2"),
+    ("nccl", False, 8, 1, False, "expected auto, ray, broadcast, cuda_ipc"),
+])
+def test_explicit_transport_is_checked(requested, colocate, gpus, engines, ok, needle):
+    from megatron_specrl.resync.choose import resolve_transport
+    placement = plan_placement(_cfg(f"rollout.colocate={str(colocate).lower()}", f"rollout.num_engines={engines}",
+                                    "learner.dp=2"), gpus)
+    if ok:
+        assert resolve_transport(requested, placement, engines) == requested
+    else:
+        with pytest.raises(ConfigError, match=needle):
+            resolve_transport(requested, placement, engines)
+
+
+def test_transport_key_rejects_unknown_values():
+    with pytest.raises(ConfigError, match="'trainer.resync_transport': 'nccl'"):
+        _cfg("trainer.resync_transport=nccl")
+    assert _cfg().trainer.resync_transport == "auto"

@@ -1,4 +1,7 @@
-"""Benchmark one weight resync (learner Ray actors -> buckets -> object store -> vLLM engine actor).
+"""Benchmark one weight resync (learner Ray actors -> buckets -> transport -> vLLM engine actor).
+
+--transport ray: buckets go through Ray's object store; broadcast: over the gloo resync group
+(resync.group; NCCL on GPUs). Both print the same table; the learner/engine split is object-store only.
 
 Prints bytes moved, seconds, GB/s, the ratio to this machine's memcpy bandwidth
 (measured in the same run, same byte count) and the peak extra memory: the RSS rise
@@ -8,7 +11,7 @@ sampled every few ms with psutil while the sync runs.
 The model is a randomly initialised Llama (default ~60M parameters, 240 MB fp32)
 built locally with transformers (no download) and cached next to the tiny models.
 
-    python tools/bench_resync.py --bucket-mb 64 --repeats 3
+    python tools/bench_resync.py --bucket-mb 64 --repeats 3 [--transport broadcast]
 """
 
 from __future__ import annotations
@@ -142,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--intermediate", type=int, default=1536)
     p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--transport", choices=["ray", "broadcast"], default="ray")
     p.add_argument("--verify", action="store_true", help="read the engine weights back and compare with the learner")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
@@ -155,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_specrl.learner.group import LearnerGroup
     from megatron_specrl.learner.hf_mapping import expected_hf_shapes
     from megatron_specrl.resync.lifecycle import sync_weights
+    from megatron_specrl.resync.routes import make_route
 
     console = Console(width=120)
     t_start = time.perf_counter()
@@ -163,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_cfg = AutoConfig.from_pretrained(str(model_dir))
     nbytes = sum(4 * torch.Size(s).numel() for s in expected_hf_shapes(hf_cfg).values())
     console.print(f"model {model_dir.name}: {nbytes / 4e6:.1f}M parameters, {nbytes / 2**20:.0f} MiB fp32; "
-                  f"learner TP={args.tp} x PP={args.pp}; bucket {args.bucket_mb} MiB")
+                  f"learner TP={args.tp} x PP={args.pp}; bucket {args.bucket_mb} MiB; transport {args.transport}")
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     learner = engine = None
@@ -178,16 +183,23 @@ def main(argv: list[str] | None = None) -> int:
         t_setup = time.perf_counter() - t_start
         mc = memcpy_gbps(nbytes)
 
+        route = make_route(args.transport)
+        if args.transport == "broadcast":   # the one-off rendezvous is not part of a sync
+            t = time.perf_counter()
+            route.connect(learner, [engine])
+            console.print(f"broadcast group ({route.backend}) built in {time.perf_counter() - t:.2f} s")
         runs = []
         for version in range(1, args.repeats + 1):
             with RssPeak(pids) as mem:
-                out = sync_weights(learner, engine, version, args.bucket_mb << 20)
+                out = sync_weights(learner, engine, version, args.bucket_mb << 20, route=route)
             runs.append({"seconds": out["resync/seconds"], "buckets": int(out["resync/buckets"]),
                          "gbps": nbytes / out["resync/seconds"] / 1e9, "extra_mb": mem.extra_mb()})
-        split = breakdown(learner, engine, args.repeats + 1, args.bucket_mb << 20, pids)
+        split = breakdown(learner, engine, args.repeats + 1, args.bucket_mb << 20, pids) \
+            if args.transport == "ray" else {}
         mc = max(mc, memcpy_gbps(nbytes))   # measured again after the syncs: same run, warm machine
 
-        table = Table(title=f"resync of {nbytes / 2**20:.0f} MiB (memcpy {mc:.2f} GB/s on this machine, same run)")
+        table = Table(title=f"{args.transport} resync of {nbytes / 2**20:.0f} MiB (memcpy {mc:.2f} GB/s on this "
+                            "machine, same run)")
         for c in ("sync", "buckets", "seconds", "GB/s", "ratio to memcpy", *(f"peak extra MiB: {k}" for k in pids)):
             table.add_column(c, justify="right")
         for i, r in enumerate(runs, 1):
@@ -207,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
             rows = compare_weights(read_engine_weights(engine)[engine.name], learner_hf_state(learner))
             console.print(f"verify: {len(rows)} tensors, max |engine - learner| {max(r.max_abs for r in rows):.3g}")
         if args.json:
-            Path(args.json).write_text(json.dumps({"bytes": nbytes, "memcpy_gbps": mc, "runs": runs}, indent=1))
+            Path(args.json).write_text(json.dumps({"transport": args.transport, "bytes": nbytes, "memcpy_gbps": mc,
+                                                   "runs": runs}, indent=1))
         console.print(f"total wall time {time.perf_counter() - t_start:.0f} s")
         return 0
     finally:

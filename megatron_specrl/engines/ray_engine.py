@@ -21,11 +21,12 @@ from megatron_specrl.engines.protocol import (
 )
 from megatron_specrl.engines.vllm_engine import tail_lines
 from megatron_specrl.resync.buckets import Bucket, plan_buckets
+from megatron_specrl.resync.group import ResyncMember
 
 ACTOR_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
 
 
-class EngineActor:
+class EngineActor(ResyncMember):
     """Runs in the actor process: builds the engine and forwards protocol calls."""
 
     def __init__(self, engine_cls, engine_kwargs: dict):
@@ -50,6 +51,15 @@ class EngineActor:
         self.engine.update_weights(named, version)
         return len(named)
 
+    # -- broadcast / IPC resync (resync.routes); on CPU vLLM runs in this process ----------------
+    def receive_broadcast(self, version: int) -> int:
+        """Load broadcast buckets until the sender's end sentinel; returns how many arrived."""
+        from megatron_specrl.resync.streams import receive_all
+        return receive_all(self.resync_endpoint, lambda named: self.engine.update_weights(named, version))
+
+    def update_weights_ipc(self, payload, version: int) -> int:
+        return self.engine.update_weights_ipc(payload, version)
+
 
 class RayEngine:
     """Driver-side handle implementing RolloutEngine over an EngineActor."""
@@ -66,6 +76,7 @@ class RayEngine:
         self.bucket_bytes = bucket_bytes
         self.actor = None
         self._pid: int | None = None
+        self.starts = 0          # a new actor process is a new member of any broadcast group
         self.start()
 
     # -- lifecycle --------------------------------------------------------------
@@ -76,6 +87,7 @@ class RayEngine:
             num_cpus=self.num_cpus, num_gpus=self.num_gpus, max_restarts=0, max_concurrency=1,
             runtime_env={"env_vars": self._actor_env()})
         self.actor = cls.remote(self.engine_cls, self.engine_kwargs)
+        self.starts += 1
         self._pid = self._get(self.actor.pid.remote(), self.start_timeout_s, "start")
 
     def _actor_env(self) -> dict:
@@ -157,6 +169,12 @@ class RayEngine:
 
     def finish_update(self, version: int) -> None:
         self._get(self.submit("finish_update", version), self.timeout_s, "finish_update")
+
+    def submit_actor(self, method: str, *args):
+        """Start an EngineActor method (resync group membership, broadcast receive) without waiting."""
+        if self.actor is None:
+            raise EngineError("engine is not running (call restart())", self.name, self.last_log_lines())
+        return getattr(self.actor, method).remote(*args)
 
     def reset_prefix_cache(self) -> None:
         self._get(self.submit("reset_prefix_cache"), self.timeout_s, "reset_prefix_cache")

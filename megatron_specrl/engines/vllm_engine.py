@@ -100,6 +100,17 @@ def _reload_in_worker(worker, named_tensors=None, payload: bytes | None = None) 
     return len(named_tensors)
 
 
+def _reload_ipc_in_worker(worker, payload) -> int:
+    """Runs inside each vLLM worker: open the learner's CUDA IPC handles on this worker's GPU and
+    load in place (the learner keeps the bucket alive until every engine has returned)."""
+    from megatron_specrl.resync.transports import CudaIpcTransport
+    named = CudaIpcTransport().unpack(payload, device=getattr(worker, "device", None))
+    worker.reload_weights(weights_iterator=iter(named))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return len(named)
+
+
 def token_logprobs(container, start: int, tokens: list[int]) -> list[float]:
     """Log-prob of tokens[j] at position start + j. `container` is vLLM's FlatLogprobs (flat
     lists, no per-token objects: ~10% off a verification prefill here) or a list of dicts."""
@@ -250,10 +261,7 @@ class VLLMEngine:
         q/k/v or gate/up): `resync.buckets.plan_buckets` never splits a layer."""
         named = [(n, t.detach()) for n, t in named_tensors]
         with self._lock:
-            if version <= self._version:
-                raise WeightVersionMismatch(f"engine {self.name}: update to version {version} "
-                                            f"but already serving {self._version}")
-            self._pending_version = version
+            self._begin_update(version)
             if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
                 self._run(lambda: self.llm.collective_rpc(_reload_in_worker, kwargs={"named_tensors": named}))
             else:  # workers are other processes: ship one safetensors blob
@@ -261,6 +269,21 @@ class VLLMEngine:
                 blob = st_save({n: t.contiguous().cpu() for n, t in named})
                 self._run(lambda: self.llm.collective_rpc(_reload_in_worker, kwargs={"payload": blob}))
             self._log.info("loaded %d tensors for version %d", len(named), version)
+
+    def update_weights_ipc(self, payload, version: int) -> int:
+        """Load one bucket from CUDA IPC handles (resync.transports.IpcPayload): each worker maps
+        the colocated learner's GPU buffers itself, nothing is copied through host memory."""
+        with self._lock:
+            self._begin_update(version)
+            counts = self._run(lambda: self.llm.collective_rpc(_reload_ipc_in_worker, kwargs={"payload": payload}))
+            self._log.info("loaded %d tensors for version %d over CUDA IPC", counts[0], version)
+            return counts[0]
+
+    def _begin_update(self, version: int) -> None:
+        if version <= self._version:
+            raise WeightVersionMismatch(f"engine {self.name}: update to version {version} "
+                                        f"but already serving {self._version}")
+        self._pending_version = version
 
     def finish_update(self, version: int) -> None:
         with self._lock:

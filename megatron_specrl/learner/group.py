@@ -14,16 +14,40 @@ import ray
 from megatron_specrl.config import LearnerConfig
 from megatron_specrl.learner.worker import LearnerWorker
 from megatron_specrl.resync.buckets import plan_buckets
+from megatron_specrl.resync.group import ResyncMember
 
 
-class RayLearnerWorker(LearnerWorker):
-    """LearnerWorker plus a streaming view of its weights as resync buckets."""
+class RayLearnerWorker(LearnerWorker, ResyncMember):
+    """LearnerWorker plus its weights as resync buckets, for each transport (resync.routes).
+    Every rank runs the sync methods (the gather is collective); only rank 0 sends."""
 
     def hf_bucket_stream(self, bucket_bytes: int, swap_kv: bool = False, swap_gate_up: bool = False):
-        """Every rank iterates (the gather is collective); only rank 0 yields buckets, as numpy
-        payloads that Ray writes once into its object store and engine actors read from there."""
+        """Object store: numpy payloads that Ray writes once into its store and engine actors read from there."""
         for bucket in plan_buckets(self.iter_hf_state(swap_kv=swap_kv, swap_gate_up=swap_gate_up), bucket_bytes):
             yield bucket.to_payload()
+
+    def open_resync_store(self, timeout_s: float) -> tuple[str, int]:
+        return self.resync_endpoint.open_store(ray.util.get_node_ip_address(), timeout_s)
+
+    def broadcast_buckets(self, bucket_bytes: int, swap_kv: bool = False, swap_gate_up: bool = False):
+        """Broadcast: rank 0 sends every bucket over the resync group; returns {buckets, bytes} there."""
+        from megatron_specrl.resync.streams import drain, broadcast_all
+        buckets = plan_buckets(self.iter_hf_state(swap_kv=swap_kv, swap_gate_up=swap_gate_up), bucket_bytes)
+        if self.rank != 0:
+            return drain(buckets)
+        return broadcast_all(self.resync_endpoint, buckets)
+
+    def push_ipc_buckets(self, bucket_bytes: int, engine_actors: list, version: int, timeout_s: float,
+                         swap_kv: bool = False, swap_gate_up: bool = False):
+        """CUDA IPC: rank 0 hands each bucket's handles to every engine actor and waits for all of them."""
+        from megatron_specrl.resync.streams import drain, push_ipc
+        buckets = plan_buckets(self.iter_hf_state(swap_kv=swap_kv, swap_gate_up=swap_gate_up), bucket_bytes)
+        if self.rank != 0:
+            return drain(buckets)
+
+        def load_everywhere(payload):
+            ray.get([a.update_weights_ipc.remote(payload, version) for a in engine_actors], timeout=timeout_s)
+        return push_ipc(buckets, self.device, load_everywhere)
 
 
 def _free_port() -> int:
@@ -45,10 +69,13 @@ class LearnerGroup:
         self.actors = [actor_cls.remote(rank, world, addr, port, settings, seed=seed, role=role)
                        for rank in range(world)]
 
+    def submit(self, method: str, *args, **kwargs) -> list:
+        """Start `method` on every rank without waiting; one ref per rank, rank 0 first."""
+        return [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
+
     def call(self, method: str, *args, **kwargs):
         """Run `method` on every rank; return rank 0's result (raises the first rank failure)."""
-        refs = [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
-        return ray.get(refs)[0]
+        return ray.get(self.submit(method, *args, **kwargs))[0]
 
     def call_with_batch(self, method: str, batch: dict, **kwargs):
         ref = ray.put(batch)

@@ -124,12 +124,14 @@ def set_skip_cache_reset(engine, flag: bool) -> None:
 
 
 def resync(learner, engine, version: int, bucket_bytes: int = 64 << 20, swap_kv: bool = False,
-           swap_gate_up: bool = False, skip_cache_reset: bool = False) -> dict[str, float]:
-    """sync_weights with the classic bugs injectable (wrong k/v or gate/up order, no cache reset)."""
+           swap_gate_up: bool = False, skip_cache_reset: bool = False, route=None) -> dict[str, float]:
+    """sync_weights with the classic bugs injectable (wrong k/v or gate/up order, no cache reset);
+    `route`: the transport to check (resync.routes; None = object store)."""
     if skip_cache_reset:
         set_skip_cache_reset(engine, True)
     try:
-        return sync_weights(learner, engine, version, bucket_bytes, swap_kv=swap_kv, swap_gate_up=swap_gate_up)
+        return sync_weights(learner, engine, version, bucket_bytes, route=route, swap_kv=swap_kv,
+                            swap_gate_up=swap_gate_up)
     finally:
         if skip_cache_reset:
             set_skip_cache_reset(engine, False)
@@ -288,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--bucket-mb", type=int, default=64)
+    p.add_argument("--transport", choices=["ray", "broadcast"], default="ray", help="how the sync moves the buckets")
     p.add_argument("--no-weights", action="store_true", help="log-prob check only (no tensor readout)")
     p.add_argument("--show-tensors", type=int, default=40)
     p.add_argument("--show-tokens", type=int, default=16)
@@ -348,9 +351,11 @@ def check_resync_main(argv: list[str] | None = None, learner=None, engine=None) 
             engine = make_engine(RolloutConfig(kv_cache_gb=0.25), str(model_dir), log_dir=log_dir, use_ray=True,
                                  seed=args.seed, bucket_bytes=bucket_bytes)
             built.append(engine)
+        from megatron_specrl.resync.routes import make_route
         report = check_resync(learner, engine, prompts, pad_id=pad_id, train_step=args.train_step,
                               swap_kv=args.swap_kv, swap_gate_up=args.swap_gate_up,
-                              skip_cache_reset=args.skip_cache_reset, compare_tensors=not args.no_weights,
+                              skip_cache_reset=args.skip_cache_reset, route=make_route(args.transport),
+                              compare_tensors=not args.no_weights,
                               max_new_tokens=args.max_new_tokens, seed=args.seed, bucket_bytes=bucket_bytes,
                               weight_tol=args.weight_tol, logprob_tol=args.logprob_tol)
         print_report(report, console, args.show_tensors, args.show_tokens)
@@ -366,7 +371,8 @@ def check_resync_main(argv: list[str] | None = None, learner=None, engine=None) 
 
 
 def check_resync(learner, engine, prompts, *, pad_id: int = 0, train_step: bool = False, swap_kv: bool = False,
-                 swap_gate_up: bool = False, skip_cache_reset: bool = False, **check_kwargs) -> CheckReport:
+                 swap_gate_up: bool = False, skip_cache_reset: bool = False, route=None,
+                 **check_kwargs) -> CheckReport:
     """The CLI's sequence: probe (warms the prefix cache) -> optional train step -> resync (bugs
     injectable) -> both checks on the same prompts."""
     version = engine.weight_version
@@ -383,7 +389,7 @@ def check_resync(learner, engine, prompts, *, pad_id: int = 0, train_step: bool 
         moved = ((after - batch["old_logprobs"]).abs() * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
         notes.append(f"the train step moved the learner's probe log-probs by {float(moved):.3e} on average")
     resync(learner, engine, version + 1, check_kwargs.get("bucket_bytes", 64 << 20), swap_kv=swap_kv,
-           swap_gate_up=swap_gate_up, skip_cache_reset=skip_cache_reset)
+           swap_gate_up=swap_gate_up, skip_cache_reset=skip_cache_reset, route=route)
     report = run_check(learner, engine, version + 1, prompts, pad_id=pad_id, **check_kwargs)
     report.notes = notes + report.notes
     return report

@@ -2,8 +2,9 @@
 
 Order on every sync (nothing is served between load and reset):
   1. the learner ranks gather their shards collectively; rank 0 packs buckets
-  2. each bucket goes to every engine as soon as it exists (measured peak extra private memory:
-     about one bucket plus the largest tensor on the learner; buckets sit in the object store)
+  2. each bucket goes to every engine as soon as it exists, by the run's transport (resync.routes:
+     object store, broadcast group or CUDA IPC; with the object store the measured peak extra
+     private memory is about one bucket plus the largest tensor on the learner)
   3. finish_update(version): the engine bumps weight_version and resets its prefix
      cache, then serves again. Requests sent under the old version are refused.
 Generation is paused by construction: the loop is synchronous, and an engine with
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import time
 
+from megatron_specrl.resync.routes import ObjectStoreRoute
+
 
 def engines_of(engine) -> list:
     """The Ray engine handles behind a router (or the engine itself)."""
@@ -21,22 +24,15 @@ def engines_of(engine) -> list:
 
 
 def sync_weights(learner, engine, version: int, bucket_bytes: int, wake_engines: bool = False,
-                 **debug) -> dict[str, float]:
-    """wake_engines: colocated engines slept through training; weights come back first, KV cache last."""
+                 route=None, **debug) -> dict[str, float]:
+    """wake_engines: colocated engines slept through training; weights come back first, KV cache last.
+    route: a resync.routes route (kept by the run: the broadcast one holds its group); None = object store."""
     t0 = time.perf_counter()
     targets = engines_of(engine)
     if wake_engines:
         for e in targets:
             e.resume_memory(["weights"])
-    rank0_stream, other_streams = learner.bucket_streams(bucket_bytes, **debug)
-    n_buckets = 0
-    for ref in rank0_stream:
-        n_buckets += 1
-        for e in targets:
-            e.update_weights_refs([ref], version)
-    for stream in other_streams:   # let the other ranks' generators run to completion
-        for _ in stream:
-            pass
+    n_buckets = (route or ObjectStoreRoute()).load(learner, targets, version, bucket_bytes, **debug)
     t_load = time.perf_counter() - t0
     for e in targets:
         e.finish_update(version)

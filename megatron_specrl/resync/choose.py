@@ -1,0 +1,38 @@
+"""Which weight transport a run uses: `trainer.resync_transport` resolved against the placement.
+
+auto: no GPUs -> ray (object store; broadcast also runs on CPU but gains nothing there, see README);
+colocated on GPUs -> cuda_ipc (the engine maps learner rank 0's buckets in place; NCCL refuses two
+ranks on one GPU); disaggregated on GPUs -> broadcast (NCCL from learner rank 0 to every engine).
+"""
+
+from __future__ import annotations
+
+from megatron_specrl.config import ConfigError
+from megatron_specrl.placement import Placement
+
+TRANSPORTS = ("ray", "broadcast", "cuda_ipc")
+
+
+def resolve_transport(requested: str, placement: Placement, num_engines: int = 1) -> str:
+    """The transport name to use; ConfigError when the requested one cannot work on this placement."""
+    on_gpu = placement.gpus_per_engine > 0
+    if requested == "auto":
+        if not on_gpu:
+            return "ray"
+        if not placement.colocate:
+            return "broadcast"
+        # IPC handles point into one GPU's memory: only the engine on learner rank 0's GPU can map them.
+        return "cuda_ipc" if num_engines == 1 else "ray"
+    if requested not in TRANSPORTS:
+        raise ConfigError(f"trainer.resync_transport={requested!r}: expected auto, {', '.join(TRANSPORTS)}")
+    if requested == "cuda_ipc":
+        if not (on_gpu and placement.colocate):
+            raise ConfigError("trainer.resync_transport=cuda_ipc needs engines colocated on the learner's GPUs "
+                              "(rollout.colocate=true on a GPU cluster); use ray or broadcast")
+        if num_engines != 1:
+            raise ConfigError(f"trainer.resync_transport=cuda_ipc with rollout.num_engines={num_engines}: the "
+                              "buckets live on learner rank 0's GPU, which only one engine shares; use ray")
+    if requested == "broadcast" and on_gpu and placement.colocate:
+        raise ConfigError("trainer.resync_transport=broadcast with rollout.colocate=true on GPUs: NCCL cannot "
+                          "put learner rank 0 and an engine on the same GPU; use cuda_ipc or ray")
+    return requested

@@ -1,0 +1,147 @@
+"""Driver side of a sync, per transport: which actor calls run, in which order, and what is checked.
+
+A route moves every bucket of one weight version into every engine (`load`, returning the bucket
+count); `resync.lifecycle.sync_weights` wraps it with the wake / finish_update order.
+
+- ObjectStoreRoute ("ray"): rank 0 streams object-store refs; each engine actor reads each one.
+- BroadcastRoute ("broadcast"): the resync group (resync.group) is built once and rebuilt when an
+  engine was restarted or a sync failed; per sync the engines start receiving, then the learner sends.
+  Each group op times out after `timeout_s`; a whole sync must finish within about that too.
+- CudaIpcRoute ("cuda_ipc"): learner rank 0 hands IPC handles to the engine actors itself and frees
+  each bucket once they have all loaded it (resync.streams.push_ipc).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from megatron_specrl.resync.group import ResyncTransportError
+
+# The driver waits a little longer than the members' own timeouts, so their (more precise) error wins.
+GRACE_S = 30.0
+
+
+def wait_all(waits: dict, timeout_s: float, what: str) -> dict:
+    """{ref: (label, get)} -> {ref: result}; raises the first failure as soon as it happens, so a
+    dead receiver is reported instead of the sender's resulting error (or a timeout)."""
+    import ray
+    pending, out = list(waits), {}
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            labels = ", ".join(waits[r][0] for r in pending)
+            raise ResyncTransportError(f"{what}: timed out after {timeout_s:g}s waiting for {labels}")
+        for ref in ready:
+            out[ref] = waits[ref][1](ref)
+    return out
+
+
+def _ray_engines(targets: list, transport: str) -> list:
+    plain = [getattr(e, "name", type(e).__name__) for e in targets if not hasattr(e, "submit_actor")]
+    if plain:
+        raise ResyncTransportError(f"resync transport {transport} needs engines in Ray actors; "
+                                   f"{', '.join(plain)} run in this process (use transport ray)")
+    return targets
+
+
+def _engine_get(engine, what: str) -> Callable:
+    return lambda ref: engine.wait(ref, what)     # RayEngine turns actor deaths into EngineError
+
+
+def _ray_get(ref):
+    import ray
+    return ray.get(ref)
+
+
+class ObjectStoreRoute:
+    name = "ray"
+
+    def load(self, learner, targets: list, version: int, bucket_bytes: int, **debug) -> int:
+        rank0_stream, other_streams = learner.bucket_streams(bucket_bytes, **debug)
+        n = 0
+        for ref in rank0_stream:
+            n += 1
+            for e in targets:
+                e.update_weights_refs([ref], version)
+        for stream in other_streams:   # let the other ranks' generators run to completion
+            for _ in stream:
+                pass
+        return n
+
+
+class BroadcastRoute:
+    name = "broadcast"
+
+    def __init__(self, timeout_s: float = 600.0):
+        self.timeout_s = timeout_s
+        self.generation = 0
+        self.backend: str | None = None
+        self._members: tuple | None = None
+
+    def connect(self, learner, targets: list) -> None:
+        """Rendezvous once per set of members: learner rank 0 opens the store, everybody joins."""
+        members = (id(learner), tuple((e.name, e.starts) for e in targets))
+        if members == self._members:
+            return
+        import ray
+        self._members = None
+        self.generation += 1
+        rank0 = learner.actors[0]
+        host, port = ray.get(rank0.open_resync_store.remote(self.timeout_s), timeout=self.timeout_s)
+        world, gen, t = 1 + len(targets), self.generation, self.timeout_s
+        waits = {rank0.join_resync_group.remote(host, port, 0, world, gen, t): ("learner rank 0", _ray_get)}
+        for i, e in enumerate(targets):
+            ref = e.submit_actor("join_resync_group", host, port, i + 1, world, gen, t)
+            waits[ref] = (e.name, _engine_get(e, "join_resync_group"))
+        joined = wait_all(waits, self.timeout_s + GRACE_S, f"resync broadcast group {gen} at {host}:{port}")
+        backends = set(joined.values())
+        if len(backends) != 1:
+            raise ResyncTransportError(f"resync broadcast: members use different backends {sorted(backends)}")
+        self.backend, self._members = backends.pop(), members
+
+    def load(self, learner, targets: list, version: int, bucket_bytes: int, **debug) -> int:
+        targets = _ray_engines(targets, self.name)
+        self.connect(learner, targets)
+        try:
+            # Receivers first: each engine blocks on the first header while the learner gathers.
+            recvs = [e.submit_actor("receive_broadcast", version) for e in targets]
+            sends = learner.submit("broadcast_buckets", bucket_bytes, **debug)
+            waits = {ref: (e.name, _engine_get(e, "receive_broadcast")) for e, ref in zip(targets, recvs)}
+            waits.update({ref: (f"learner rank {r}", _ray_get) for r, ref in enumerate(sends)})
+            done = wait_all(waits, self.timeout_s + GRACE_S, f"resync broadcast of version {version}")
+        except BaseException:
+            self._members = None       # a failed group is not reused: the next sync re-joins
+            raise
+        sent = int(done[sends[0]]["buckets"])
+        for e, ref in zip(targets, recvs):
+            if done[ref] != sent:
+                self._members = None
+                raise ResyncTransportError(f"resync broadcast: {e.name} loaded {done[ref]} buckets, "
+                                           f"learner rank 0 sent {sent}")
+        return sent
+
+
+class CudaIpcRoute:
+    name = "cuda_ipc"
+
+    def __init__(self, timeout_s: float = 600.0):
+        self.timeout_s = timeout_s
+
+    def load(self, learner, targets: list, version: int, bucket_bytes: int, **debug) -> int:
+        targets = _ray_engines(targets, self.name)
+        actors = [e.actor for e in targets]
+        refs = learner.submit("push_ipc_buckets", bucket_bytes, actors, version, self.timeout_s, **debug)
+        done = wait_all({ref: (f"learner rank {r}", _ray_get) for r, ref in enumerate(refs)},
+                        self.timeout_s + GRACE_S, f"resync cuda_ipc of version {version}")
+        return int(done[refs[0]]["buckets"])
+
+
+ROUTES = {"ray": ObjectStoreRoute, "broadcast": BroadcastRoute, "cuda_ipc": CudaIpcRoute}
+
+
+def make_route(name: str, timeout_s: float = 600.0):
+    if name not in ROUTES:
+        raise ValueError(f"unknown resync transport {name!r}; expected one of {sorted(ROUTES)}")
+    return ObjectStoreRoute() if name == "ray" else ROUTES[name](timeout_s)
