@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from fake_weights import model_tensors
 
 from megatron_specrl.resync.buckets import plan_buckets
 from megatron_specrl.resync.group import BroadcastEndpoint, ResyncTransportError
@@ -16,17 +17,6 @@ from megatron_specrl.resync.streams import broadcast_all, receive_all
 from megatron_specrl.resync.transports import BroadcastTransport
 
 TIMEOUT_S = 4.0
-
-
-def model_tensors():
-    g = torch.Generator().manual_seed(0)
-    out = [("model.embed_tokens.weight", torch.randn(64, 16, generator=g))]
-    for i in range(3):
-        p = f"model.layers.{i}."
-        out += [(p + "self_attn.q_proj.weight", torch.randn(16, 16, generator=g)),
-                (p + "self_attn.k_proj.weight", torch.randn(8, 16, generator=g).to(torch.bfloat16)),
-                (p + "mlp.gate_proj.weight", torch.randn(32, 16, generator=g))]
-    return out + [("lm_head.weight", torch.randn(64, 16, generator=g))]
 
 
 def _sender(mode: str, world: int, queue) -> None:
