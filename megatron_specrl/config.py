@@ -71,6 +71,12 @@ class RolloutConfig(_Strict):
     kv_cache_gb: float = Field(1.0, gt=0)
     gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
     colocate: bool = True
+    # dtype the engines hold weights and compute in. The learner keeps fp32 master weights either
+    # way; a resync casts each floating tensor to this dtype on learner rank 0 (bf16 halves the bytes
+    # moved). With bfloat16 and spec_mode exact / lenient, verification log-probs come from the bf16
+    # engine too: drafts and their verification are scored by the same (bf16) policy, so acceptance
+    # stays consistent; only the PPO ratio needs learner log-probs (learner.recompute_old_logprobs).
+    engine_dtype: Literal["float32", "bfloat16"] = "float32"
     engine_timeout_s: float = Field(600.0, gt=0)
 
     @field_validator("spec_mode", mode="before")
@@ -104,7 +110,12 @@ class LearnerConfig(_Strict):
     grad_clip: float = Field(1.0, gt=0)
     ppo_epochs: int = Field(1, ge=1)
     mini_batches: int = Field(1, ge=1)              # optimizer steps per rollout batch
-    recompute_old_logprobs: bool = False           # False: use the rollout's log-probs
+    # Old log-probs of the PPO ratio: True = recomputed by the learner, False = the rollout's.
+    # Unset (None) resolves to True iff rollout.engine_dtype is bfloat16 (RunConfig): bf16 engine
+    # log-probs differ from the fp32 learner's (tiny model in training: mean ~2e-3, up to 0.1 on a
+    # token), so the ratio would start away from 1 and the clip would read rounding as policy movement. An explicit False with bf16
+    # is rejected for the same reason; defaulting on (instead of only rejecting) keeps bf16 one key.
+    recompute_old_logprobs: bool | None = None
     loss: LossConfig = Field(default_factory=LossConfig)
 
 
@@ -175,6 +186,11 @@ class RunConfig(_Strict):
         if r.spec_mode != "off" and r.engine == "vllm" and r.temperature != 1.0:
             raise ValueError(f"rollout.temperature={r.temperature} with rollout.spec_mode={r.spec_mode}: vLLM "
                              "verifies with untempered prompt log-probs, so speculative rollouts need temperature 1")
+        if le.recompute_old_logprobs is None:
+            le.recompute_old_logprobs = r.engine_dtype == "bfloat16"
+        elif not le.recompute_old_logprobs and r.engine_dtype == "bfloat16":
+            raise ValueError("learner.recompute_old_logprobs=false with rollout.engine_dtype=bfloat16: the PPO "
+                             "ratio would use bf16 engine log-probs, not the learner's; leave it unset or true")
         batch = self.trainer.prompts_per_step * r.n_samples
         if batch % (le.dp * le.mini_batches) != 0:
             raise ValueError(f"trainer.prompts_per_step * rollout.n_samples = {batch} is not divisible by "

@@ -63,7 +63,8 @@ class Run:
         """Push the learner's current weights to every engine as weight version `self.version`."""
         from megatron_specrl.resync.lifecycle import sync_weights
         return sync_weights(self.learner, self.engine, self.version, self.cfg.trainer.resync_bucket_mb << 20,
-                            wake_engines=wake_engines, route=self.resync_route)
+                            wake_engines=wake_engines, route=self.resync_route,
+                            dtype=self.cfg.rollout.engine_dtype)
 
     def record_data_order(self, step: int, samples) -> None:
         """Which prompts each step trained on: makes data order after a resume checkable."""

@@ -147,3 +147,37 @@ def test_numpy_payload_round_trip_keeps_bf16_and_values():
     assert [n for n, _ in back] == [n for n, _ in named]
     for (_, a), (_, b) in zip(named, back):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_plan_casts_to_the_engine_dtype_and_budgets_cast_bytes():
+    """A bf16 engine gets bf16 buckets: floating tensors are cast on the way in, the budget counts
+    bf16 bytes (half the fp32 ones), and the values are exactly the round-to-nearest bf16 ones."""
+    ts = [(n, t.float()) for n, t in model_tensors()]                     # the learner's fp32 state
+    fp32_bytes = sum(nbytes(t) for _, t in ts)
+    (whole,) = plan_buckets(iter(ts), 1 << 30, dtype="bfloat16")
+    assert set(whole.buffers) == {"bfloat16"} and whole.nbytes * 2 == fp32_bytes
+    for (n, src), (m, got) in zip(ts, whole.unflatten()):
+        assert n == m and got.dtype == torch.bfloat16 and torch.equal(got, src.to(torch.bfloat16))
+    assert Bucket.from_payload(whole.to_payload()).buffers["bfloat16"].equal(whole.buffers["bfloat16"])
+
+    budget = fp32_bytes // 2 + 1                         # all of it in bf16, not in fp32
+    assert len(list(plan_buckets(iter(ts), budget, dtype="bfloat16"))) == 1
+    assert len(list(plan_buckets(iter(ts), budget))) > 1
+
+    ints = [("model.layers.0.idx", torch.arange(4))]     # non-floating tensors keep their dtype
+    assert list(plan_buckets(iter(ints), 1 << 30, dtype="bfloat16"))[0].buffers["int64"].equal(torch.arange(4))
+    with pytest.raises(ValueError, match="floating torch dtype"):
+        list(plan_buckets(iter(ts), 1 << 30, dtype="int8"))
+
+
+def test_plan_default_and_fp32_are_bit_identical():
+    ts = model_tensors()
+    for dtype in (None, "float32"):
+        got = [t for b in plan_buckets(iter(ts), 3000, dtype=dtype) for _, t in b.unflatten()]
+        want = [t for b in plan_buckets(iter(ts), 3000) for _, t in b.unflatten()]
+        fp32_in = [t for _, t in ts]
+        for a, b, src in zip(got, want, fp32_in):
+            if dtype is None:
+                assert a.dtype == src.dtype and torch.equal(a, b)
+            elif src.dtype == torch.float32:              # fp32 -> fp32 is no cast at all
+                assert a.dtype == torch.float32 and torch.equal(a.view(torch.int32), src.view(torch.int32))

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from megatron_specrl.cli import main
-from megatron_specrl.config import ConfigError, load_config
+from megatron_specrl.config import ConfigError, load_config, to_yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted((ROOT / "examples").glob("tiny-cpu-*.yaml"))
@@ -84,3 +84,20 @@ def test_train_help_lists_dry_run():
     proc = subprocess.run([sys.executable, "-m", "megatron_specrl.cli", "train", "--help"],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0 and "--dry-run" in proc.stdout
+
+
+def test_engine_dtype_and_recompute_old_logprobs():
+    recipe = ROOT / "examples/tiny-cpu-grpo.yaml"
+    fp32 = load_config(recipe)
+    assert fp32.rollout.engine_dtype == "float32" and fp32.learner.recompute_old_logprobs is False
+    assert load_config(recipe, ["learner.recompute_old_logprobs=true"]).learner.recompute_old_logprobs is True
+    bf16 = load_config(recipe, ["rollout.engine_dtype=bfloat16"])
+    assert bf16.rollout.engine_dtype == "bfloat16"
+    assert bf16.learner.recompute_old_logprobs is True              # learner log-probs in the PPO ratio
+    assert "recompute_old_logprobs: true" in to_yaml(bf16)          # resolved, so a resume reads the same
+    with pytest.raises(ConfigError) as err:
+        load_config(recipe, ["rollout.engine_dtype=bfloat16", "learner.recompute_old_logprobs=false"])
+    assert "learner.recompute_old_logprobs=false with rollout.engine_dtype=bfloat16" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config(recipe, ["rollout.engine_dtype=float16"])
+    assert "'rollout.engine_dtype': 'float16'" in str(err.value) and "\n" not in str(err.value)

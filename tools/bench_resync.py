@@ -10,8 +10,10 @@ sampled every few ms with psutil while the sync runs.
 
 The model is a randomly initialised Llama (default ~60M parameters, 240 MB fp32)
 built locally with transformers (no download) and cached next to the tiny models.
+--engine-dtype bfloat16 serves it in bf16: the learner (fp32) casts while bucketing, so the
+bytes moved halve.
 
-    python tools/bench_resync.py --bucket-mb 64 --repeats 3 [--transport broadcast]
+    python tools/bench_resync.py --bucket-mb 64 --repeats 3 [--transport broadcast] [--engine-dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -107,13 +109,13 @@ class RssPeak:
         return {k: (self.peak[k] - self.base[k]) / 2**20 for k in self.procs}
 
 
-def breakdown(learner, engine, version: int, bucket_bytes: int, pids) -> dict:
+def breakdown(learner, engine, version: int, bucket_bytes: int, pids, dtype: str) -> dict:
     """The same sync in two separated halves: the learner's gather + pack + object-store put
     (all buckets materialised), then the engine's read + unpack + in-place reload + cache reset."""
     import ray
     with RssPeak(pids) as m1:
         t = time.perf_counter()
-        rank0, others = learner.bucket_streams(bucket_bytes)
+        rank0, others = learner.bucket_streams(bucket_bytes, dtype)
         refs = list(rank0)
         for s in others:
             for _ in s:
@@ -146,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--intermediate", type=int, default=1536)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--transport", choices=["ray", "broadcast"], default="ray")
+    p.add_argument("--engine-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="engine weights dtype; the sync ships buckets in it")
     p.add_argument("--verify", action="store_true", help="read the engine weights back and compare with the learner")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
@@ -166,16 +170,18 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = build_bench_model(args.hidden, args.layers, args.intermediate, args.vocab)
     from transformers import AutoConfig
     hf_cfg = AutoConfig.from_pretrained(str(model_dir))
-    nbytes = sum(4 * torch.Size(s).numel() for s in expected_hf_shapes(hf_cfg).values())
-    console.print(f"model {model_dir.name}: {nbytes / 4e6:.1f}M parameters, {nbytes / 2**20:.0f} MiB fp32; "
-                  f"learner TP={args.tp} x PP={args.pp}; bucket {args.bucket_mb} MiB; transport {args.transport}")
+    itemsize = getattr(torch, args.engine_dtype).itemsize
+    nbytes = sum(itemsize * torch.Size(s).numel() for s in expected_hf_shapes(hf_cfg).values())
+    console.print(f"model {model_dir.name}: {nbytes / itemsize / 1e6:.1f}M parameters, {nbytes / 2**20:.0f} MiB "
+                  f"{args.engine_dtype} on the wire (learner fp32); learner TP={args.tp} x PP={args.pp}; "
+                  f"bucket {args.bucket_mb} MiB; transport {args.transport}")
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     learner = engine = None
     try:
         learner = LearnerGroup(LearnerConfig(tp=args.tp, pp=args.pp), seed=0)
         learner.load_hf(str(model_dir))
-        engine = make_engine(RolloutConfig(kv_cache_gb=0.25), str(model_dir),
+        engine = make_engine(RolloutConfig(kv_cache_gb=0.25, engine_dtype=args.engine_dtype), str(model_dir),
                              log_dir=tempfile.mkdtemp(prefix="bench-resync-"), use_ray=True,
                              bucket_bytes=args.bucket_mb << 20)
         pids = {"learner rank 0": ray.get(learner.actors[0].__ray_call__.remote(_pid)),
@@ -191,14 +197,15 @@ def main(argv: list[str] | None = None) -> int:
         runs = []
         for version in range(1, args.repeats + 1):
             with RssPeak(pids) as mem:
-                out = sync_weights(learner, engine, version, args.bucket_mb << 20, route=route)
+                out = sync_weights(learner, engine, version, args.bucket_mb << 20, route=route,
+                                   dtype=args.engine_dtype)
             runs.append({"seconds": out["resync/seconds"], "buckets": int(out["resync/buckets"]),
                          "gbps": nbytes / out["resync/seconds"] / 1e9, "extra_mb": mem.extra_mb()})
-        split = breakdown(learner, engine, args.repeats + 1, args.bucket_mb << 20, pids) \
+        split = breakdown(learner, engine, args.repeats + 1, args.bucket_mb << 20, pids, args.engine_dtype) \
             if args.transport == "ray" else {}
         mc = max(mc, memcpy_gbps(nbytes))   # measured again after the syncs: same run, warm machine
 
-        table = Table(title=f"{args.transport} resync of {nbytes / 2**20:.0f} MiB (memcpy {mc:.2f} GB/s on this "
+        table = Table(title=f"{args.transport} resync of {nbytes / 2**20:.0f} MiB {args.engine_dtype} (memcpy {mc:.2f} GB/s on this "
                             "machine, same run)")
         for c in ("sync", "buckets", "seconds", "GB/s", "ratio to memcpy", *(f"peak extra MiB: {k}" for k in pids)):
             table.add_column(c, justify="right")
@@ -216,10 +223,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.verify:
             from megatron_specrl.resync.check import learner_hf_state, read_engine_weights
             from megatron_specrl.resync.readout import compare_weights
-            rows = compare_weights(read_engine_weights(engine)[engine.name], learner_hf_state(learner))
+            rows = compare_weights(read_engine_weights(engine)[engine.name],
+                                   learner_hf_state(learner, dtype=args.engine_dtype))
             console.print(f"verify: {len(rows)} tensors, max |engine - learner| {max(r.max_abs for r in rows):.3g}")
         if args.json:
-            Path(args.json).write_text(json.dumps({"transport": args.transport, "bytes": nbytes, "memcpy_gbps": mc,
+            Path(args.json).write_text(json.dumps({"transport": args.transport, "engine_dtype": args.engine_dtype,
+                                                   "bytes": nbytes, "memcpy_gbps": mc,
                                                    "runs": runs}, indent=1))
         console.print(f"total wall time {time.perf_counter() - t_start:.0f} s")
         return 0

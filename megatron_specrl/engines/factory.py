@@ -13,13 +13,13 @@ from megatron_specrl.config import RolloutConfig
 from megatron_specrl.engines.protocol import RolloutEngine
 
 
-def engine_kwargs(cfg: RolloutConfig, model_path: str, log_dir: str | Path, index: int, seed: int,
-                  dtype: str) -> tuple[type, dict]:
+def engine_kwargs(cfg: RolloutConfig, model_path: str, log_dir: str | Path, index: int,
+                  seed: int) -> tuple[type, dict]:
     """Engine class and constructor kwargs for engine `index`."""
     import torch
 
     common = dict(model_path=str(model_path), name=f"{cfg.engine}-{index}", seed=seed + index,
-                  max_model_len=cfg.max_model_len, tensor_parallel_size=cfg.engine_tp, dtype=dtype,
+                  max_model_len=cfg.max_model_len, tensor_parallel_size=cfg.engine_tp, dtype=cfg.engine_dtype,
                   gpu_memory_utilization=cfg.gpu_memory_utilization, log_dir=str(log_dir))
     if cfg.engine == "vllm":
         from megatron_specrl.engines.vllm_engine import VLLMEngine
@@ -34,7 +34,7 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, log_dir: str | Path, inde
 
 
 def make_engine(rollout_cfg: RolloutConfig, model_path: str, log_dir: str | Path, use_ray: bool,
-                seed: int = 0, dtype: str = "float32", num_cpus_per_engine: float = 1,
+                seed: int = 0, num_cpus_per_engine: float = 1,
                 bucket_bytes: int = 512 << 20, gpus_per_engine: float | None = None) -> RolloutEngine:
     import torch
 
@@ -42,7 +42,7 @@ def make_engine(rollout_cfg: RolloutConfig, model_path: str, log_dir: str | Path
         gpus_per_engine = rollout_cfg.engine_tp if torch.cuda.is_available() else 0
     engines = []
     for i in range(rollout_cfg.num_engines):
-        cls, kwargs = engine_kwargs(rollout_cfg, model_path, log_dir, i, seed, dtype)
+        cls, kwargs = engine_kwargs(rollout_cfg, model_path, log_dir, i, seed)
         if use_ray:
             from megatron_specrl.engines.ray_engine import RayEngine
             name = kwargs.pop("name")

@@ -6,6 +6,9 @@ streams: it only holds references to the source tensors until a bucket is
 full, then materialises that bucket, so the extra memory is about one bucket.
 Tensors of one transformer layer stay in one bucket: vLLM's in-place reload
 repacks fused linears (qkv, gate_up) per layer and must see the whole layer.
+With `dtype` (the engine's, e.g. bf16) each floating tensor is cast as it enters
+the plan, so the bucket budget and the bytes every transport moves are the cast
+ones; the engine would round to its dtype on load anyway, so the result is the same.
 """
 
 from __future__ import annotations
@@ -113,12 +116,30 @@ class Bucket:
         return cls(buffers, cls.metas_from_json(header["__metadata__"]["specrl_bucket"]))
 
 
+def wire_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    """torch dtype for an engine dtype name ("bfloat16", "float32"); None stays None (no cast)."""
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    dt = getattr(torch, str(name), None)
+    if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+        raise ValueError(f"resync dtype must be a floating torch dtype name, got {name!r}")
+    return dt
+
+
+def cast_floating(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """`t` in `dtype` if it is floating (integer buffers keep theirs); the same tensor if no cast."""
+    return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+
 def plan_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
-                 group_key: Callable[[str], str] = layer_group) -> Iterator[Bucket]:
+                 group_key: Callable[[str], str] = layer_group,
+                 dtype: str | torch.dtype | None = None) -> Iterator[Bucket]:
     """Yield buckets of at most `bucket_bytes` (a group larger than that gets its own bucket).
-    Consecutive tensors with the same `group_key` are never split across buckets."""
+    Consecutive tensors with the same `group_key` are never split across buckets. `dtype`: cast
+    floating tensors to it first (one tensor at a time; the fp32 source is dropped after)."""
     if bucket_bytes <= 0:
         raise ValueError("bucket_bytes must be positive")
+    dtype = wire_dtype(dtype)
     pending: list[tuple[str, torch.Tensor]] = []     # whole groups waiting for the bucket
     pending_bytes = 0
     group: list[tuple[str, torch.Tensor]] = []
@@ -141,6 +162,7 @@ def plan_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
                 yield b
             group, group_bytes = [], 0
         current = key
+        t = cast_floating(t, dtype)
         group.append((name, t))
         group_bytes += t.numel() * t.element_size()
     if group and (b := close_group()) is not None:

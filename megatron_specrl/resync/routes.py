@@ -1,7 +1,8 @@
 """Driver side of a sync, per transport: which actor calls run, in which order, and what is checked.
 
 A route moves every bucket of one weight version into every engine (`load`, returning the bucket
-count); `resync.lifecycle.sync_weights` wraps it with the wake / finish_update order.
+count); `resync.lifecycle.sync_weights` wraps it with the wake / finish_update order. `dtype` is the
+engines' dtype: learner rank 0 casts to it while bucketing (resync.buckets), the same for every route.
 
 - ObjectStoreRoute ("ray"): rank 0 streams object-store refs; each engine actor reads each one.
 - BroadcastRoute ("broadcast"): the resync group (resync.group) is built once and rebuilt when an
@@ -58,8 +59,9 @@ def _ray_get(ref):
 class ObjectStoreRoute:
     name = "ray"
 
-    def load(self, learner, targets: list, version: int, bucket_bytes: int, **debug) -> int:
-        rank0_stream, other_streams = learner.bucket_streams(bucket_bytes, **debug)
+    def load(self, learner, targets: list, version: int, bucket_bytes: int, dtype: str = "float32",
+             **debug) -> int:
+        rank0_stream, other_streams = learner.bucket_streams(bucket_bytes, dtype, **debug)
         n = 0
         for ref in rank0_stream:
             n += 1
@@ -101,13 +103,14 @@ class BroadcastRoute:
             raise ResyncTransportError(f"resync broadcast: members use different backends {sorted(backends)}")
         self.backend, self._members = backends.pop(), members
 
-    def load(self, learner, targets: list, version: int, bucket_bytes: int, **debug) -> int:
+    def load(self, learner, targets: list, version: int, bucket_bytes: int, dtype: str = "float32",
+             **debug) -> int:
         targets = _ray_engines(targets, self.name)
         self.connect(learner, targets)
         try:
             # Receivers first: each engine blocks on the first header while the learner gathers.
             recvs = [e.submit_actor("receive_broadcast", version) for e in targets]
-            sends = learner.submit("broadcast_buckets", bucket_bytes, **debug)
+            sends = learner.submit("broadcast_buckets", bucket_bytes, dtype, **debug)
             waits = {ref: (e.name, _engine_get(e, "receive_broadcast")) for e, ref in zip(targets, recvs)}
             waits.update({ref: (f"learner rank {r}", _ray_get) for r, ref in enumerate(sends)})
             done = wait_all(waits, self.timeout_s + GRACE_S, f"resync broadcast of version {version}")
@@ -129,10 +132,11 @@ class CudaIpcRoute:
     def __init__(self, timeout_s: float = 600.0):
         self.timeout_s = timeout_s
 
-    def load(self, learner, targets: list, version: int, bucket_bytes: int, **debug) -> int:
+    def load(self, learner, targets: list, version: int, bucket_bytes: int, dtype: str = "float32",
+             **debug) -> int:
         targets = _ray_engines(targets, self.name)
         actors = [e.actor for e in targets]
-        refs = learner.submit("push_ipc_buckets", bucket_bytes, actors, version, self.timeout_s, **debug)
+        refs = learner.submit("push_ipc_buckets", bucket_bytes, actors, version, self.timeout_s, dtype, **debug)
         done = wait_all({ref: (f"learner rank {r}", _ray_get) for r, ref in enumerate(refs)},
                         self.timeout_s + GRACE_S, f"resync cuda_ipc of version {version}")
         return int(done[refs[0]]["buckets"])
