@@ -113,8 +113,9 @@ class LearnerConfig(_Strict):
     # Old log-probs of the PPO ratio: True = recomputed by the learner, False = the rollout's.
     # Unset (None) resolves to True iff rollout.engine_dtype is bfloat16 (RunConfig): bf16 engine
     # log-probs differ from the fp32 learner's (tiny model in training: mean ~2e-3, up to 0.1 on a
-    # token), so the ratio would start away from 1 and the clip would read rounding as policy movement. An explicit False with bf16
-    # is rejected for the same reason; defaulting on (instead of only rejecting) keeps bf16 one key.
+    # token), so the ratio would start away from 1 and the clip would read rounding as policy
+    # movement. An explicit False with bf16 is rejected for the same reason; defaulting on
+    # (instead of only rejecting) keeps bf16 one key.
     recompute_old_logprobs: bool | None = None
     loss: LossConfig = Field(default_factory=LossConfig)
 

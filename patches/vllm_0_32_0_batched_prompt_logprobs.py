@@ -19,6 +19,7 @@ leaves vLLM alone and returns False. Opt out with SPECRL_VLLM_BATCHED_PROMPT_LOG
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -26,6 +27,16 @@ import torch
 VERSION = "0.32.0"
 _MAX_SCORE_BYTES = 512 << 20
 _ORIGINAL = None
+
+
+class _Rows(NamedTuple):
+    """One request's share of a step's prompt log-probs."""
+    k: int                 # top log-probs asked for
+    offset: int            # first hidden-state row of the request in this step
+    n: int                 # rows (= prompt positions) to score
+    targets: np.ndarray    # the prompt token at each next position
+    dest: object           # the request's LogprobsTensors (CPU), read by the output processor
+    dest_slice: slice      # where in `dest` these rows go (chunked prefill)
 
 
 def _batched_prompt_logprobs_dict(self, hidden_states: torch.Tensor, num_scheduled_tokens: dict[str, int]):
@@ -37,8 +48,7 @@ def _batched_prompt_logprobs_dict(self, hidden_states: torch.Tensor, num_schedul
 
     prompt_logprobs_dict = {}
     completed_prefill_reqs = []
-    # (k, hidden row offset, number of rows, target token ids, destination tensors, destination slice)
-    work: list[tuple[int, int, int, np.ndarray, object, slice]] = []
+    work: list[_Rows] = []
     for req_id, num_prompt_logprobs in num_prompt_logprobs_dict.items():
         num_tokens = num_scheduled_tokens.get(req_id)
         if num_tokens is None:          # preempted in prefill
@@ -65,12 +75,11 @@ def _batched_prompt_logprobs_dict(self, hidden_states: torch.Tensor, num_schedul
         req_idx = self.input_batch.req_id_to_index[req_id]
         offset = int(self.query_start_loc.np[req_idx].item())
         targets = np.asarray(request.prompt_token_ids[start_tok:start_tok + num_logits], dtype=np.int64)
-        work.append((num_prompt_logprobs, offset, num_logits, targets, logprobs_tensors,
-                     slice(start_idx, start_idx + num_logits)))
+        work.append(_Rows(num_prompt_logprobs, offset, num_logits, targets, logprobs_tensors,
+                          slice(start_idx, start_idx + num_logits)))
 
-    for k in sorted({w[0] for w in work}):
-        group = [w for w in work if w[0] == k]
-        _score_group(self, hidden_states, k, group)
+    for k in sorted({w.k for w in work}):
+        _score_group(self, hidden_states, k, [w for w in work if w.k == k])
 
     for req_id in completed_prefill_reqs:
         del num_prompt_logprobs_dict[req_id]
@@ -80,11 +89,11 @@ def _batched_prompt_logprobs_dict(self, hidden_states: torch.Tensor, num_schedul
     return prompt_logprobs_dict
 
 
-def _score_group(runner, hidden_states: torch.Tensor, k: int, group) -> None:
+def _score_group(runner, hidden_states: torch.Tensor, k: int, group: list[_Rows]) -> None:
     """One compute_logits + log-softmax + gather per chunk of rows, for requests sharing k."""
     device = hidden_states.device
-    rows = np.concatenate([np.arange(off, off + n, dtype=np.int64) for _, off, n, _, _, _ in group])
-    targets = np.concatenate([t for _, _, _, t, _, _ in group])
+    rows = np.concatenate([np.arange(w.offset, w.offset + w.n, dtype=np.int64) for w in group])
+    targets = np.concatenate([w.targets for w in group])
     vocab = runner.model_config.get_vocab_size()
     chunk = max(1, _MAX_SCORE_BYTES // (4 * max(vocab, 1)))
     out_ids = torch.empty((len(rows), k + 1), dtype=torch.int64)
@@ -104,11 +113,12 @@ def _score_group(runner, hidden_states: torch.Tensor, k: int, group) -> None:
         out_lps[lo:hi].copy_(logprobs)
         out_ranks[lo:hi].copy_(ranks)
     pos = 0
-    for _, _, n, _, dest, sl in group:
-        dest.logprob_token_ids[sl].copy_(out_ids[pos:pos + n])
-        dest.logprobs[sl].copy_(out_lps[pos:pos + n])
-        dest.selected_token_ranks[sl].copy_(out_ranks[pos:pos + n])
-        pos += n
+    for w in group:
+        rows_of_w = slice(pos, pos + w.n)
+        w.dest.logprob_token_ids[w.dest_slice].copy_(out_ids[rows_of_w])
+        w.dest.logprobs[w.dest_slice].copy_(out_lps[rows_of_w])
+        w.dest.selected_token_ranks[w.dest_slice].copy_(out_ranks[rows_of_w])
+        pos += w.n
 
 
 def enabled_by_env() -> bool:

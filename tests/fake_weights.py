@@ -14,3 +14,11 @@ def model_tensors() -> list[tuple[str, torch.Tensor]]:
                 (p + "input_layernorm.weight", torch.ones(16))]
     out += [("model.norm.weight", torch.ones(16)), ("lm_head.weight", torch.randn(64, 16, generator=g))]
     return out
+
+
+def recorded_tensors(pulled: list[str]):
+    """model_tensors() as a lazy source (like the learner's collective gather) that appends each
+    name to `pulled` as it is taken: shows how far a consumer drained it."""
+    for name, tensor in model_tensors():
+        pulled.append(name)
+        yield name, tensor

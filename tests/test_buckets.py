@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from fake_weights import model_tensors
+from fake_weights import model_tensors, recorded_tensors
 
 from megatron_specrl.resync.buckets import Bucket, layer_group, plan_buckets
 from megatron_specrl.resync.transports import (
@@ -49,13 +49,7 @@ def test_oversized_tensor_gets_own_bucket():
 def test_plan_is_streaming():
     """The planner pulls tensors lazily: the first bucket is out before the source is exhausted."""
     pulled = []
-
-    def source():
-        for n, t in model_tensors():
-            pulled.append(n)
-            yield n, t
-
-    it = plan_buckets(source(), 3000)
+    it = plan_buckets(recorded_tensors(pulled), 3000)
     first = next(it)
     assert len(pulled) < len(model_tensors()) and first.names
 
@@ -110,12 +104,6 @@ def test_cuda_ipc_keeps_each_bucket_alive_until_every_engine_loaded():
 def test_push_ipc_drains_the_gather_after_a_failure():
     from megatron_specrl.resync.streams import push_ipc
     pulled = []
-
-    def gather():
-        for name, tensor in model_tensors():
-            pulled.append(name)
-            yield name, tensor
-
     calls = []
 
     def load_everywhere(payload):
@@ -124,7 +112,7 @@ def test_push_ipc_drains_the_gather_after_a_failure():
             raise RuntimeError("engine 0: out of memory")
 
     with pytest.raises(RuntimeError, match="out of memory"):
-        push_ipc(plan_buckets(gather(), 3000), torch.device("cpu"), load_everywhere)
+        push_ipc(plan_buckets(recorded_tensors(pulled), 3000), torch.device("cpu"), load_everywhere)
     assert len(calls) == 2 and pulled == [n for n, _ in model_tensors()]   # the other ranks' gather finished
 
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from fake_weights import model_tensors
+from fake_weights import model_tensors, recorded_tensors
 
 from megatron_specrl.resync.buckets import plan_buckets
 from megatron_specrl.resync.group import BroadcastEndpoint, ResyncTransportError
@@ -145,14 +145,8 @@ def test_sender_drains_the_gather_when_its_receiver_died():
     assert q.get(timeout=30) == "joined"
     quitter.join(30)
     pulled = []
-
-    def gather():                        # stands in for the collective TP/PP gather
-        for name, t in model_tensors():
-            pulled.append(name)
-            yield name, t
-
-    with pytest.raises(ResyncTransportError, match="sending"):
-        broadcast_all(ep, plan_buckets(gather(), 3000))
+    with pytest.raises(ResyncTransportError, match="sending"):      # the source stands in for the gather
+        broadcast_all(ep, plan_buckets(recorded_tensors(pulled), 3000))
     assert pulled == [n for n, _ in model_tensors()]     # every rank's collective ran to the end
     assert ep.group is None
 

@@ -133,9 +133,12 @@ class RayEngine:
 
     def submit(self, method: str, *args):
         """Start a call without waiting (the router overlaps engines with this)."""
+        return self._running_actor().call.remote(method, *args)
+
+    def _running_actor(self):
         if self.actor is None:
             raise EngineError("engine is not running (call restart())", self.name, self.last_log_lines())
-        return self.actor.call.remote(method, *args)
+        return self.actor
 
     def wait(self, ref, what: str, expected_version: int | None = None):
         out = self._get(ref, self.timeout_s, what)
@@ -172,9 +175,7 @@ class RayEngine:
 
     def submit_actor(self, method: str, *args):
         """Start an EngineActor method (resync group membership, broadcast receive) without waiting."""
-        if self.actor is None:
-            raise EngineError("engine is not running (call restart())", self.name, self.last_log_lines())
-        return getattr(self.actor, method).remote(*args)
+        return getattr(self._running_actor(), method).remote(*args)
 
     def reset_prefix_cache(self) -> None:
         self._get(self.submit("reset_prefix_cache"), self.timeout_s, "reset_prefix_cache")

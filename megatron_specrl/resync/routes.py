@@ -18,6 +18,7 @@ import time
 from typing import Callable
 
 from megatron_specrl.resync.group import ResyncTransportError
+from megatron_specrl.resync.streams import drain
 
 # The driver waits a little longer than the members' own timeouts, so their (more precise) error wins.
 GRACE_S = 30.0
@@ -68,8 +69,7 @@ class ObjectStoreRoute:
             for e in targets:
                 e.update_weights_refs([ref], version)
         for stream in other_streams:   # let the other ranks' generators run to completion
-            for _ in stream:
-                pass
+            drain(stream)
         return n
 
 
