@@ -41,8 +41,8 @@ setup(
     extras_require=EXTRAS,
     entry_points={
         "console_scripts": ["megatron-specrl=megatron_specrl.cli:main"],
-        # vLLM loads these in every engine process (workers included) unless VLLM_PLUGINS excludes them.
-        "vllm.general_plugins": ["specrl_batched_prompt_logprobs="
-                                 "patches.vllm_0_32_0_batched_prompt_logprobs:apply"],
+        # vLLM runs this hook in every process of the environment; it patches only processes whose
+        # environment our engine marked (patches/vllm_engine_patches.py).
+        "vllm.general_plugins": ["specrl_patches=patches.vllm_engine_patches:plugin"],
     },
 )

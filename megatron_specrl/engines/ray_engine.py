@@ -186,6 +186,15 @@ class RayEngine:
     def resume_memory(self, tags: list[str] | None = None) -> None:
         self._get(self.submit("resume_memory", tags), self.timeout_s, "resume_memory")
 
+    def draft_stats(self) -> dict[str, float]:
+        return self._get(self.submit("draft_stats"), self.timeout_s, "draft_stats")
+
+    def draft_state(self) -> dict | None:
+        return self._get(self.submit("draft_state"), self.timeout_s, "draft_state")
+
+    def load_draft_state(self, state: dict) -> None:
+        self._get(self.submit("load_draft_state", state), self.timeout_s, "load_draft_state")
+
     def health(self) -> EngineHealth:
         try:
             h = self._get(self.submit("health"), min(self.timeout_s, 30.0), "health")

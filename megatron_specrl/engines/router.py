@@ -9,6 +9,7 @@ is put in the object store once and read by all actors.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Sequence
@@ -32,6 +33,16 @@ def balance(costs: Sequence[int], n: int) -> list[list[int]]:
     return [sorted(s) for s in shards]
 
 
+def shard_by_key(keys: Sequence[str | None], n: int) -> list[list[int]]:
+    """Tree drafting: every request of a prompt goes to the same engine, always the same one, so that
+    engine's tree for the prompt sees all its samples and epochs (a stable hash, not Python's)."""
+    shards: list[list[int]] = [[] for _ in range(n)]
+    for i, key in enumerate(keys):
+        k = 0 if key is None else int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") % n
+        shards[k].append(i)
+    return shards
+
+
 class EngineRouter:
     def __init__(self, engines: list, name: str = "router"):
         if not engines:
@@ -46,8 +57,9 @@ class EngineRouter:
             raise WeightVersionMismatch(f"{self.name}: engines serve different versions {sorted(versions)}")
         return versions.pop()
 
-    def _fan_out(self, method: str, requests: list, costs: list[int], sampling, weight_version: int):
-        shards = balance(costs, len(self.engines))
+    def _fan_out(self, method: str, requests: list, costs: list[int], sampling, weight_version: int,
+                 shards: list[list[int]] | None = None):
+        shards = shards or balance(costs, len(self.engines))
         work = [(e, idx) for e, idx in zip(self.engines, shards) if idx]
         if all(hasattr(e, "submit") for e, _ in work):   # Ray engines: submit all, then wait
             refs = [e.submit(method, [requests[i] for i in idx], sampling, weight_version) for e, idx in work]
@@ -69,7 +81,10 @@ class EngineRouter:
     def generate(self, requests: list[GenerateRequest], sampling: SamplingSettings,
                  weight_version: int) -> list[GenerateResult]:
         costs = [len(r.prompt_ids) + r.max_new_tokens for r in requests]
-        return self._fan_out("generate", requests, costs, sampling, weight_version)
+        shards = None
+        if any(r.draft_key is not None for r in requests):
+            shards = shard_by_key([r.draft_key for r in requests], len(self.engines))
+        return self._fan_out("generate", requests, costs, sampling, weight_version, shards)
 
     def score(self, requests: list[ScoreRequest], sampling: SamplingSettings,
               weight_version: int) -> list[ScoreResult]:
@@ -93,6 +108,27 @@ class EngineRouter:
     def reset_prefix_cache(self) -> None:
         for e in self.engines:
             e.reset_prefix_cache()
+
+    def draft_stats(self) -> dict[str, float]:
+        """Summed over engines (counters and tree sizes alike)."""
+        total: dict[str, float] = {}
+        for e in self.engines:
+            for k, v in e.draft_stats().items():
+                total[k] = total.get(k, 0.0) + v
+        return total
+
+    def draft_state(self) -> dict | None:
+        states = [e.draft_state() for e in self.engines]
+        return None if all(s is None for s in states) else {"engines": states}
+
+    def load_draft_state(self, state: dict) -> None:
+        states = state.get("engines")
+        if states is None or len(states) != len(self.engines):
+            raise ValueError(f"{self.name}: saved draft trees are for "
+                             f"{len(states) if states is not None else 1} engines, not {len(self.engines)}")
+        for e, s in zip(self.engines, states):
+            if s is not None:
+                e.load_draft_state(s)
 
     def health(self) -> EngineHealth:
         hs = [e.health() for e in self.engines]
