@@ -87,16 +87,35 @@ class RolloutConfig(_Strict):
 
 
 class LossConfig(_Strict):
-    clip_low: float = Field(0.2, ge=0)
-    clip_high: float = Field(0.2, ge=0)             # DAPO clip-higher: 0.28
-    dual_clip_c: float | None = Field(None, gt=1)   # dual-clip bound for negative advantages
-    agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
-    kl_coef: float = Field(0.0, ge=0)
-    kl_type: Literal["k1", "k3", "low-var"] = "low-var"
-    entropy_coef: float = Field(0.0)
+    """Policy / critic loss settings. Names and defaults follow verl's actor config where one exists
+    (verl key in brackets); learner/losses.py has the definitions."""
+    clip_low: float = Field(0.2, ge=0)              # [clip_ratio_low]
+    clip_high: float = Field(0.2, ge=0)             # [clip_ratio_high]; DAPO clip-higher: 0.28
+    # Dual clip [clip_ratio_c]: for A < 0 a token's loss is capped at c |A| (no gradient past it).
+    # 3.0 as in verl; null turns it off (plain PPO clip).
+    dual_clip_c: float | None = Field(3.0, gt=1)
+    # [loss_agg_mode] token-mean | seq-mean-token-sum | seq-mean-token-mean (GRPO) |
+    # seq-mean-token-sum-norm (Dr. GRPO: token sums / loss_scale_factor)
+    agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                      "seq-mean-token-sum-norm"] = "token-mean"
+    # [loss_scale_factor] the constant of seq-mean-token-sum-norm; unset: rollout.max_new_tokens (RunConfig)
+    loss_scale_factor: float | None = Field(None, gt=0)
+    kl_coef: float = Field(0.0, ge=0)               # [kl_loss_coef, with use_kl_loss = kl_coef > 0]
+    # [kl_loss_type] kl/k1, abs, mse/k2, low_var_kl/k3 (k3 is clamped to [-10, 10], as in verl)
+    kl_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
+    entropy_coef: float = Field(0.0)                # [entropy_coeff]
     tis: Literal["off", "token", "sequence"] = "token"   # truncated IS between rollout and learner
     tis_cap: float = Field(2.0, gt=0)
-    value_clip: float = Field(0.2, gt=0)            # PPO critic
+    value_clip: float = Field(0.2, gt=0)            # PPO critic [critic.cliprange_value]
+
+    @field_validator("kl_type", mode="before")
+    @classmethod
+    def _old_kl_name(cls, v):
+        """`low-var` was this project's name for verl's low_var_kl; one spelling now, verl's."""
+        if v == "low-var":
+            raise ValueError("'low-var' was renamed: use learner.loss.kl_type=low_var_kl "
+                             "(verl's name; k3 is its alias)")
+        return v
 
 
 class LearnerConfig(_Strict):
@@ -158,6 +177,26 @@ class LoggingConfig(_Strict):
     plots: bool = True
 
 
+class RewardConfig(_Strict):
+    # Reward function (megatron_specrl/rewards.py): arithmetic, gsm8k, gsm8k_strict, math_verify, another
+    # name registered with @register_reward, or a dotted path `package.module.function` to a user
+    # function fn(response_text, record) -> float. Unset: picked from the data (synthetic -> arithmetic,
+    # gsm8k -> gsm8k, math / plain -> math_verify).
+    name: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _known_reward(cls, v):
+        if v is None:
+            return v
+        from megatron_specrl.rewards import UnknownRewardError, get_reward
+        try:
+            get_reward(v)
+        except UnknownRewardError as e:
+            raise ValueError(str(e)) from None
+        return v
+
+
 class RayConfig(_Strict):
     address: str | None = None       # None: local ray.init(); "auto": join a `ray start` cluster
     num_cpus: int | None = None
@@ -171,6 +210,7 @@ class RunConfig(_Strict):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
@@ -192,6 +232,12 @@ class RunConfig(_Strict):
         elif not le.recompute_old_logprobs and r.engine_dtype == "bfloat16":
             raise ValueError("learner.recompute_old_logprobs=false with rollout.engine_dtype=bfloat16: the PPO "
                              "ratio would use bf16 engine log-probs, not the learner's; leave it unset or true")
+        loss = le.loss
+        if loss.loss_scale_factor is None:
+            loss.loss_scale_factor = float(r.max_new_tokens)
+        if loss.agg_mode == "seq-mean-token-sum-norm" and self.algorithm.name == "ppo":
+            raise ValueError("learner.loss.agg_mode=seq-mean-token-sum-norm with algorithm.name=ppo: the critic's "
+                             "value loss is not given loss_scale_factor yet; use another agg_mode for PPO")
         batch = self.trainer.prompts_per_step * r.n_samples
         if batch % (le.dp * le.mini_batches) != 0:
             raise ValueError(f"trainer.prompts_per_step * rollout.n_samples = {batch} is not divisible by "

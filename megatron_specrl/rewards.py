@@ -1,15 +1,28 @@
-"""Verifiable rewards: a name -> function registry.
+"""Verifiable rewards: a name -> function registry, chosen by `reward.name` (or by the data format).
 
 A reward function maps (response text, PromptRecord) to a float and must never
 raise on model output: a malformed response is simply worth 0.0. Model output is
 never passed to Python's eval; math answers are compared with math-verify.
 
+Built-ins (what each accepts as a response's final answer; record.answer is the gold answer):
+
+    arithmetic    the synthetic task: the response must end in 'A:<integer>' equal to the answer
+    gsm8k         the number after the last '####', else the last number anywhere; ',' and '$' ignored
+    gsm8k_strict  only a '#### <number>' final answer counts (verl's strict GSM8K scoring)
+    math_verify   math-verify's equivalence of the response's final answer (\\boxed{}, $...$,
+                  'Answer: ...') with the gold answer (LaTeX, fractions, decimals, sets, ...)
+
+A user reward is either registered by name (imported before the run starts):
+
     @register_reward("my_task")
     def my_task(response: str, record: PromptRecord) -> float: ...
+
+or named by a dotted path, `reward.name=my_package.my_module.my_task`, imported when the config loads.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import multiprocessing
 import re
@@ -45,10 +58,29 @@ def register_reward(name: str, *, overwrite: bool = False) -> Callable[[RewardFn
 
 
 def get_reward(name: str) -> RewardFn:
-    try:
+    """A registered reward by name, or a user function by dotted path `package.module.function`."""
+    if name in _REGISTRY:
         return _REGISTRY[name]
-    except KeyError:
-        raise UnknownRewardError(f"unknown reward {name!r}; registered rewards: {', '.join(sorted(_REGISTRY))}") from None
+    if "." in name.strip(".") and " " not in name:
+        return _import_reward(name)
+    raise UnknownRewardError(f"unknown reward {name!r}; registered rewards: {', '.join(sorted(_REGISTRY))}, "
+                             f"or a dotted path package.module.function")
+
+
+def _import_reward(path: str) -> RewardFn:
+    module_name, _, attr = path.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:   # ModuleNotFoundError, or the user module failing while it imports
+        detail = " ".join(f"{type(e).__name__}: {e}".split())
+        raise UnknownRewardError(f"reward {path!r}: cannot import module {module_name!r} ({detail})") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise UnknownRewardError(f"reward {path!r}: module {module_name!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise UnknownRewardError(f"reward {path!r}: {attr!r} is a {type(fn).__name__}, not a function "
+                                 f"fn(response, record) -> float")
+    return fn
 
 
 def list_rewards() -> list[str]:
@@ -59,7 +91,8 @@ def list_rewards() -> list[str]:
 
 @register_reward("arithmetic")
 def arithmetic_reward(response: str, record: PromptRecord) -> float:
-    """1.0 when the final 'A:<n>' equals the answer exactly, else 0.0 (malformed included)."""
+    """Synthetic task: 1.0 when the response ends in 'A:<integer>' (surrounding whitespace aside) and that
+    integer equals record.answer; else 0.0 (malformed, or a non-integer gold answer, included)."""
     got = synthetic.extract_answer(response)
     if got is None:
         return 0.0
@@ -91,7 +124,9 @@ def _numbers_equal(pred: str | None, gold: str) -> float:
 
 @register_reward("gsm8k")
 def gsm8k_reward(response: str, record: PromptRecord) -> float:
-    """The number after the last '####', else the last number in the response, must equal the answer."""
+    """1.0 when the number after the last '####' in the response, or without one the last number anywhere
+    in it, equals record.answer as a decimal (',' separators and '$' ignored, so '$1,500' = '1500' and
+    '7.0' = '7'); text after the number ('#### 42 apples') is ignored. Else 0.0."""
     hashes = _HASH_RE.findall(response)
     if hashes:
         return _numbers_equal(hashes[-1], record.answer)
@@ -101,7 +136,8 @@ def gsm8k_reward(response: str, record: PromptRecord) -> float:
 
 @register_reward("gsm8k_strict")
 def gsm8k_strict_reward(response: str, record: PromptRecord) -> float:
-    """Only a '#### <n>' final answer counts (verl's strict GSM8K scoring)."""
+    """Like gsm8k, but only a '#### <number>' final answer counts (verl's strict GSM8K scoring): a
+    response without '####' scores 0.0."""
     hashes = _HASH_RE.findall(response)
     return _numbers_equal(hashes[-1] if hashes else None, record.answer)
 
@@ -155,7 +191,9 @@ _subprocess_scorer = _SubprocessScorer()
 
 @register_reward("math_verify")
 def math_verify_reward(response: str, record: PromptRecord) -> float:
-    """1.0 when math-verify finds the response's final answer equivalent to record.answer."""
+    """1.0 when math-verify finds the response's final answer (the last \\boxed{}, $...$ or 'Answer: ...')
+    equivalent to record.answer (LaTeX or plain; a gold answer without \\boxed or $ is boxed first);
+    unparsable output or a parse / verify timeout (5 s) scores 0.0."""
     if threading.current_thread() is threading.main_thread():
         return _math_verify_score(response, record.answer, MATH_VERIFY_TIMEOUT_S)
     return _subprocess_scorer(response, record.answer, 3 * MATH_VERIFY_TIMEOUT_S)
@@ -167,7 +205,7 @@ _FORMAT_REWARD = {"synthetic": "arithmetic", "gsm8k": "gsm8k", "math": "math_ver
 
 
 def default_reward_for(data_cfg: DataConfig) -> str:
-    """Name of the reward that fits the data: arithmetic, gsm8k or math_verify (math and plain)."""
+    """The reward used when reward.name is unset: arithmetic (synthetic), gsm8k, or math_verify (math, plain)."""
     if data_cfg.source == "synthetic":
         return "arithmetic"
     return _FORMAT_REWARD[file_format(data_cfg.source, data_cfg)]

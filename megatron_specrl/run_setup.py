@@ -165,7 +165,7 @@ def build_run(cfg: RunConfig) -> Run:
                            run_name=cfg.logging.run_name, resume_step=step)
     run = Run(cfg=cfg, out=out, model_dir=model_dir, tokenizer=tokenizer, pad_id=pad_id, tokenizer_id=tokenizer_id,
               loader=loader, train_records={r.id: r for r in train_records}, eval_records=eval_records,
-              reward_fn=get_reward(default_reward_for(cfg.data)), learner=learner, engine=engine, store=store,
+              reward_fn=get_reward(cfg.reward.name or default_reward_for(cfg.data)), learner=learner, engine=engine, store=store,
               rollout=rollout, logger=logger, placement=placement, critic=critic, ref=ref, step=step, version=version,
               resync_route=make_route(transport, timeout_s=cfg.rollout.engine_timeout_s))
     logger.console.print(f"weight resync transport: {transport} (trainer.resync_transport="

@@ -24,6 +24,19 @@ def test_grpo_with_and_without_std():
     assert torch.isfinite(adv).all() and (adv[4:] == 0).all()
 
 
+def test_grpo_equal_reward_groups_get_exactly_zero():
+    """max == min is checked exactly: float32 std of 6 x 0.3 is 3e-8, not 0, and (r - mean) / (std + eps)
+    gave every sample +0.029 (12 x 1.1: -0.106). Shaped rewards hit this; 0/1 rewards do not."""
+    rewards = torch.tensor([0.3] * 6 + [1.1] * 12 + [0.0, 1.0])
+    groups = [0] * 6 + [1] * 12 + [2, 2]
+    for normalize_std in (True, False):
+        adv = grpo_advantages(rewards, groups, normalize_std=normalize_std)
+        assert adv[:18].tolist() == [0.0] * 18, normalize_std
+    # the mixed group is untouched: mean 0.5, unbiased std sqrt(0.5)
+    adv = grpo_advantages(rewards, groups, normalize_std=True, eps=0.0)
+    assert close(adv[18:], [-0.5 / 0.5 ** 0.5, 0.5 / 0.5 ** 0.5])
+
+
 def test_grpo_interleaved_tensor_group_ids():
     rewards = torch.tensor([2.0, 1.0, 0.0, 3.0])
     adv = grpo_advantages(rewards, torch.tensor([7, 9, 7, 9]), normalize_std=False)

@@ -71,6 +71,9 @@ def test_cli_dry_run_prints_resolved_config(capsys):
     (["learner.tp=3"], "learner.tp=3 does not divide num_attention_heads=4"),
     (["learner.pp=4"], "learner.pp=4 does not divide num_hidden_layers=2"),
     (["learner.bogus=1"], "unknown config key 'learner.bogus'"),
+    (["reward.name=nope"], "invalid value for 'reward.name': 'nope' (Value error, unknown reward 'nope'"),
+    (["reward.name=no_such_pkg.score"], "'reward.name': 'no_such_pkg.score'"),
+    (["learner.loss.kl_type=low-var"], "use learner.loss.kl_type=low_var_kl"),
 ])
 def test_cli_bad_input_is_one_line_and_nonzero(args, needle):
     proc = subprocess.run([sys.executable, "-m", "megatron_specrl.cli", "train", "tiny-cpu-grpo", *args, "--dry-run"],
@@ -101,3 +104,44 @@ def test_engine_dtype_and_recompute_old_logprobs():
     with pytest.raises(ConfigError) as err:
         load_config(recipe, ["rollout.engine_dtype=float16"])
     assert "'rollout.engine_dtype': 'float16'" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_loss_settings_follow_verl():
+    recipe = ROOT / "examples/tiny-cpu-grpo.yaml"
+    lc = load_config(recipe).learner.loss
+    assert lc.dual_clip_c == 3.0 and lc.kl_type == "low_var_kl" and lc.agg_mode == "token-mean"
+    assert load_config(recipe, ["learner.loss.dual_clip_c=null"]).learner.loss.dual_clip_c is None   # off
+    for name in ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"):
+        assert load_config(recipe, [f"learner.loss.kl_type={name}"]).learner.loss.kl_type == name
+    with pytest.raises(ConfigError) as err:
+        load_config(recipe, ["learner.loss.kl_type=low-var"])
+    assert str(err.value).startswith("invalid value for 'learner.loss.kl_type': 'low-var'") and "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="'learner.loss.dual_clip_c': 1.0"):
+        load_config(recipe, ["learner.loss.dual_clip_c=1.0"])
+    # Dr. GRPO: the constant defaults to the max response length; an explicit one is kept
+    norm = load_config(recipe, ["learner.loss.agg_mode=seq-mean-token-sum-norm", "rollout.max_new_tokens=48"])
+    assert norm.learner.loss.loss_scale_factor == 48
+    assert load_config(recipe, ["learner.loss.agg_mode=seq-mean-token-sum-norm",
+                                "learner.loss.loss_scale_factor=4096"]).learner.loss.loss_scale_factor == 4096
+    with pytest.raises(ConfigError, match="seq-mean-token-sum-norm with algorithm.name=ppo"):
+        load_config(ROOT / "examples/tiny-cpu-ppo.yaml", ["learner.loss.agg_mode=seq-mean-token-sum-norm"])
+
+
+def test_reward_name_from_the_cli(tmp_path, monkeypatch, capsys):
+    recipe = ROOT / "examples/tiny-cpu-grpo.yaml"
+    assert load_config(recipe).reward.name is None                  # picked from the data, as before
+    for name in ("math_verify", "gsm8k", "gsm8k_strict", "arithmetic", "megatron_specrl.rewards.gsm8k_reward"):
+        assert load_config(recipe, [f"reward.name={name}"]).reward.name == name
+    (tmp_path / "my_rewards_mod.py").write_text("def score(response, record):\n    return float('yes' in response)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = load_config(recipe, ["reward.name=my_rewards_mod.score"])
+    from megatron_specrl.rewards import default_reward_for, get_reward
+    fn = get_reward(cfg.reward.name or default_reward_for(cfg.data))   # what build_run does
+    assert fn("yes", None) == 1.0 and fn("no", None) == 0.0
+    for bad, needle in [("my_rewards_mod.nothere", "has no attribute 'nothere'"),
+                        ("nope", "unknown reward 'nope'")]:
+        with pytest.raises(ConfigError) as err:
+            load_config(recipe, [f"reward.name={bad}"])
+        assert f"'reward.name': '{bad}'" in str(err.value) and needle in str(err.value)
+    assert main(["train", "tiny-cpu-grpo", "reward.name=gsm8k_strict", "--dry-run"]) == 0
+    assert "name: gsm8k_strict" in capsys.readouterr().out

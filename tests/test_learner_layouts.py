@@ -70,7 +70,7 @@ def complete_batch(batch, logprobs):
 
 def loss_config():
     from megatron_specrl.config import LossConfig
-    return LossConfig(clip_low=0.2, clip_high=0.28, dual_clip_c=3.0, kl_coef=0.1, kl_type="low-var",
+    return LossConfig(clip_low=0.2, clip_high=0.28, dual_clip_c=3.0, kl_coef=0.1, kl_type="low_var_kl",
                       entropy_coef=0.01, tis="off", agg_mode="token-mean")
 
 

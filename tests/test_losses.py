@@ -45,6 +45,52 @@ def test_dual_clip_bounds_negative_advantages():
     assert pos.item() == pytest.approx(-1.2)
 
 
+def test_dual_clip_is_on_by_default_as_in_verl():
+    """verl's clip_ratio_c = 3: log-ratio 2, A = -1 -> max(e^2, 1.2) = 7.39 capped at 3, zero gradient."""
+    from megatron_specrl.config import LossConfig
+    assert LossConfig().dual_clip_c == 3.0
+    lp = t([[2.0]]).requires_grad_()
+    old, adv, mask = t([[0.0]]), t([[-1.0]]), t([[1.0]])
+    loss, m = L.policy_loss(lp, old, adv, mask)                    # the function's default: c = 3 too
+    loss.backward()
+    assert loss.item() == 3.0 and lp.grad.item() == 0.0 and m["pg_clipfrac_dual"].item() == 1.0
+    batch = {"loss_mask": mask, "old_logprobs": old, "advantages": adv}
+    lp.grad = None
+    loss, _ = L.rl_policy_objective(lp, None, batch, LossConfig(tis="off"))
+    loss.backward()
+    assert loss.item() == 3.0 and lp.grad.item() == 0.0
+    # explicitly off (dual_clip_c: null): the plain PPO clip, e^2 with gradient e^2
+    lp.grad = None
+    off, _ = L.policy_loss(lp, old, adv, mask, dual_clip_c=None)
+    off.backward()
+    assert off.item() == pytest.approx(math.exp(2)) and lp.grad.item() == pytest.approx(math.exp(2))
+    with pytest.raises(ValueError, match="dual_clip_c"):
+        L.policy_loss(lp, old, adv, mask, dual_clip_c=1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_log_ratio_is_clamped_to_20_before_exp(dtype):
+    """Log-ratio 25, A = -1, dual clip off: verl's loss is e^20 (the ratio's log clamped to 20), not e^25."""
+    lp = torch.tensor([[25.0]], dtype=dtype, requires_grad=True)
+    old, adv, mask = (torch.tensor([[v]], dtype=dtype) for v in (0.0, -1.0, 1.0))
+    loss, m = L.policy_loss(lp, old, adv, mask, 0.2, 0.2, dual_clip_c=None)
+    loss.backward()
+    assert math.isfinite(loss.item()) and loss.item() == pytest.approx(math.exp(20.0), rel=1e-6)
+    assert lp.grad.item() == 0.0                                    # flat past the clamp
+    assert m["ratio_mean"].item() == pytest.approx(math.exp(20.0), rel=1e-6)
+    # and -25 -> e^-20 with A = +1: max(-e^-20, -0.8) = -e^-20
+    low, _ = L.policy_loss(-lp.detach(), old, -adv, mask, 0.2, 0.2, dual_clip_c=None)
+    assert low.item() == pytest.approx(-math.exp(-20.0), rel=1e-6)
+
+
+def test_tis_log_ratio_is_clamped_too():
+    mask = t([[1.0, 1.0]])
+    w = L.tis_weights(t([[-30.0, 5.0]]), t([[-5.0, -20.0]]), mask, "token", cap=1e12)
+    assert w[0].tolist() == pytest.approx([math.exp(-20.0), math.exp(20.0)])      # not e^-25, e^25
+    w = L.tis_weights(t([[-15.0, -15.0]]), t([[0.0, 0.0]]), mask, "sequence", cap=2.0)
+    assert w[0].tolist() == pytest.approx([math.exp(-20.0)] * 2)                  # sum -30 -> -20
+
+
 def test_aggregation_modes():
     loss_mat = t([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
     mask = t([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
@@ -59,26 +105,58 @@ def test_aggregation_modes():
         L.aggregate(loss_mat, mask, "mean")
 
 
+def test_seq_mean_token_sum_norm_is_dr_grpo():
+    """Dr. GRPO (verl's seq-mean-token-sum-norm): each sequence's token sum over one constant
+    (loss_scale_factor, the max response length), averaged over sequences."""
+    loss_mat = t([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    mask = t([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    assert L.aggregate(loss_mat, mask, "seq-mean-token-sum-norm", loss_scale_factor=4).item() == \
+        pytest.approx((6 / 4 + 4 / 4) / 2)
+    # seq-mean-token-sum is the same without the constant (not Dr. GRPO: it scales with length)
+    assert L.aggregate(loss_mat, mask, "seq-mean-token-sum").item() == pytest.approx((6 + 4) / 2)
+    with pytest.raises(ValueError, match="loss_scale_factor"):
+        L.aggregate(loss_mat, mask, "seq-mean-token-sum-norm")
+    # through the policy objective, with the factor from the config: A = 1 on every token, ratio 1
+    from megatron_specrl.config import LossConfig
+    lp = t([[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]])
+    batch = {"loss_mask": mask, "old_logprobs": lp.clone(), "advantages": torch.ones_like(lp)}
+    cfg = LossConfig(agg_mode="seq-mean-token-sum-norm", loss_scale_factor=8, tis="off")
+    loss, _ = L.rl_policy_objective(lp, None, batch, cfg)
+    assert loss.item() == pytest.approx(-(3 / 8 + 1 / 8) / 2)
+
+
 def test_microbatch_sums_with_global_denominator_equal_full_batch():
     g = torch.Generator().manual_seed(0)
     loss_mat = torch.randn(6, 5, generator=g, dtype=torch.float64)
     mask = (torch.rand(6, 5, generator=g) > 0.3).double()
     for mode in L.AGG_MODES:
-        full = L.aggregate(loss_mat, mask, mode)
+        full = L.aggregate(loss_mat, mask, mode, loss_scale_factor=7.0)
         d = L.aggregation_denominator(mask, mode)
-        parts = sum(L.aggregate(loss_mat[i:i + 2], mask[i:i + 2], mode, denom=d) for i in range(0, 6, 2))
+        parts = sum(L.aggregate(loss_mat[i:i + 2], mask[i:i + 2], mode, denom=d, loss_scale_factor=7.0)
+                    for i in range(0, 6, 2))
         assert parts.item() == pytest.approx(full.item())
 
 
 def test_kl_estimators():
-    lp, ref = t([[math.log(0.5)]]), t([[math.log(0.25)]])
-    assert L.kl_penalty(lp, ref, "k1").item() == pytest.approx(math.log(2))
-    # k3: r = ref/pi = 0.5 -> r - 1 - log r = -0.5 + log 2
-    assert L.kl_penalty(lp, ref, "k3").item() == pytest.approx(-0.5 + math.log(2))
-    assert L.kl_penalty(lp, ref, "low-var").item() == pytest.approx(-0.5 + math.log(2))
-    far = L.kl_penalty(t([[-30.0]]), t([[0.0]]), "low-var")
-    assert far.item() == pytest.approx(10.0)  # clamped
-    assert L.kl_penalty(t([[-30.0]]), t([[0.0]]), "k3").item() > 1e6
+    """verl's names and meanings: kl/k1, abs, mse/k2, low_var_kl/k3 (clamped), d = logp - ref."""
+    lp, ref = t([[math.log(0.5), math.log(0.25)]]), t([[math.log(0.25), math.log(0.5)]])
+    ln2 = math.log(2)
+    expected = {"kl": [ln2, -ln2], "abs": [ln2, ln2], "mse": [0.5 * ln2 ** 2, 0.5 * ln2 ** 2],
+                # e^-d - 1 + d: d = ln 2 -> 0.5 - 1 + ln 2; d = -ln 2 -> 2 - 1 - ln 2
+                "low_var_kl": [-0.5 + ln2, 1.0 - ln2]}
+    for aliases, want in [(("kl", "k1"), expected["kl"]), (("abs",), expected["abs"]),
+                          (("mse", "k2"), expected["mse"]), (("low_var_kl", "k3"), expected["low_var_kl"])]:
+        for kind in aliases:
+            assert L.kl_penalty(lp, ref, kind)[0].tolist() == pytest.approx(want), kind
+    assert L.kl_penalty(lp, ref)[0].tolist() == pytest.approx(expected["low_var_kl"])   # verl's default
+    # logp = -15, ref = -1: e^14 - 14 - 1 = 1.2e6 unclamped; verl's low_var_kl (and k3) clamp it to 10
+    for kind in ("low_var_kl", "k3"):
+        assert L.kl_penalty(t([[-15.0]]), t([[-1.0]]), kind).item() == 10.0
+    # the exponent is clamped to +-20 first: no inf / nan even at absurd gaps, in fp32 too
+    far = L.kl_penalty(torch.tensor([[-1000.0, 0.0]]), torch.tensor([[0.0, -1000.0]]), "low_var_kl")
+    assert far[0].tolist() == [10.0, 10.0]
+    with pytest.raises(ValueError, match="low_var_kl"):
+        L.kl_penalty(lp, ref, "low-var")
 
 
 def test_tis_token_and_sequence():
@@ -114,3 +192,50 @@ def test_policy_objective_combines_terms():
     loss, m = L.rl_policy_objective(lp, ent, batch, cfg)
     assert loss.item() == pytest.approx(-2.0 + 0.1 * math.log(2) - 0.01 * 0.7)
     assert m["kl"].item() == pytest.approx(math.log(2))
+
+
+VERL_GRPO_RECIPE = """\
+# GRPO as verl's docs set it (verl key in brackets), written with verl's names and defaults
+algorithm:
+  name: grpo
+learner:
+  loss:
+    clip_low: 0.2             # [actor.clip_ratio_low]
+    clip_high: 0.28           # [actor.clip_ratio_high]
+    dual_clip_c: 3.0          # [actor.clip_ratio_c]
+    agg_mode: token-mean      # [actor.loss_agg_mode]
+    kl_type: low_var_kl       # [actor.kl_loss_type]
+    kl_coef: 0.001            # [actor.kl_loss_coef], use_kl_loss: true
+    entropy_coef: 0.0         # [actor.entropy_coeff]
+"""
+
+
+def test_verl_grpo_recipe_gives_verls_loss(tmp_path):
+    """Accepted as written; on a fixed batch the loss is verl's pg loss + kl_loss_coef * low_var_kl,
+    both token-mean, computed here by hand from verl's definitions."""
+    from megatron_specrl.config import load_config
+    recipe = tmp_path / "verl-grpo.yaml"
+    recipe.write_text(VERL_GRPO_RECIPE)
+    lc = load_config(recipe).learner.loss
+    assert (lc.clip_low, lc.clip_high, lc.dual_clip_c, lc.agg_mode, lc.kl_type, lc.kl_coef) == \
+        (0.2, 0.28, 3.0, "token-mean", "low_var_kl", 0.001)
+    ln = math.log
+    # 2 sequences x 4 positions; the last position is padding (garbage values, masked)
+    lp = t([[ln(0.6), ln(0.45), ln(0.3), 3.0], [ln(0.5), ln(0.2), -15.0, 7.0]])
+    old = t([[ln(0.4), ln(0.5), ln(0.3), -9.0], [ln(0.1), ln(0.4), -15.0, -30.0]])
+    ref = t([[ln(0.3), ln(0.45), ln(0.6), 1.0], [ln(0.25), ln(0.4), -1.0, 40.0]])
+    adv = t([[1.0, 1.0, 1.0, 5.0], [-1.0, -1.0, -1.0, 5.0]])
+    mask = t([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0]])
+    batch = {"loss_mask": mask, "old_logprobs": old, "advantages": adv, "ref_logprobs": ref}
+    loss, m = L.rl_policy_objective(lp, None, batch, lc)
+    # per token, ratio r = pi / pi_old:
+    #   A = +1: r = 1.5 -> max(-1.5, -1.28) = -1.28 (clip-high);  r = 0.9 -> -0.9;  r = 1 -> -1
+    #   A = -1: r = 5 -> max(5, 1.28) = 5, dual clip min(5, 3) = 3;  r = 0.5 -> max(0.5, 0.8) = 0.8;  r = 1 -> 1
+    pg = (-1.28 - 0.9 - 1.0 + 3.0 + 0.8 + 1.0) / 6
+    # low_var_kl = r' - log r' - 1 with r' = pi_ref / pi, clamped to [-10, 10]:
+    #   r' = 0.5, 1, 2 | 0.5, 2 -> ln2 - 0.5, 0, 1 - ln2 | ln2 - 0.5, 1 - ln2 (sum 1);  e^14 - 15 -> 10
+    kl = (1.0 + 10.0) / 6
+    assert m["pg_loss"].item() == pytest.approx(pg, abs=1e-12)
+    assert m["kl"].item() == pytest.approx(kl, abs=1e-12)
+    assert loss.item() == pytest.approx(pg + 0.001 * kl, abs=1e-12)
+    assert m["pg_clipfrac"].item() == pytest.approx(2 / 6) and m["pg_clipfrac_dual"].item() == pytest.approx(1 / 6)

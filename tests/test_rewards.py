@@ -84,3 +84,32 @@ def test_default_reward_for(tmp_path):
     m.write_text(json.dumps({"problem": "q", "answer": "3"}) + "\n")
     assert default_reward_for(DataConfig(source=str(m))) == "math_verify"
     assert default_reward_for(DataConfig(source=str(g), format="math")) == "math_verify"
+
+
+def test_gsm8k_final_answer_is_the_number(tmp_path):
+    from megatron_specrl.data.datasets import DatasetError, gsm8k_final_answer, load_records
+    cases = {"#### 42 apples": "42", "x\n#### 1,234": "1234", "#### $5": "5", "#### -3": "-3", "#### 7.": "7",
+             "#### 3.50 dollars": "3.50", "#### - $1,000.25 total": "-1000.25", "#### 72\n": "72",
+             "#### apples": None, "no hashes": None}
+    assert {k: gsm8k_final_answer(k) for k in cases} == cases
+    # the gold answer now scores: it used to be '42 apples', which no response could match
+    rows = tmp_path / "g.jsonl"
+    rows.write_text(json.dumps({"question": "q", "answer": "6 * 7 = 42\n#### 42 apples"}) + "\n")
+    [record] = load_records(DataConfig(source=str(rows), format="gsm8k", num_eval=0))
+    assert record.answer == "42"
+    assert get_reward("gsm8k")("so 6*7=42\n#### 42", record) == 1.0
+    assert get_reward("gsm8k_strict")("#### 42 apples", record) == 1.0
+    # a '####' with no number after it fails the row, naming it, instead of scoring 0 forever
+    rows.write_text(json.dumps({"question": "q", "answer": "lots\n#### many"}) + "\n")
+    with pytest.raises(DatasetError, match="no number after its last '####'"):
+        load_records(DataConfig(source=str(rows), format="gsm8k", num_eval=0))
+
+
+def test_reward_by_dotted_path():
+    assert get_reward("megatron_specrl.rewards.gsm8k_reward") is get_reward("gsm8k")
+    for bad, needle in [("megatron_specrl.rewards.nothing_here", "has no attribute 'nothing_here'"),
+                        ("no_such_module_xyz.fn", "cannot import module 'no_such_module_xyz'"),
+                        ("megatron_specrl.rewards.MATH_VERIFY_TIMEOUT_S", "is a int, not a function")]:
+        with pytest.raises(UnknownRewardError) as e:
+            get_reward(bad)
+        assert needle in str(e.value) and "\n" not in str(e.value)

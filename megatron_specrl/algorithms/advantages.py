@@ -23,7 +23,9 @@ def grpo_advantages(rewards: torch.Tensor, group_ids, normalize_std: bool = True
     """Group-relative advantages: (r - mean_group) [/ (std_group + eps)].
 
     The std is the unbiased one (as verl). A group of one, or one whose rewards
-    are all equal, gets advantage 0: it carries no preference between samples.
+    are all equal (max == min, compared exactly: the float32 mean of six rewards of
+    0.3 is not exactly 0.3, so a std test would give them a spurious advantage),
+    gets advantage exactly 0: it carries no preference between samples.
     normalize_std=False is Dr. GRPO's unbiased variant.
     """
     rewards = torch.as_tensor(rewards, dtype=torch.float32).flatten()
@@ -33,7 +35,9 @@ def grpo_advantages(rewards: torch.Tensor, group_ids, normalize_std: bool = True
     centered = rewards - mean[idx]
     sq = torch.zeros(g).index_add_(0, idx, centered ** 2)
     std = torch.sqrt(sq / (count - 1).clamp(min=1))
-    degenerate = (count < 2) | (std <= 0)
+    hi = torch.full((g,), -torch.inf).scatter_reduce_(0, idx, rewards, "amax")
+    lo = torch.full((g,), torch.inf).scatter_reduce_(0, idx, rewards, "amin")
+    degenerate = (count < 2) | (hi == lo)
     adv = centered / (std[idx] + eps) if normalize_std else centered
     return torch.where(degenerate[idx], torch.zeros_like(adv), adv)
 

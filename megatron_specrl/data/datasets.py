@@ -123,11 +123,19 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
+_GSM8K_FINAL_RE = re.compile(r"\s*(-)?\s*\$?\s*(\d[\d,]*(?:\.\d+)?|\.\d+)")
+
+
 def gsm8k_final_answer(solution: str) -> str | None:
-    """'... #### 1,234' -> '1234' (thousands separators removed); None without '####'."""
+    """The number after the last '####': '#### 1,234' -> '1234', '#### $5' -> '5', '#### -3' -> '-3',
+    '#### 42 apples' -> '42', '#### 7.' -> '7' (thousands separators, '$' and trailing units or text
+    dropped). None without '####' or without a number right after it."""
     if "####" not in solution:
         return None
-    return solution.rsplit("####", 1)[1].strip().replace(",", "").rstrip(".")
+    m = _GSM8K_FINAL_RE.match(solution.rsplit("####", 1)[1])
+    if m is None:
+        return None
+    return (m.group(1) or "") + m.group(2).replace(",", "")
 
 
 # --------------------------------------------------------------------------- formats
@@ -191,6 +199,8 @@ def _row_to_fields(row: dict, path: Path, where: str, fmt: str, data_cfg: DataCo
     if fmt == "gsm8k" and isinstance(answer, str) and "####" in answer:
         meta["solution"] = answer
         answer = gsm8k_final_answer(answer)
+        if answer is None:
+            raise DatasetError(f"{path}: {where}: gsm8k answer field {akey!r} has no number after its last '####'")
     elif fmt == "gsm8k" and isinstance(answer, str) and not _NUMBER_RE.fullmatch(answer.strip()):
         raise DatasetError(f"{path}: {where}: gsm8k answer field 'answer' has no '#### <number>' final answer")
     elif fmt == "math" and isinstance(answer, str) and "\\boxed" in answer:

@@ -24,19 +24,60 @@ class Acceptance:
     num_accepted: int          # n: tokens y[:n] are kept
     ban_token: int | None      # token to exclude at position n when resampling (exact only)
     lenient_excess: float      # sum over accepted tokens of 1 - min(1, p/q): mass lenient over-accepts
+    # Non-finite (NaN / +-inf) entries among the draft's new and old log-probs: an engine error, never
+    # accepted past. The caller logs the step's sum as `spec/nonfinite_logprobs`.
+    nonfinite: int = 0
+
+
+def _is_finite_number(v) -> bool:
+    try:
+        return math.isfinite(float(v))
+    except (TypeError, ValueError):
+        return False
+
+
+def count_nonfinite(*logprobs) -> int:
+    """Number of entries of the given log-prob sequences that are not finite numbers (NaN, +-inf,
+    None or anything non-numeric an engine might return). A None sequence counts 0 and a bare number
+    counts as one entry; an object that is neither raises TypeError naming its type."""
+    total = 0
+    for values in logprobs:
+        if values is None:
+            continue
+        try:
+            arr = np.asarray(values, dtype=np.float64)
+        except (TypeError, ValueError):   # ragged or non-numeric entries: one by one
+            try:
+                total += sum(not _is_finite_number(v) for v in values)
+            except TypeError:
+                raise TypeError(f"count_nonfinite needs sequences of log-probs, "
+                                f"got {type(values).__name__}") from None
+            continue
+        total += int(arr.size - np.count_nonzero(np.isfinite(arr)))
+    return total
 
 
 def accept_probabilities(p_logprobs: np.ndarray, q_logprobs: np.ndarray, mode: str, lenience: float) -> np.ndarray:
-    if mode == "exact":
-        return np.exp(np.minimum(p_logprobs, 0.0))
-    if mode == "lenient":
-        return np.minimum(1.0, np.exp(math.log(lenience) + p_logprobs - q_logprobs))
-    raise ValueError(f"no acceptance rule for spec_mode={mode!r}; choose one of {MODES}")
+    """Per-token acceptance probability; NaN where an input the rule reads is not finite (rejected)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        if mode == "exact":
+            probs = np.exp(np.minimum(p_logprobs, 0.0))
+            bad = ~np.isfinite(p_logprobs)
+        elif mode == "lenient":
+            probs = np.minimum(1.0, np.exp(math.log(lenience) + p_logprobs - q_logprobs))
+            bad = ~(np.isfinite(p_logprobs) & np.isfinite(q_logprobs))
+        else:
+            raise ValueError(f"no acceptance rule for spec_mode={mode!r}; choose one of {MODES}")
+    return np.where(bad, np.nan, probs)
 
 
 def decide(draft: list[int], p_logprobs: list[float], q_logprobs: list[float], uniforms: np.ndarray,
            mode: str, lenience: float = 1.0) -> Acceptance:
-    """Accept token by token from the start until the first u_t > accept_prob_t."""
+    """Accept token by token from the start while u_t < accept_prob_t; stop at the first token where not.
+
+    `not (u < prob)` rejects a NaN probability (a non-finite log-prob from the engine) and a token of
+    probability 0 even when u == 0; `nonfinite` counts those non-finite log-probs.
+    """
     if not draft:
         return Acceptance(0, None, 0.0)
     p = np.asarray(p_logprobs, dtype=np.float64)
@@ -45,8 +86,8 @@ def decide(draft: list[int], p_logprobs: list[float], q_logprobs: list[float], u
         raise ValueError(f"draft of {len(draft)} tokens has {len(p)} new and {len(q)} old log-probs, "
                          f"{len(uniforms)} uniforms")
     probs = accept_probabilities(p, q, mode, lenience)
-    rejected = np.nonzero(uniforms[: len(draft)] > probs)[0]
+    rejected = np.nonzero(~(np.asarray(uniforms[: len(draft)]) < probs))[0]
     n = int(rejected[0]) if len(rejected) else len(draft)
     excess = float(np.sum(1.0 - np.minimum(1.0, np.exp(p[:n] - q[:n])))) if mode == "lenient" else 0.0
     ban = draft[n] if (mode == "exact" and n < len(draft)) else None
-    return Acceptance(n, ban, excess)
+    return Acceptance(n, ban, excess, count_nonfinite(p, q))
