@@ -32,11 +32,9 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         metrics.update(ppo_advantages(run, batch, rewards))
     else:
         batch = build_batch(samples, grpo_like_advantages(samples, rewards, cfg), run.pad_id)
-    if cfg.learner.recompute_old_logprobs:
-        batch["old_logprobs"] = run.learner.compute_logprobs(batch)
-        diff = (batch["old_logprobs"] - batch["rollout_logprobs"]).abs() * batch["loss_mask"]
-        metrics["train/rollout_learner_logprob_abs_diff"] = float(diff.sum() / batch["loss_mask"].sum())
-    if run.ref is not None:
+    # (learner.recompute_old_logprobs: the policy scores the ratio's old log-probs inside its train
+    # step, once, and reports train/rollout_learner_logprob_abs_diff)
+    if run.ref is not None:   # KL anchor: the frozen initial policy's log-probs (learner.loss.kl_coef > 0)
         batch["ref_logprobs"] = run.ref.compute_logprobs(batch)
     # 4. learn
     t_train = time.perf_counter()

@@ -120,6 +120,9 @@ class ValueHead(torch.nn.Module):
         return torch.nn.functional.linear(hidden_states, self.weight), None
 
 
+ROLES = ("policy", "critic", "reference")   # reference: a frozen policy (the KL anchor), never trained
+
+
 def build_gpt_model(hf_config, tp: int = 1, pp: int = 1, dtype: torch.dtype = torch.float32,
                     pre_process: bool | None = None, post_process: bool | None = None,
                     role: str = "policy", vocab_divisible_by: int = 128, use_te: bool | None = None):
@@ -134,7 +137,10 @@ def build_gpt_model(hf_config, tp: int = 1, pp: int = 1, dtype: torch.dtype = to
         pre_process = ps.is_pipeline_first_stage()
     if post_process is None:
         post_process = ps.is_pipeline_last_stage()
-    tied = bool(getattr(hf_config, "tie_word_embeddings", False)) and role == "policy"
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    # The reference is a frozen copy of the policy: the same architecture, LM head included.
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False)) and role != "critic"
     model = GPTModel(
         config=config,
         transformer_layer_spec=_layer_spec(te_available() if use_te is None else use_te),
@@ -149,8 +155,6 @@ def build_gpt_model(hf_config, tp: int = 1, pp: int = 1, dtype: torch.dtype = to
     )
     if role == "critic" and post_process:
         model.output_layer = ValueHead(hf_config.hidden_size, dtype)
-    elif role not in ("policy", "critic"):
-        raise ValueError(f"role must be 'policy' or 'critic', got {role!r}")
     model.true_vocab_size = hf_config.vocab_size
     model.role = role
     return model

@@ -10,6 +10,11 @@ Optimizer: torch AdamW over the local shards with our own gradient all-reduce
 (DP) and global-norm clipping. Megatron's DDP / DistributedOptimizer hard-code
 CUDA tensor types, so they are not used here (on GPUs this path is correct but
 not memory-optimal).
+
+Roles: `policy` (LM head, trained), `critic` (value head, trained) and `reference`:
+the policy's initial weights, frozen, for the KL term. A reference has the policy's
+layout and LM head, scores with compute_logprobs (same temperature convention), and
+has no optimizer, no gradients and no checkpoint: it is rebuilt from the HF dir.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from torch import Tensor
 from megatron_specrl.learner import hf_mapping as hm
 from megatron_specrl.learner import losses as L
 from megatron_specrl.learner.logprobs import token_logprobs
+from megatron_specrl.learner.model_provider import ROLES
 from megatron_specrl.learner.parallel import cuda_to_cpu, destroy, init_distributed
 
 PER_TOKEN_KEYS = ("input_ids", "attention_mask", "loss_mask", "old_logprobs", "rollout_logprobs", "advantages",
@@ -76,9 +82,10 @@ def split_microbatches(rows: list[int], lengths: list[int], micro_batch_size: in
 class LearnerWorker:
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, settings,
                  seed: int = 1, role: str = "policy"):
-        if role not in ("policy", "critic"):
-            raise ValueError(f"role must be 'policy' or 'critic', got {role!r}")
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.rank, self.world_size, self.settings, self.seed, self.role = rank, world_size, settings, seed, role
+        self.frozen = role == "reference"
         tp, pp = settings.tp, settings.pp
         if world_size != tp * pp * settings.dp:
             raise ValueError(f"world_size={world_size} != tp*pp*dp = {tp}*{pp}*{settings.dp}")
@@ -99,8 +106,14 @@ class LearnerWorker:
         self.hf_dir = None
 
     # ------------------------------------------------------------------ model
+    def _require_trainable(self, what: str) -> None:
+        if self.frozen:
+            raise RuntimeError(f"{what}: the reference model is frozen (the KL anchor at the initial weights); "
+                               "it has no optimizer and is never trained or checkpointed")
+
     def build(self, hf_dir: str | Path) -> None:
-        """Build this rank's model slice (random init) + optimizer from an HF config directory."""
+        """Build this rank's model slice (random init) + optimizer (none for a frozen reference)
+        from an HF config directory."""
         from transformers import AutoConfig
         from megatron_specrl.learner.model_provider import build_gpt_model
 
@@ -109,7 +122,11 @@ class LearnerWorker:
         self.hf_config = AutoConfig.from_pretrained(str(hf_dir))
         torch.manual_seed(self.seed)
         self.model = build_gpt_model(self.hf_config, s.tp, s.pp, role=self.role).to(self.device)
-        self._build_optimizer()
+        if self.frozen:
+            self.model.requires_grad_(False)
+            self.model.eval()
+        else:
+            self._build_optimizer()
 
     def load_hf(self, hf_dir: str | Path) -> None:
         """Build this rank's model slice and load its shards from HF safetensors."""
@@ -219,13 +236,14 @@ class LearnerWorker:
             return vals.sum() * 0.0, {"rows": mb["rows"], "vals": vals * mb["attention_mask"].to(vals.dtype)}
 
         store = self._run_schedule(mbs, loss_fn, forward_only=True)
-        self.model.train()
+        if not self.frozen:
+            self.model.train()
         return self._gather_rows(B, T, [(d["rows"], d["vals"]) for d in store], to_all)
 
     def compute_logprobs(self, batch: dict) -> Tensor | None:
         """Per-token log-probs [B, T] (0 at t=0 and on padding) on global rank 0; None elsewhere."""
-        if self.role != "policy":
-            raise RuntimeError("compute_logprobs needs role='policy'")
+        if self.role not in ("policy", "reference"):
+            raise RuntimeError(f"compute_logprobs needs role='policy' or 'reference', not {self.role!r}")
         return self._score(batch, to_all=False)
 
     def compute_values(self, batch: dict) -> Tensor | None:
@@ -236,13 +254,23 @@ class LearnerWorker:
 
     # ------------------------------------------------------------------ training
     def train_step(self, batch: dict) -> dict[str, float]:
-        """ppo_epochs x mini_batches optimizer steps on one rollout batch; returns averaged metrics."""
+        """ppo_epochs x mini_batches optimizer steps on one rollout batch; returns averaged metrics.
+
+        With recompute_old_logprobs the PPO ratio's old log-probs are this policy's, scored here
+        once (the step's only extra forward pass); `rollout_learner_logprob_abs_diff` reports their
+        mean |difference| from the rollout engine's on response tokens."""
+        self._require_trainable("train_step")
         s = self.settings
         B = batch["input_ids"].shape[0]
         batch = dict(batch)
+        extra: dict[str, float] = {}
         if self.role == "policy":
             if s.recompute_old_logprobs:
                 batch["old_logprobs"] = self._score(batch, to_all=True)
+                if batch.get("rollout_logprobs") is not None:
+                    m = batch["loss_mask"].to(torch.float32)
+                    diff = (batch["old_logprobs"] - batch["rollout_logprobs"]).abs() * m
+                    extra["rollout_learner_logprob_abs_diff"] = float(diff.sum() / m.sum().clamp(min=1.0))
             elif "old_logprobs" not in batch:
                 batch["old_logprobs"] = batch["rollout_logprobs"]
         if B % s.mini_batches:
@@ -253,7 +281,7 @@ class LearnerWorker:
             for m in range(s.mini_batches):
                 rows = list(range(m * per_mini, (m + 1) * per_mini))
                 history.append(self._optimizer_step(batch, rows))
-        return {k: sum(h[k] for h in history) / len(history) for k in history[0]}
+        return {**{k: sum(h[k] for h in history) / len(history) for k in history[0]}, **extra}
 
     def _optimizer_step(self, batch: dict, rows: list[int], step: bool = True) -> dict[str, float]:
         lc = self.settings.loss
@@ -291,6 +319,7 @@ class LearnerWorker:
 
         For tests and debugging: read them with iter_hf_state(grads=True).
         """
+        self._require_trainable("forward_backward")
         batch = dict(batch)
         if self.role == "policy" and "old_logprobs" not in batch:
             batch["old_logprobs"] = batch["rollout_logprobs"]
@@ -458,6 +487,7 @@ class LearnerWorker:
     def save_checkpoint(self, path: str | Path) -> None:
         """Megatron dist checkpoint (model + AdamW state + RNG), synchronous writer."""
         from megatron.core import dist_checkpointing
+        self._require_trainable("save_checkpoint")
         path = Path(path)
         if self.rank == 0:
             path.mkdir(parents=True, exist_ok=True)
@@ -479,6 +509,7 @@ class LearnerWorker:
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
         if self.model is None:
             raise RuntimeError("call load_hf (or build the model) before load_checkpoint")
+        load_optimizer = load_optimizer and not self.frozen   # a reference may load weights, nothing else
         meta_file = Path(path) / "specrl_learner.json"
         if not meta_file.is_file():
             raise hm.CheckpointError(f"{path} is not a megatron-specrl learner checkpoint (no specrl_learner.json)")
@@ -504,4 +535,10 @@ class LearnerWorker:
             get_cuda_rng_tracker().set_states(loaded["rng"]["tracker"])
 
     def shutdown(self) -> None:
+        """Free the model and optimizer state, then leave the process groups."""
+        import gc
+        self.model = self.optimizer = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         destroy()
