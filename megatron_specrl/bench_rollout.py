@@ -1,15 +1,19 @@
-"""`megatron-specrl bench-rollout`: the same RL run with spec_mode off, exact and lenient, side by side.
+"""`megatron-specrl bench-rollout`: the same RL run under every rollout mode, side by side.
 
-Same recipe, seed and data order for each mode, run one after another in one
-process; a small dataset so every prompt comes back each epoch (drafts exist
-from epoch 2 on). Prints per-epoch rollout seconds, generated tokens, reuse
-ratio, rollout reward and held-out greedy accuracy (what the policy learned,
-which rollout reward alone hides: lenient reuses old, possibly better, samples),
-and the off/exact and off/lenient rollout-time ratios.
+Modes: `off` (plain generation), `exact` and `lenient` (last epoch's response verified in one
+prefill, decoded from the first rejection), `tree` (plain generation with speculative decoding
+from per-prompt trees of earlier responses inside vLLM), and `exact+tree` / `lenient+tree` (both).
+Same recipe, seed and data order for each mode, run one after another in one process; a small
+dataset so every prompt comes back each epoch (drafts exist from epoch 2 on). Per epoch it
+reports rollout seconds, reuse ratio, generated tokens per request per decode step, decode steps
+per rollout, verification seconds, rollout reward and held-out greedy accuracy (what the policy
+learned, which rollout reward alone hides: lenient reuses old, possibly better, samples), and the
+rollout-time ratio against `off`. `--seeds N` repeats everything over N seeds and prints each
+summary's spread, so "within noise" has a number.
 
-The default recipe is tiny-cpu-grpo-long (~67-token worked traces): with the
-~27-token traces of tiny-cpu-grpo, a rollout on this CPU is mostly fixed
-per-request cost rather than decoding, which is not the regime RLVR runs in.
+The default recipe is tiny-cpu-grpo-long (~67-token worked traces): with the ~27-token traces of
+tiny-cpu-grpo, a rollout on this CPU is mostly fixed per-request cost rather than decoding, which
+is not the regime RLVR runs in.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -24,18 +29,31 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-MODES = ("off", "exact", "lenient")
+MODES = ("off", "exact", "lenient", "tree", "exact+tree", "lenient+tree")
 STEADY_FROM_EPOCH = 3
 
 
+def mode_overrides(mode: str) -> list[str]:
+    """`exact+tree` -> spec_mode=exact, draft=tree; `tree` alone is plain generation with tree drafts."""
+    spec, _, draft = mode.partition("+")
+    if spec == "tree":
+        spec, draft = "off", "tree"
+    if spec not in ("off", "exact", "lenient") or draft not in ("", "tree"):
+        raise SystemExit(f"unknown bench mode {mode!r}; modes: {', '.join(MODES)}")
+    return [f"rollout.spec_mode={spec}", f"rollout.draft={draft or 'none'}"]
+
+
 def _parse(argv):
-    p = argparse.ArgumentParser(prog="megatron-specrl bench-rollout", description=__doc__)
+    p = argparse.ArgumentParser(prog="megatron-specrl bench-rollout", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="config key=value overrides (recipe keys)")
     p.add_argument("--recipe", default="tiny-cpu-grpo-long")
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--prompts", type=int, default=32, help="dataset size (prompts per epoch)")
     p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--seeds", type=int, default=1, help="repeat over trainer.seed = base, base+1, ...")
+    p.add_argument("--seed", type=int, default=None, help="base seed (default: the recipe's trainer.seed)")
     p.add_argument("--eval-prompts", type=int, default=128,
                    help="held-out prompts for greedy accuracy at the start and after every epoch (0: off)")
     p.add_argument("--output-dir", default=None)
@@ -53,13 +71,18 @@ def per_epoch(rows: list[dict], steps_per_epoch: int) -> list[dict]:
         chunk = steps[e * steps_per_epoch:(e + 1) * steps_per_epoch]
         total = lambda k: sum(r.get(k, 0.0) for r in chunk)
         response_tokens = sum(r.get("response/mean_len", 0.0) for r in chunk)
+        generated = total("spec/generated_tokens")
+        # tokens per request per decode step: counted by the tree proposer; 1 without drafting
+        request_steps = total("tree/request_steps")
         epochs.append({
             "epoch": e + 1,
             "rollout_s": total("spec/rollout_s"),
-            "generated_tokens": total("spec/generated_tokens"),
+            "verify_s": total("spec/verify_s"),
+            "generated_tokens": generated,
             "accepted_tokens": total("spec/accepted_tokens"),
-            "reuse_ratio": total("spec/accepted_tokens") / max(total("spec/accepted_tokens")
-                                                               + total("spec/generated_tokens"), 1),
+            "reuse_ratio": total("spec/accepted_tokens") / max(total("spec/accepted_tokens") + generated, 1),
+            "tokens_per_step": total("tree/generated_tokens") / request_steps if request_steps else 1.0,
+            "decode_steps": total("spec/decode_steps") / len(chunk),
             "reward": sum(r.get("reward/mean", 0.0) for r in chunk) / len(chunk),
             "mean_response_len": response_tokens / len(chunk),
             "eval_accuracy": evals.get(chunk[-1].get("step")),
@@ -68,6 +91,9 @@ def per_epoch(rows: list[dict], steps_per_epoch: int) -> list[dict]:
 
 
 def summarize(results: dict[str, list[dict]]) -> dict[str, float]:
+    """Steady state (epochs >= STEADY_FROM_EPOCH): per mode rollout seconds, speedup vs off, reuse,
+    tokens per decode step, decode steps per rollout, verification share of off's rollout time;
+    mean reward over all epochs; the final held-out accuracy."""
     steady = {m: [e for e in eps if e["epoch"] >= STEADY_FROM_EPOCH] for m, eps in results.items()}
     secs = {m: sum(e["rollout_s"] for e in eps) for m, eps in steady.items()}
     summary = {}
@@ -76,6 +102,9 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, float]:
         gen = sum(e["generated_tokens"] for e in eps)
         summary[f"reuse_ratio_{m}"] = acc / max(acc + gen, 1)
         summary[f"rollout_s_{m}"] = secs[m]
+        summary[f"tokens_per_step_{m}"] = sum(e["tokens_per_step"] for e in eps) / max(len(eps), 1)
+        summary[f"decode_steps_{m}"] = sum(e["decode_steps"] for e in eps) / max(len(eps), 1)
+        summary[f"verify_s_{m}"] = sum(e["verify_s"] for e in eps)
         summary[f"reward_{m}"] = sum(e["reward"] for e in results[m]) / max(len(results[m]), 1)
         if results[m] and results[m][-1].get("eval_accuracy") is not None:
             summary[f"final_eval_accuracy_{m}"] = results[m][-1]["eval_accuracy"]
@@ -83,8 +112,17 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, float]:
         for m in secs:
             if m != "off" and secs[m] > 0:
                 summary[f"speedup_{m}"] = secs["off"] / secs[m]
+            if secs["off"] > 0:
+                summary[f"verify_share_{m}"] = summary[f"verify_s_{m}"] / secs["off"]
     summary["steady_from_epoch"] = STEADY_FROM_EPOCH
     return summary
+
+
+def spread(summaries: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Per summary key across seeds: mean, min, max."""
+    keys = [k for k in summaries[0] if all(k in s for s in summaries)]
+    return {k: {"mean": statistics.fmean(s[k] for s in summaries), "min": min(s[k] for s in summaries),
+                "max": max(s[k] for s in summaries)} for k in keys}
 
 
 def plot(results: dict[str, list[dict]], path: str) -> None:
@@ -110,59 +148,103 @@ def plot(results: dict[str, list[dict]], path: str) -> None:
     plt.close(fig)
 
 
-def bench_rollout_main(argv: list[str]) -> int:
+def run_mode(args, mode: str, seed: int, root: Path, steps_per_epoch: int, console: Console) -> list[dict]:
     from megatron_specrl.cli import resolve_recipe
     from megatron_specrl.config import load_config
     from megatron_specrl.metrics import read_metrics
     from megatron_specrl.trainer import train
 
-    args = _parse(argv)
-    modes = [m for m in args.modes.split(",") if m]
-    if args.prompts % args.prompts_per_step:
-        raise SystemExit("--prompts must be a multiple of --prompts-per-step")
-    steps_per_epoch = args.prompts // args.prompts_per_step
-    root = Path(args.output_dir or tempfile.mkdtemp(prefix="specrl-bench-"))
-    results: dict[str, list[dict]] = {}
-    for mode in modes:
-        cfg = load_config(resolve_recipe(args.recipe), [
-            *args.overrides, f"rollout.spec_mode={mode}", f"output_dir={root / mode}",
-            f"data.num_synthetic={args.prompts}", f"trainer.prompts_per_step={args.prompts_per_step}",
-            f"trainer.total_steps={steps_per_epoch * args.epochs}", "trainer.resume=never",
-            "trainer.checkpoint_every=0", f"trainer.eval_every={steps_per_epoch if args.eval_prompts else 0}",
-            f"data.num_eval={args.eval_prompts}", "trainer.export_hf=false",
-            "logging.wandb=false", "logging.plots=false",
-        ])
-        train(cfg)
-        results[mode] = per_epoch(read_metrics(root / mode / "metrics.jsonl"), steps_per_epoch)
+    out = root / f"seed{seed}" / mode.replace("+", "-")
+    cfg = load_config(resolve_recipe(args.recipe), [
+        *args.overrides, *mode_overrides(mode), f"output_dir={out}", f"trainer.seed={seed}",
+        f"data.num_synthetic={args.prompts}", f"trainer.prompts_per_step={args.prompts_per_step}",
+        f"trainer.total_steps={steps_per_epoch * args.epochs}", "trainer.resume=never",
+        "trainer.checkpoint_every=0", f"trainer.eval_every={steps_per_epoch if args.eval_prompts else 0}",
+        f"data.num_eval={args.eval_prompts}", "trainer.export_hf=false",
+        "logging.wandb=false", "logging.plots=false",
+    ])
+    train(cfg)
+    epochs = per_epoch(read_metrics(out / "metrics.jsonl"), steps_per_epoch)
+    for e in epochs:
+        acc = "-" if e["eval_accuracy"] is None else f"{e['eval_accuracy']:.3f}"
+        console.print(f"seed {seed} {mode:>12} epoch {e['epoch']}: rollout {e['rollout_s']:.2f}s, reuse "
+                      f"{e['reuse_ratio']:.2f}, {e['tokens_per_step']:.2f} tok/step, {e['decode_steps']:.0f} "
+                      f"decode steps, verify {e['verify_s']:.2f}s, reward {e['reward']:.3f}, eval {acc}")
+    return epochs
 
-    console = Console(width=200)
-    table = Table(title=f"rollout per epoch ({args.prompts} prompts, {steps_per_epoch} steps/epoch)")
-    for col in ["epoch", *[f"{m[:3]} s" for m in modes], *[f"{m[:3]} gen" for m in modes],
-                *[f"{m[:3]} reuse" for m in modes if m != "off"], *[f"{m[:3]} reward" for m in modes],
-                *([f"{m[:3]} eval" for m in modes] if args.eval_prompts else []),
-                *[f"off/{m[:3]}" for m in modes if m != "off" and "off" in modes]]:
+
+def epoch_table(results: dict[str, list[dict]], modes: list[str], args, steps_per_epoch: int, seed: int) -> Table:
+    table = Table(title=f"seed {seed}: rollout per epoch ({args.prompts} prompts, {steps_per_epoch} steps/epoch)")
+    for col in ["epoch", *[f"{m} s" for m in modes], *[f"{m} reuse" for m in modes if m != "off"],
+                *([f"{m} eval" for m in modes] if args.eval_prompts else []),
+                *[f"off/{m}" for m in modes if m != "off" and "off" in modes]]:
         table.add_column(col, justify="right")
     for i in range(args.epochs):
         row = [str(i + 1)]
         row += [f"{results[m][i]['rollout_s']:.2f}" for m in modes]
-        row += [f"{results[m][i]['generated_tokens']:.0f}" for m in modes]
         row += [f"{results[m][i]['reuse_ratio']:.2f}" for m in modes if m != "off"]
-        row += [f"{results[m][i]['reward']:.3f}" for m in modes]
         if args.eval_prompts:
             row += [f"{results[m][i]['eval_accuracy']:.3f}" for m in modes]
         if "off" in modes:
             row += [f"{results['off'][i]['rollout_s'] / max(results[m][i]['rollout_s'], 1e-9):.2f}x"
                     for m in modes if m != "off"]
         table.add_row(*row)
-    console.print(table)
-    summary = summarize(results)
-    console.print({k: round(v, 3) if isinstance(v, float) else v for k, v in summary.items()})
+    return table
+
+
+def summary_table(spreads: dict[str, dict[str, float]], modes: list[str], n_seeds: int) -> Table:
+    def cell(key, fmt="{:.2f}"):
+        if key not in spreads:
+            return "-"
+        v = spreads[key]
+        text = fmt.format(v["mean"])
+        return text if n_seeds == 1 else f"{text} [{fmt.format(v['min'])}-{fmt.format(v['max'])}]"
+
+    table = Table(title=f"summary, epochs {STEADY_FROM_EPOCH}+ ({n_seeds} seed{'s' if n_seeds > 1 else ''}: "
+                        "mean [min-max])")
+    for col in ["mode", "speedup vs off", "reuse", "tok/step", "decode steps/rollout", "verify / off rollout",
+                "reward", "held-out acc."]:
+        table.add_column(col, justify="right")
+    for m in modes:
+        table.add_row(m, "1" if m == "off" else cell(f"speedup_{m}", "{:.2f}x"), cell(f"reuse_ratio_{m}"),
+                      cell(f"tokens_per_step_{m}"), cell(f"decode_steps_{m}", "{:.1f}"),
+                      cell(f"verify_share_{m}", "{:.1%}"), cell(f"reward_{m}", "{:.3f}"),
+                      cell(f"final_eval_accuracy_{m}", "{:.3f}"))
+    return table
+
+
+def bench_rollout_main(argv: list[str]) -> int:
+    from megatron_specrl.cli import resolve_recipe
+    from megatron_specrl.config import load_config
+
+    args = _parse(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    for m in modes:
+        mode_overrides(m)   # unknown modes fail before any work
+    if args.prompts % args.prompts_per_step:
+        raise SystemExit("--prompts must be a multiple of --prompts-per-step")
+    if args.seeds < 1:
+        raise SystemExit("--seeds must be >= 1")
+    base_seed = args.seed if args.seed is not None else load_config(resolve_recipe(args.recipe),
+                                                                    list(args.overrides)).trainer.seed
+    steps_per_epoch = args.prompts // args.prompts_per_step
+    root = Path(args.output_dir or tempfile.mkdtemp(prefix="specrl-bench-"))
+    console = Console(width=200)
+    runs = []
+    for seed in range(base_seed, base_seed + args.seeds):
+        results = {m: run_mode(args, m, seed, root, steps_per_epoch, console) for m in modes}
+        console.print(epoch_table(results, modes, args, steps_per_epoch, seed))
+        runs.append({"seed": seed, "epochs": results, "summary": summarize(results)})
+    spreads = spread([r["summary"] for r in runs])
+    console.print(summary_table(spreads, modes, len(runs)))
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps({"epochs": results, "summary": summary,
-                                                    "config": {"prompts": args.prompts, "epochs": args.epochs,
-                                                               "steps_per_epoch": steps_per_epoch}}, indent=1))
+        Path(args.json_path).write_text(json.dumps({
+            "runs": runs, "spread": spreads,
+            "config": {"recipe": args.recipe, "prompts": args.prompts, "epochs": args.epochs, "modes": modes,
+                       "steps_per_epoch": steps_per_epoch, "seeds": [r["seed"] for r in runs],
+                       "overrides": list(args.overrides)}}, indent=1))
     if args.plot_path:
-        plot(results, args.plot_path)
+        plot(runs[0]["epochs"], args.plot_path)
     return 0
 
 

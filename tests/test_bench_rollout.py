@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from megatron_specrl.bench_rollout import bench_rollout_main, per_epoch, summarize
+from megatron_specrl.bench_rollout import bench_rollout_main, mode_overrides, per_epoch, spread, summarize
 
 
 def _row(step, rollout_s, acc, gen, reward=0.5, **extra):
@@ -14,38 +14,60 @@ def _row(step, rollout_s, acc, gen, reward=0.5, **extra):
 
 def test_per_epoch_groups_steps_and_picks_the_epoch_end_eval():
     rows = [{"step": 0, "eval/accuracy": 0.25}]          # the step-0 eval row has no rollout
-    rows += [_row(s, 1.0, 0, 100) for s in (1, 2)] + [_row(s, 0.5, 60, 40, **({"eval/accuracy": 0.5} if s == 4 else {}))
-                                                      for s in (3, 4)]
+    rows += [_row(s, 1.0, 0, 100, **{"spec/decode_steps": 50.0}) for s in (1, 2)]
+    rows += [_row(s, 0.5, 60, 40, **{"spec/decode_steps": 10.0, "spec/verify_s": 0.1, "tree/generated_tokens": 40.0,
+                                     "tree/request_steps": 10.0}, **({"eval/accuracy": 0.5} if s == 4 else {}))
+             for s in (3, 4)]
     eps = per_epoch(rows, steps_per_epoch=2)
     assert [e["epoch"] for e in eps] == [1, 2]
     assert eps[0]["rollout_s"] == 2.0 and eps[0]["reuse_ratio"] == 0.0 and eps[0]["eval_accuracy"] is None
     assert eps[1]["rollout_s"] == 1.0 and eps[1]["reuse_ratio"] == pytest.approx(0.6)
     assert eps[1]["eval_accuracy"] == 0.5
+    assert eps[0]["tokens_per_step"] == 1.0 and eps[1]["tokens_per_step"] == pytest.approx(4.0)
+    assert eps[0]["decode_steps"] == 50.0 and eps[1]["decode_steps"] == 10.0
+    assert eps[1]["verify_s"] == pytest.approx(0.2)
 
 
 def test_summary_counts_only_steady_epochs():
-    off = [{"epoch": e, "rollout_s": 4.0, "accepted_tokens": 0, "generated_tokens": 100, "reward": 0.4,
-            "eval_accuracy": 0.3} for e in range(1, 5)]
+    common = {"tokens_per_step": 1.0, "decode_steps": 60.0, "reward": 0.4}
+    off = [{"epoch": e, "rollout_s": 4.0, "accepted_tokens": 0, "generated_tokens": 100, "verify_s": 0.0,
+            "eval_accuracy": 0.3, **common} for e in range(1, 5)]
     fast = [{"epoch": e, "rollout_s": 4.0 if e < 3 else 1.0, "accepted_tokens": 0 if e < 3 else 90,
-             "generated_tokens": 100 if e < 3 else 10, "reward": 0.4, "eval_accuracy": 0.35} for e in range(1, 5)]
+             "generated_tokens": 100 if e < 3 else 10, "verify_s": 0.4, "eval_accuracy": 0.35, **common}
+            for e in range(1, 5)]
     s = summarize({"off": off, "lenient": fast})
     assert s["speedup_lenient"] == pytest.approx(4.0)       # epochs 1-2 (slow) are not counted
     assert s["reuse_ratio_lenient"] == pytest.approx(0.9)
     assert s["final_eval_accuracy_lenient"] == 0.35
+    assert s["verify_share_lenient"] == pytest.approx(0.8 / 8.0)   # verification vs off's steady rollout time
+
+
+def test_modes_and_seed_spread():
+    assert mode_overrides("exact+tree") == ["rollout.spec_mode=exact", "rollout.draft=tree"]
+    assert mode_overrides("tree") == ["rollout.spec_mode=off", "rollout.draft=tree"]
+    assert mode_overrides("lenient") == ["rollout.spec_mode=lenient", "rollout.draft=none"]
+    with pytest.raises(SystemExit, match="unknown bench mode"):
+        mode_overrides("exact+ngram")
+    sp = spread([{"speedup_x": 2.0, "only_one": 1.0}, {"speedup_x": 3.0}])
+    assert sp == {"speedup_x": {"mean": 2.5, "min": 2.0, "max": 3.0}}
 
 
 @pytest.mark.slow
 def test_bench_smoke_run_writes_json(tmp_path):
     out = tmp_path / "bench.json"
-    rc = bench_rollout_main(["--recipe", "tiny-cpu-grpo", "--modes", "off,lenient", "--epochs", "3",
+    rc = bench_rollout_main(["--recipe", "tiny-cpu-grpo", "--modes", "off,tree", "--epochs", "3",
                              "--prompts", "4", "--prompts-per-step", "4", "--eval-prompts", "8",
                              "--output-dir", str(tmp_path / "runs"), "--json", str(out),
                              "model.warmup_steps=0", "rollout.n_samples=4", "rollout.max_new_tokens=16",
                              "learner.micro_batch_size=16"])
     assert rc == 0
     data = json.loads(out.read_text())
-    assert set(data["epochs"]) == {"off", "lenient"} and len(data["epochs"]["lenient"]) == 3
-    assert data["summary"]["reuse_ratio_off"] == 0.0
-    assert 0.0 < data["summary"]["reuse_ratio_lenient"] <= 1.0     # drafts exist from epoch 2
-    assert data["summary"]["speedup_lenient"] > 0
-    assert all(e["eval_accuracy"] is not None for e in data["epochs"]["off"])
+    (run,) = data["runs"]
+    assert set(run["epochs"]) == {"off", "tree"} and len(run["epochs"]["tree"]) == 3
+    assert run["summary"]["reuse_ratio_off"] == run["summary"]["reuse_ratio_tree"] == 0.0   # no prefix reuse
+    assert run["summary"]["speedup_tree"] > 0
+    assert run["summary"]["tokens_per_step_off"] == 1.0
+    assert run["summary"]["tokens_per_step_tree"] >= 1.0          # counted by the engine's tree proposer
+    assert 0 < run["summary"]["decode_steps_tree"] <= 16 + 1
+    assert all(e["eval_accuracy"] is not None for e in run["epochs"]["off"])
+    assert data["spread"]["speedup_tree"]["min"] == data["spread"]["speedup_tree"]["max"]

@@ -72,7 +72,7 @@ class TreeProposer:
     def propose_batch(self, input_batch, requests, sampled_token_ids: list[list[int]]) -> list[list[int]]:
         k_max = self.draft_len(len(sampled_token_ids))
         c = self.counters
-        c["engine_steps"] += 1
+        drafting = False   # engine steps count only when a request of ours runs (not eval, not others)
         token_ids, num_tokens = input_batch.token_ids_cpu, input_batch.num_tokens_no_spec
         drafts: list[list[int]] = []
         seen = set()
@@ -85,6 +85,7 @@ class TreeProposer:
             if live is None or not sampled:     # not ours, or a partial prefill
                 drafts.append([])
                 continue
+            drafting = True
             start, consumed, last_draft = live
             end = int(num_tokens[i])
             new = token_ids[i, start + consumed:end].tolist()
@@ -100,6 +101,7 @@ class TreeProposer:
             live[2] = len(draft)
             c["draft_tokens"] += len(draft)
             drafts.append(draft)
+        c["engine_steps"] += drafting
         for req_id in [r for r in self._live if r not in seen]:
             if self._live.pop(req_id) is not None:
                 self.trees.finish(req_id)
