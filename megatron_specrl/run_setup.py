@@ -22,6 +22,7 @@ from megatron_specrl.placement import cluster_gpus, plan_placement
 from megatron_specrl.resync.choose import resolve_transport
 from megatron_specrl.resync.routes import make_route
 from megatron_specrl.models.resolve import read_hf_config, resolve_model, shape_of, tokenizer_fingerprint
+from megatron_specrl.rollout.draft_tree import DraftTrees
 from megatron_specrl.rollout.speculative import SpeculativeRollout, stable_seed
 from megatron_specrl.rollout.store import TrajectoryStore
 
@@ -172,6 +173,7 @@ def build_run(cfg: RunConfig) -> Run:
                          f"{cfg.trainer.resync_transport})")
     if resumed:   # the engines started from the HF weights: give them the checkpoint's
         run.resync()
+        restore_draft_trees(engine, resume_from / "draft_trees")
         log.warning("resumed from %s at step %d (weight version %d, %d stored trajectories)",
                     resume_from, step, version, len(store))
     return run
@@ -197,9 +199,35 @@ def save_run_checkpoint(run: Run) -> Path:
     if run.critic is not None:
         run.critic.save_checkpoint(str(tmp / "critic"))
     run.store.save(tmp)
+    save_draft_trees(run.engine, tmp / "draft_trees")
     state = {"step": run.step, "weight_version": run.version, "loader": run.loader.state_dict(),
              "tokenizer": run.tokenizer_id, "model_dir": str(run.model_dir)}
     return ckpt.commit(tmp, state, keep=run.cfg.trainer.keep_checkpoints)
+
+
+def save_draft_trees(engine, directory: Path) -> None:
+    """The engines' per-prompt draft trees (rollout.draft=tree), one directory per engine, so a
+    resumed run drafts as well as before the crash."""
+    state = engine.draft_state() if hasattr(engine, "draft_state") else None
+    if state is None:
+        return
+    for i, s in enumerate(state["engines"] if "engines" in state else [state]):
+        if s is not None:
+            DraftTrees.save_state(s, directory / f"engine-{i}")
+
+
+def restore_draft_trees(engine, directory: Path) -> None:
+    """Load what save_draft_trees wrote into the same engines; a checkpoint without trees (drafting
+    was off, or an older checkpoint) leaves them empty."""
+    if not directory.is_dir() or not hasattr(engine, "load_draft_state"):
+        return
+    states = [DraftTrees.load_state(d) for d in sorted(directory.glob("engine-*"), key=lambda d: int(d.name[7:]))]
+    if not states:
+        return
+    if hasattr(engine, "engines"):   # a router: one state per engine, in order
+        engine.load_draft_state({"engines": states})
+    else:
+        engine.load_draft_state(states[0])
 
 
 def rollout_with_recovery(run: Run, step: int, collect):

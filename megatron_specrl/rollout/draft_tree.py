@@ -536,22 +536,34 @@ class DraftTrees:
         return trees
 
     def save(self, directory: str | Path) -> None:
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        state = self.state_dict()
-        np.savez(d / _NPZ, key_num_seqs=state["key_num_seqs"], seq_lengths=state["seq_lengths"],
-                 tokens=state["tokens"])
-        meta = {"format": state["format"], "config": state["config"], "keys": state["keys"]}
-        (d / _JSON).write_text(json.dumps(meta))
+        self.save_state(self.state_dict(), directory)
 
     @classmethod
-    def load(cls, directory: str | Path) -> DraftTrees:
+    def load(cls, directory: str | Path) -> "DraftTrees":
+        state = cls.load_state(directory)
+        try:
+            return cls.from_state_dict(state)
+        except Exception as e:
+            raise RuntimeError(f"draft trees in {directory} are corrupt: {type(e).__name__}: {e}") from None
+
+    @staticmethod
+    def save_state(state: dict, directory: str | Path) -> None:
+        """Write a state_dict (e.g. fetched from an engine) without building the trees here."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        np.savez(d / _NPZ, key_num_seqs=state["key_num_seqs"], seq_lengths=state["seq_lengths"],
+                 tokens=state["tokens"])
+        meta = {"format": state["format"], "config": state["config"], "keys": list(state["keys"])}
+        (d / _JSON).write_text(json.dumps(meta))
+
+    @staticmethod
+    def load_state(directory: str | Path) -> dict:
+        """Read what save_state wrote, as a state_dict (checked when the trees are built from it)."""
         d = Path(directory)
         try:
             meta = json.loads((d / _JSON).read_text())
             with np.load(d / _NPZ) as arrays:
-                state = dict(meta, key_num_seqs=arrays["key_num_seqs"], seq_lengths=arrays["seq_lengths"],
-                             tokens=arrays["tokens"])
-            return cls.from_state_dict(state)
+                return dict(meta, key_num_seqs=arrays["key_num_seqs"], seq_lengths=arrays["seq_lengths"],
+                            tokens=arrays["tokens"])
         except Exception as e:
             raise RuntimeError(f"draft trees in {d} are missing or corrupt: {type(e).__name__}: {e}") from None

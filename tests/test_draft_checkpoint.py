@@ -1,0 +1,73 @@
+"""Draft trees travel with checkpoints: run_setup.save_draft_trees / restore_draft_trees."""
+
+import pytest
+
+from megatron_specrl.rollout.draft_tree import DraftTrees
+from megatron_specrl.run_setup import restore_draft_trees, save_draft_trees
+
+
+class FakeEngine:
+    """Holds trees the way the vLLM engine's proposer does, behind the same three calls."""
+
+    def __init__(self, trees=None):
+        self.trees = trees
+
+    def draft_state(self):
+        return None if self.trees is None else self.trees.state_dict()
+
+    def load_draft_state(self, state):
+        self.trees = DraftTrees.from_state_dict(state)
+
+
+class FakeRouter:
+    def __init__(self, engines):
+        self.engines = engines
+
+    def draft_state(self):
+        return {"engines": [e.draft_state() for e in self.engines]}
+
+    def load_draft_state(self, state):
+        for e, s in zip(self.engines, state["engines"]):
+            e.load_draft_state(s)
+
+
+def _trees(seq):
+    t = DraftTrees(max_depth=12, max_match=4)
+    t.insert("p", seq)
+    return t
+
+
+def _proposal(trees, prefix):
+    trees.start("r", "p", prefix)
+    return trees.propose("r", 8, 0.0)
+
+
+def test_single_engine_round_trip(tmp_path):
+    save_draft_trees(FakeEngine(_trees([1, 2, 3, 4, 5, 6, 7])), tmp_path / "draft_trees")
+    fresh = FakeEngine()
+    restore_draft_trees(fresh, tmp_path / "draft_trees")
+    assert _proposal(fresh.trees, [2, 3]) == [4, 5, 6, 7]
+
+
+def test_router_round_trip_keeps_engine_order(tmp_path):
+    router = FakeRouter([FakeEngine(_trees([1, 2, 3, 4])), FakeEngine(_trees([1, 2, 9, 9]))])
+    save_draft_trees(router, tmp_path / "draft_trees")
+    fresh = FakeRouter([FakeEngine(), FakeEngine()])
+    restore_draft_trees(fresh, tmp_path / "draft_trees")
+    assert _proposal(fresh.engines[0].trees, [1, 2]) == [3, 4]
+    assert _proposal(fresh.engines[1].trees, [1, 2]) == [9, 9]
+
+
+def test_no_trees_writes_and_restores_nothing(tmp_path):
+    save_draft_trees(FakeEngine(None), tmp_path / "draft_trees")
+    assert not (tmp_path / "draft_trees").exists()
+    untouched = FakeEngine()
+    restore_draft_trees(untouched, tmp_path / "draft_trees")     # an older checkpoint: no directory
+    assert untouched.trees is None
+
+
+def test_corrupt_trees_name_the_directory(tmp_path):
+    save_draft_trees(FakeEngine(_trees([1, 2, 3])), tmp_path / "draft_trees")
+    (tmp_path / "draft_trees" / "engine-0" / "draft_trees.json").write_text("{not json")
+    with pytest.raises(RuntimeError, match="engine-0.*missing or corrupt"):
+        restore_draft_trees(FakeEngine(), tmp_path / "draft_trees")
