@@ -130,11 +130,12 @@ class LearnerConfig(_Strict):
     ppo_epochs: int = Field(1, ge=1)
     mini_batches: int = Field(1, ge=1)              # optimizer steps per rollout batch
     # Old log-probs of the PPO ratio: True = recomputed by the learner, False = the rollout's.
-    # Unset (None) resolves to True iff rollout.engine_dtype is bfloat16 (RunConfig): bf16 engine
-    # log-probs differ from the fp32 learner's (tiny model in training: mean ~2e-3, up to 0.1 on a
-    # token), so the ratio would start away from 1 and the clip would read rounding as policy
-    # movement. An explicit False with bf16 is rejected for the same reason; defaulting on
-    # (instead of only rejecting) keeps bf16 one key.
+    # Unset (None) resolves to True iff rollout.engine_dtype is bfloat16 or rollout.top_p / top_k
+    # truncate (RunConfig): bf16 engine log-probs differ from the fp32 learner's (tiny model in
+    # training: mean ~2e-3, up to 0.1 on a token), and the rollout's processed log-probs (renormalised
+    # over the nucleus) differ from the learner's tempered ones, so the ratio would start away from 1
+    # and the clip would read that as policy movement. An explicit False is rejected in both cases;
+    # defaulting on (instead of only rejecting) keeps bf16 and top-p one key each.
     recompute_old_logprobs: bool | None = None
     loss: LossConfig = Field(default_factory=LossConfig)
 
@@ -221,17 +222,20 @@ class RunConfig(_Strict):
         if r.max_model_len < self.data.max_prompt_len + r.max_new_tokens:
             raise ValueError(f"rollout.max_model_len={r.max_model_len} < data.max_prompt_len + "
                              f"rollout.max_new_tokens = {self.data.max_prompt_len + r.max_new_tokens}")
-        if r.spec_mode == "exact" and (r.top_p != 1.0 or r.top_k != -1) and r.engine == "vllm":
-            raise ValueError("rollout.spec_mode=exact with top_p/top_k needs the engine's processed "
-                             "prompt log-probs, which vLLM does not return: use top_p=1, top_k=-1")
-        if r.spec_mode != "off" and r.engine == "vllm" and r.temperature != 1.0:
-            raise ValueError(f"rollout.temperature={r.temperature} with rollout.spec_mode={r.spec_mode}: vLLM "
-                             "verifies with untempered prompt log-probs, so speculative rollouts need temperature 1")
+        truncated = r.top_p < 1.0 or r.top_k > 0
+        if r.spec_mode != "off" and r.engine == "sglang" and (r.temperature != 1.0 or truncated):
+            raise ValueError(f"rollout.spec_mode={r.spec_mode} with rollout.engine=sglang needs temperature 1 and no "
+                             f"top_p / top_k (got {r.temperature}, {r.top_p}, {r.top_k}): SGLang scores drafts with "
+                             "untempered, untruncated log-probs; use rollout.engine=vllm or rollout.spec_mode=off")
         if le.recompute_old_logprobs is None:
-            le.recompute_old_logprobs = r.engine_dtype == "bfloat16"
+            le.recompute_old_logprobs = r.engine_dtype == "bfloat16" or truncated
         elif not le.recompute_old_logprobs and r.engine_dtype == "bfloat16":
             raise ValueError("learner.recompute_old_logprobs=false with rollout.engine_dtype=bfloat16: the PPO "
                              "ratio would use bf16 engine log-probs, not the learner's; leave it unset or true")
+        elif not le.recompute_old_logprobs and truncated:
+            raise ValueError(f"learner.recompute_old_logprobs=false with rollout.top_p={r.top_p} / top_k={r.top_k}: "
+                             "the PPO ratio would use the rollout's log-probs renormalised over the nucleus, not "
+                             "the learner's tempered ones; leave it unset or true")
         loss = le.loss
         if loss.loss_scale_factor is None:
             loss.loss_scale_factor = float(r.max_new_tokens)

@@ -32,6 +32,8 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         metrics.update(ppo_advantages(run, batch, rewards))
     else:
         batch = build_batch(samples, grpo_like_advantages(samples, rewards, cfg), run.pad_id)
+    # the learner's (and the reference's) log-probs are log_softmax(logits / T): the sampling temperature
+    batch["temperature"] = cfg.rollout.temperature
     # (learner.recompute_old_logprobs: the policy scores the ratio's old log-probs inside its train
     # step, once, and reports train/rollout_learner_logprob_abs_diff)
     if run.ref is not None:   # KL anchor: the frozen initial policy's log-probs (learner.loss.kl_coef > 0)

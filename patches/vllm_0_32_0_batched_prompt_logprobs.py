@@ -1,6 +1,7 @@
-"""vLLM 0.32.0: compute prompt log-probs for all requests of a step in one batch.
+"""vLLM 0.32.0: compute prompt log-probs for all requests of a step in one batch, and verify drafts
+under the distribution the sampler draws from.
 
-Why: speculative rollouts verify every draft with one prompt-log-prob prefill. vLLM's
+Why batch: speculative rollouts verify every draft with one prompt-log-prob prefill. vLLM's
 `GPUModelRunner._get_prompt_logprobs_dict` loops over requests ("prompt logprobs are a rare
 feature"), running compute_logits, log_softmax and the rank kernel once per request. With 128
 drafts a step that loop costs more than the prefill itself (measured on CPU: verification
@@ -10,10 +11,42 @@ The replacement keeps the original bookkeeping per request (chunked prefill, pre
 completed-request cleanup, the CPU tensors the output processor reads) and only batches the
 math: the logit rows of every request are gathered into one index, processed in chunks whose
 fp32 scores stay under `_MAX_SCORE_BYTES` (a 150k vocab x 11k rows would otherwise need 7 GB),
-and scattered back. Results are identical to the loop (tested).
+and scattered back. For plain requests results are identical to the loop (tested).
+
+Verification requests (opt-in, nothing changes for any other request). vLLM computes prompt
+log-probs from the raw logits ("prompt tokens skip sampling processors"), but a speculative
+rollout must accept and resample under the distribution the sampler really draws from. A request
+opts in with
+
+    SamplingParams(prompt_logprobs=3, flat_logprobs=True, temperature=T, top_p=p, top_k=k,
+                   extra_args={VERIFY_KEY: P, SEED_KEY: seed})
+
+where P >= 1 is the prompt index of the first continuation token (True means 1: every position)
+and `seed` seeds the replacement draws (default: the request's `seed`, else fresh randomness).
+For every prompt position whose target token y = prompt[i] has i >= P, its 4 columns
+(`prompt_logprobs=3` -> 3 + 1) then mean:
+
+    col  token id  log-prob
+    0    y         tempered:  log_softmax(logits / T)[y], the learner's convention (verl's actor);
+                   the rank column is y's rank in it
+    1    y         processed: log-prob of y under what the sampler draws from: logits / T, then
+                   vLLM's own top-k / top-p masking (`apply_top_k_top_p`, as in `Sampler.sample`),
+                   renormalised; -inf outside the nucleus
+    2    r         tempered log-prob of r, a replacement for y drawn from the processed distribution
+                   with y excluded and renormalised (the exact rule's resample at a rejection)
+    3    r         processed log-prob of r (under the processed distribution, y not excluded)
+
+r is drawn by inverse CDF with one uniform per position, a SplitMix64 hash of (seed, i): the same
+seed gives the same replacements whatever the batch or the prefill chunking. When the processed
+distribution is a point mass on y there is no replacement: r = y and columns 2-3 are -inf.
+Positions with i < P are not computed: token y, log-prob NaN, rank 0. Nothing full-vocabulary
+leaves the engine. The columns need the flat container (`flat_logprobs=True`): the dict form
+would merge the repeated token ids. Verification ignores `logprobs_mode` and logits processors
+(the speculative rollout uses none).
 
 Pinned to vLLM 0.32.0 (the method's body is version-specific); on other versions `apply()`
-leaves vLLM alone and returns False. Opt out with SPECRL_VLLM_BATCHED_PROMPT_LOGPROBS=0.
+leaves vLLM alone and returns False, and so does SPECRL_VLLM_BATCHED_PROMPT_LOGPROBS=0: without
+the patch, verification requests are refused by the engine (`VLLMEngine.score`).
 """
 
 from __future__ import annotations
@@ -26,7 +59,21 @@ import torch
 
 VERSION = "0.32.0"
 _MAX_SCORE_BYTES = 512 << 20
+# fp32-equivalent (row x vocab) buffers alive at once while verifying a chunk: logits, tempered
+# and processed log-probs, the top-k/top-p sort (values + int64 indices), probabilities, fp64 CDF
+_VERIFY_BUFFERS = 10
+VERIFY_KEY = "specrl_verify"
+SEED_KEY = "specrl_seed"
+VERIFY_COLUMNS = 4           # ask for prompt_logprobs = VERIFY_COLUMNS - 1
 _ORIGINAL = None
+
+
+class _Verify(NamedTuple):
+    """A verification request's sampling settings, read from its SamplingParams."""
+    temperature: float
+    top_k: int               # vocab size when top-k is off
+    top_p: float
+    seed: int | None
 
 
 class _Rows(NamedTuple):
@@ -37,6 +84,23 @@ class _Rows(NamedTuple):
     targets: np.ndarray    # the prompt token at each next position
     dest: object           # the request's LogprobsTensors (CPU), read by the output processor
     dest_slice: slice      # where in `dest` these rows go (chunked prefill)
+    verify: _Verify | None = None
+    first_target: int = 0  # prompt index of targets[0] (seeds the replacement draws)
+
+
+def _verify_settings(request, vocab: int) -> tuple[_Verify, int] | None:
+    """(settings, first verified prompt index) of an opted-in request, else None."""
+    sp = request.sampling_params
+    extra = (sp.extra_args or {}) if sp is not None else {}
+    start = extra.get(VERIFY_KEY)
+    if start is None or start is False:
+        return None
+    start = 1 if start is True else int(start)
+    if sp.temperature <= 0:
+        raise ValueError(f"{VERIFY_KEY} needs temperature > 0 (greedy has no distribution to verify)")
+    top_k = sp.top_k if 0 < sp.top_k < vocab else vocab
+    seed = extra.get(SEED_KEY, sp.seed)
+    return _Verify(float(sp.temperature), int(top_k), float(sp.top_p), None if seed is None else int(seed)), max(start, 1)
 
 
 def _batched_prompt_logprobs_dict(self, hidden_states: torch.Tensor, num_scheduled_tokens: dict[str, int]):
@@ -49,6 +113,7 @@ def _batched_prompt_logprobs_dict(self, hidden_states: torch.Tensor, num_schedul
     prompt_logprobs_dict = {}
     completed_prefill_reqs = []
     work: list[_Rows] = []
+    vocab = self.model_config.get_vocab_size()
     for req_id, num_prompt_logprobs in num_prompt_logprobs_dict.items():
         num_tokens = num_scheduled_tokens.get(req_id)
         if num_tokens is None:          # preempted in prefill
@@ -74,12 +139,33 @@ def _batched_prompt_logprobs_dict(self, hidden_states: torch.Tensor, num_schedul
             continue
         req_idx = self.input_batch.req_id_to_index[req_id]
         offset = int(self.query_start_loc.np[req_idx].item())
-        targets = np.asarray(request.prompt_token_ids[start_tok:start_tok + num_logits], dtype=np.int64)
-        work.append(_Rows(num_prompt_logprobs, offset, num_logits, targets, logprobs_tensors,
-                          slice(start_idx, start_idx + num_logits)))
+        verify = _verify_settings(request, vocab)
+        skip = 0
+        if verify is not None:
+            verify, first = verify
+            if num_prompt_logprobs != VERIFY_COLUMNS - 1:
+                raise ValueError(f"a {VERIFY_KEY} request needs prompt_logprobs={VERIFY_COLUMNS - 1}, "
+                                 f"got {num_prompt_logprobs}")
+            # rows before the continuation are not verified: token, NaN, rank 0
+            skip = min(max(first - start_tok, 0), num_logits)
+            if skip:
+                rows = slice(start_idx, start_idx + skip)
+                tgt = torch.tensor(request.prompt_token_ids[start_tok:start_tok + skip], dtype=torch.int32)
+                logprobs_tensors.logprob_token_ids[rows].copy_(tgt.unsqueeze(1).expand(-1, VERIFY_COLUMNS))
+                logprobs_tensors.logprobs[rows].fill_(float("nan"))
+                logprobs_tensors.selected_token_ranks[rows].fill_(0)
+            if skip == num_logits:
+                continue
+        lo = start_tok + skip
+        targets = np.asarray(request.prompt_token_ids[lo:start_tok + num_logits], dtype=np.int64)
+        work.append(_Rows(num_prompt_logprobs, offset + skip, len(targets), targets, logprobs_tensors,
+                          slice(start_idx + skip, start_idx + num_logits), verify, lo))
 
-    for k in sorted({w.k for w in work}):
-        _score_group(self, hidden_states, k, [w for w in work if w.k == k])
+    for k in sorted({w.k for w in work if w.verify is None}):
+        _score_group(self, hidden_states, k, [w for w in work if w.k == k and w.verify is None])
+    verifying = [w for w in work if w.verify is not None]
+    if verifying:
+        _verify_group(self, hidden_states, verifying)
 
     for req_id in completed_prefill_reqs:
         del num_prompt_logprobs_dict[req_id]
@@ -89,20 +175,36 @@ def _batched_prompt_logprobs_dict(self, hidden_states: torch.Tensor, num_schedul
     return prompt_logprobs_dict
 
 
-def _score_group(runner, hidden_states: torch.Tensor, k: int, group: list[_Rows]) -> None:
-    """One compute_logits + log-softmax + gather per chunk of rows, for requests sharing k."""
+def _row_chunks(runner, hidden_states: torch.Tensor, group: list[_Rows], buffers: int):
+    """(lo, hi, logits of rows lo:hi) over the group's rows, chunked to bound memory."""
     device = hidden_states.device
     rows = np.concatenate([np.arange(w.offset, w.offset + w.n, dtype=np.int64) for w in group])
-    targets = np.concatenate([w.targets for w in group])
     vocab = runner.model_config.get_vocab_size()
-    chunk = max(1, _MAX_SCORE_BYTES // (4 * max(vocab, 1)))
-    out_ids = torch.empty((len(rows), k + 1), dtype=torch.int64)
-    out_lps = torch.empty((len(rows), k + 1), dtype=torch.float32)
-    out_ranks = torch.empty(len(rows), dtype=torch.int64)
+    chunk = max(1, _MAX_SCORE_BYTES // (4 * buffers * max(vocab, 1)))
     for lo in range(0, len(rows), chunk):
         hi = min(lo + chunk, len(rows))
         idx = torch.from_numpy(rows[lo:hi]).to(device, non_blocking=True)
-        logits = runner.model.compute_logits(hidden_states.index_select(0, idx))
+        yield lo, hi, runner.model.compute_logits(hidden_states.index_select(0, idx))
+
+
+def _scatter(group: list[_Rows], out_ids: torch.Tensor, out_lps: torch.Tensor, out_ranks: torch.Tensor) -> None:
+    pos = 0
+    for w in group:
+        rows_of_w = slice(pos, pos + w.n)
+        w.dest.logprob_token_ids[w.dest_slice].copy_(out_ids[rows_of_w])
+        w.dest.logprobs[w.dest_slice].copy_(out_lps[rows_of_w])
+        w.dest.selected_token_ranks[w.dest_slice].copy_(out_ranks[rows_of_w])
+        pos += w.n
+
+
+def _score_group(runner, hidden_states: torch.Tensor, k: int, group: list[_Rows]) -> None:
+    """One compute_logits + log-softmax + gather per chunk of rows, for requests sharing k."""
+    device = hidden_states.device
+    targets = np.concatenate([w.targets for w in group])
+    out_ids = torch.empty((len(targets), k + 1), dtype=torch.int64)
+    out_lps = torch.empty((len(targets), k + 1), dtype=torch.float32)
+    out_ranks = torch.empty(len(targets), dtype=torch.int64)
+    for lo, hi, logits in _row_chunks(runner, hidden_states, group, buffers=1):
         if runner.model_config.logprobs_mode in ("raw_logits", "processed_logits"):
             scores = logits.to(torch.float32)
         else:
@@ -112,13 +214,95 @@ def _score_group(runner, hidden_states: torch.Tensor, k: int, group: list[_Rows]
         out_ids[lo:hi].copy_(token_ids)
         out_lps[lo:hi].copy_(logprobs)
         out_ranks[lo:hi].copy_(ranks)
-    pos = 0
-    for w in group:
-        rows_of_w = slice(pos, pos + w.n)
-        w.dest.logprob_token_ids[w.dest_slice].copy_(out_ids[rows_of_w])
-        w.dest.logprobs[w.dest_slice].copy_(out_lps[rows_of_w])
-        w.dest.selected_token_ranks[w.dest_slice].copy_(out_ranks[rows_of_w])
-        pos += w.n
+    _scatter(group, out_ids, out_lps, out_ranks)
+
+
+def _verify_group(runner, hidden_states: torch.Tensor, group: list[_Rows]) -> None:
+    """The 4 verification columns (module docstring) for every row of the opted-in requests."""
+    device = hidden_states.device
+    targets = np.concatenate([w.targets for w in group])
+    per_row = lambda f: np.concatenate([np.full(w.n, f(w.verify)) for w in group])  # noqa: E731
+    temperature = torch.from_numpy(per_row(lambda v: v.temperature).astype(np.float32))
+    top_k = torch.from_numpy(per_row(lambda v: v.top_k).astype(np.int32))
+    top_p = torch.from_numpy(per_row(lambda v: v.top_p).astype(np.float32))
+    uniforms = torch.from_numpy(np.concatenate([
+        replacement_uniforms(w.verify.seed, np.arange(w.first_target, w.first_target + w.n)) for w in group]))
+    out_ids = torch.empty((len(targets), VERIFY_COLUMNS), dtype=torch.int64)
+    out_lps = torch.empty((len(targets), VERIFY_COLUMNS), dtype=torch.float32)
+    out_ranks = torch.empty(len(targets), dtype=torch.int64)
+    for lo, hi, logits in _row_chunks(runner, hidden_states, group, buffers=_VERIFY_BUFFERS):
+        put = lambda t: t[lo:hi].to(device, non_blocking=True)  # noqa: E731
+        ids, lps, ranks = verify_rows(logits, put(torch.from_numpy(targets)), put(temperature), put(top_k),
+                                      put(top_p), put(uniforms))
+        out_ids[lo:hi].copy_(ids)
+        out_lps[lo:hi].copy_(lps)
+        out_ranks[lo:hi].copy_(ranks)
+    _scatter(group, out_ids, out_lps, out_ranks)
+
+
+def verify_rows(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                top_p: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [R, V] and per-row targets (int64), temperature, top_k (V = off), top_p (1 = off),
+    uniforms in [0, 1) (float64) -> token ids [R, 4], log-probs [R, 4], ranks [R] (docstring layout).
+
+    The processed distribution is built as `Sampler.sample` builds it: fp32 logits divided by the
+    temperature, then `apply_top_k_top_p` (top_k / top_p None when no row uses them), then a
+    log-softmax, so the nucleus is the one the sampler uses on this platform."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+    from vllm.v1.sample.sampler import Sampler
+
+    vocab = logits.shape[-1]
+    x = logits.to(torch.float32) / temperature.unsqueeze(1)
+    tempered = Sampler.compute_logprobs(x)
+    tgt = targets.unsqueeze(1)
+    _, lp_y, ranks, *_ = Sampler.gather_logprobs(tempered, 0, targets)
+    k = None if bool((top_k >= vocab).all()) else top_k.clone()   # apply_top_k_only edits k in place
+    p = None if bool((top_p >= 1.0).all()) else top_p
+    # x is masked in place; without truncation the processed distribution is the tempered one
+    processed = tempered if k is None and p is None else Sampler.compute_logprobs(apply_top_k_top_p(x, k, p))
+    del x
+    lp_y_proc = processed.gather(1, tgt)
+    # r ~ processed distribution without y, renormalised: inverse CDF in fp64, one uniform per row
+    probs = processed.exp()
+    probs.scatter_(1, tgt, 0.0)
+    cdf = probs.to(torch.float64).cumsum_(dim=1)
+    del probs
+    total = cdf[:, -1]
+    # u * total may round up to total: stay below it, so the first cdf > x is a token of mass > 0
+    x = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
+    r = torch.searchsorted(cdf, x.unsqueeze(1), right=True).squeeze(1)
+    del cdf
+    none = total <= 0                       # the nucleus is {y}: nothing to draw
+    r = torch.where(none, targets, r.clamp_(max=vocab - 1)).unsqueeze(1)
+    lp_r = tempered.gather(1, r).masked_fill_(none.unsqueeze(1), float("-inf"))
+    lp_r_proc = processed.gather(1, r).masked_fill_(none.unsqueeze(1), float("-inf"))
+    ids = torch.cat([tgt, tgt, r, r], dim=1)
+    lps = torch.cat([lp_y, lp_y_proc, lp_r, lp_r_proc], dim=1)
+    return ids, lps, ranks
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    z = z.astype(np.uint64, copy=True)
+    z ^= z >> np.uint64(30)
+    z *= np.uint64(0xBF58476D1CE4E5B9)
+    z ^= z >> np.uint64(27)
+    z *= np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    return z
+
+
+def replacement_uniforms(seed: int | None, positions: np.ndarray) -> np.ndarray:
+    """One uniform in [0, 1) per prompt position (float64): a SplitMix64 hash of (seed, position),
+    so draws do not depend on batching or chunking. No seed: fresh randomness."""
+    if seed is None:
+        return np.random.default_rng().random(len(positions))
+    with np.errstate(over="ignore"):
+        key = _splitmix64(np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))
+        z = _splitmix64(key + (np.asarray(positions, dtype=np.uint64) + np.uint64(1)) * _GOLDEN)
+    return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
 def enabled_by_env() -> bool:

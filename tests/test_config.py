@@ -106,6 +106,24 @@ def test_engine_dtype_and_recompute_old_logprobs():
     assert "'rollout.engine_dtype': 'float16'" in str(err.value) and "\n" not in str(err.value)
 
 
+def test_sampling_settings_and_speculative_modes():
+    """vLLM verifies under any temperature / top-p / top-k; SGLang only at temperature 1 untruncated.
+    Truncation makes the rollout's (processed) log-probs differ from the learner's (tempered) ones,
+    so the PPO ratio's old log-probs are recomputed by the learner."""
+    recipe = ROOT / "examples/tiny-cpu-grpo.yaml"
+    for mode in ("exact", "lenient"):
+        cfg = load_config(recipe, [f"rollout.spec_mode={mode}", "rollout.temperature=0.7", "rollout.top_p=0.9"])
+        assert cfg.learner.recompute_old_logprobs is True
+        assert load_config(recipe, [f"rollout.spec_mode={mode}", "rollout.top_k=20"]).learner.recompute_old_logprobs
+        for bad in (["rollout.temperature=0.7"], ["rollout.top_p=0.9"], ["rollout.top_k=20"]):
+            with pytest.raises(ConfigError, match="rollout.engine=sglang needs temperature 1"):
+                load_config(recipe, [f"rollout.spec_mode={mode}", "rollout.engine=sglang", *bad])
+    assert load_config(recipe, ["rollout.temperature=0.7"]).learner.recompute_old_logprobs is False   # no truncation
+    load_config(recipe, ["rollout.spec_mode=off", "rollout.engine=sglang", "rollout.top_p=0.9"])
+    with pytest.raises(ConfigError, match="recompute_old_logprobs=false with rollout.top_p=0.9"):
+        load_config(recipe, ["rollout.top_p=0.9", "learner.recompute_old_logprobs=false"])
+
+
 def test_loss_settings_follow_verl():
     recipe = ROOT / "examples/tiny-cpu-grpo.yaml"
     lc = load_config(recipe).learner.loss

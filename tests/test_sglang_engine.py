@@ -107,6 +107,28 @@ def test_score_payload_and_parse():
         parse_score_response([score_out([1, 2, 3, 9, 5], 2, [-0.1, -0.2])], reqs[:1], 1)
 
 
+@pytest.mark.parametrize("setting, sampling", [("temperature", SamplingSettings(temperature=0.7)),
+                                               ("top_p", SamplingSettings(top_p=0.9)),
+                                               ("top_k", SamplingSettings(top_k=20))])
+def test_score_refuses_what_it_cannot_verify(setting, sampling):
+    """Input log-probs are untempered and untruncated: score() names the setting, sends nothing,
+    and SpeculativeRollout refuses the same settings for exact and lenient before any request."""
+    from megatron_specrl.rollout.speculative import SpeculativeRollout
+    from megatron_specrl.rollout.store import TrajectoryStore
+
+    fake = FakeSGLang()
+    eng = make(fake)
+    with pytest.raises(NotImplementedError, match=f"{setting}="):
+        eng.score([ScoreRequest([1, 2], [3])], sampling, 0)
+    for mode in ("exact", "lenient"):
+        with pytest.raises(NotImplementedError, match="cannot verify"):
+            SpeculativeRollout(eng, TrajectoryStore(), mode=mode, lenience=1.0, sampling=sampling,
+                               max_new_tokens=4, seed=0)
+    assert fake.calls == [] and not eng.verifies_processed_distribution
+    SpeculativeRollout(eng, TrajectoryStore(), mode="off", lenience=1.0, sampling=sampling, max_new_tokens=4, seed=0)
+    assert eng.score([ScoreRequest([1, 2], [3])], SamplingSettings(top_k=0), 0)[0].replacements is None
+
+
 def test_engine_generate_rescores_banned_first_token():
     fake = FakeSGLang()
     eng = make(fake)

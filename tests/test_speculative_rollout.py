@@ -89,10 +89,72 @@ def test_rejection_in_the_middle_extends_from_there():
     assert m["spec/mean_accept_len"] == 3
 
 
+class ReplacingEngine(ScriptedEngine):
+    """Also returns a replacement per position (as the vLLM engine does): token 40 + t, or the
+    scripted `replacements` list (-1 = none), with processed log-prob -0.7."""
+
+    verifies_processed_distribution = True
+
+    def __init__(self, new_logprobs, replacements=None, **kw):
+        super().__init__(new_logprobs, **kw)
+        self.replacements = replacements
+
+    def score(self, requests, sampling, weight_version):
+        out = super().score(requests, sampling, weight_version)
+        for r, res in zip(requests, out):
+            n = len(r.continuation_ids)
+            reps = self.replacements or [40 + t for t in range(n)]
+            res.sample_logprobs = list(res.logprobs)
+            res.logprobs = [v - 0.01 for v in res.logprobs]     # tempered != processed: must not be stored
+            res.replacements = reps[:n]
+            res.replacement_logprobs = [-0.8] * n
+            res.replacement_sample_logprobs = [-0.7] * n
+            res.replacement_stops = [tok == EOS for tok in reps[:n]]
+        return out
+
+
+def test_exact_takes_the_replacement_as_the_first_new_token():
+    engine = ReplacingEngine(lambda ids: [SURE, SURE, NEVER, SURE, SURE][: len(ids)])
+    store = _store_with([9, 10, 11, 12, EOS])
+    samples, m = _roll(engine, store).run([("p0", [5])], 1, 1, step=0)
+    (req,) = engine.generate_requests
+    assert req.prompt_ids == [5, 9, 10, 42] and req.max_new_tokens == 5 and req.ban_first_token is None
+    s = samples[0]
+    assert s.response_ids == [9, 10, 42, 50, 51, 52, EOS] and s.num_reused == 2
+    assert s.logprobs == [SURE, SURE, -0.7, -0.5, -0.5, -0.5, -0.5]   # processed log-probs throughout
+    assert store.get("p0", 0).logprobs == s.logprobs
+    assert m["spec/replaced_tokens"] == 1 and m["spec/accepted_tokens"] == 2
+
+
+def test_exact_replacement_at_the_last_position_or_eos_needs_no_generation():
+    L = 4
+    engine = ReplacingEngine(lambda ids: [SURE, SURE, SURE, NEVER][: len(ids)])
+    samples, _ = _roll(engine, _store_with([9, 10, 11, 12], finish="length"), L=L).run([("p0", [5])], 1, 1, 0)
+    assert engine.generate_requests == []                        # n = L - 1: r_n is the last token
+    assert samples[0].response_ids == [9, 10, 11, 43] and samples[0].finish_reason == "length"
+
+    engine = ReplacingEngine(lambda ids: [SURE, NEVER, SURE][: len(ids)], replacements=[40, EOS, 41])
+    store = _store_with([9, 10, EOS])
+    samples, _ = _roll(engine, store).run([("p0", [5])], 1, 1, 0)
+    assert engine.generate_requests == []                        # r_n = EOS ends the response
+    assert samples[0].response_ids == [9, EOS] and samples[0].finish_reason == "stop"
+    assert store.get("p0", 0).finish_reason == "stop" and store.get("p0", 0).logprobs == [SURE, -0.7]
+
+
+def test_exact_without_a_replacement_extends_from_the_rejected_position():
+    """-1: the processed distribution is a point mass on y_n (rejected by rounding only)."""
+    engine = ReplacingEngine(lambda ids: [SURE, NEVER, SURE][: len(ids)], replacements=[-1, -1, -1])
+    samples, m = _roll(engine, _store_with([9, 10, EOS])).run([("p0", [5])], 1, 1, 0)
+    (req,) = engine.generate_requests
+    assert req.prompt_ids == [5, 9] and req.max_new_tokens == 7 and req.ban_first_token is None
+    assert m["spec/replaced_tokens"] == 0
+
+
 def test_lenient_resamples_from_the_full_distribution():
-    engine = ScriptedEngine(lambda ids: [SURE, NEVER, SURE][: len(ids)])
+    engine = ReplacingEngine(lambda ids: [SURE, NEVER, SURE][: len(ids)])
     _roll(engine, _store_with([9, 10, EOS]), mode="lenient", lenience=math.exp(0.5)).run([("p0", [5])], 1, 1, 0)
-    assert engine.generate_requests[0].ban_first_token is None
+    (req,) = engine.generate_requests
+    assert req.ban_first_token is None and req.prompt_ids == [5, 9]   # no replacement either
 
 
 def test_full_acceptance_with_eos_generates_nothing():
@@ -162,3 +224,26 @@ def test_store_round_trip_and_corruption(tmp_path):
     (tmp_path / "trajectories.npz").write_bytes(b"garbage")
     with pytest.raises(RuntimeError, match="corrupt"):
         TrajectoryStore.load(tmp_path)
+
+
+def test_wrappers_forward_the_verification_capability():
+    """RayEngine reads it from the engine class (no actor call); a router needs it from every engine."""
+    from megatron_specrl.engines.protocol import verifies_processed_distribution
+    from megatron_specrl.engines.ray_engine import RayEngine
+    from megatron_specrl.engines.router import EngineRouter
+    from megatron_specrl.engines.sglang_engine import SGLangEngine
+    from megatron_specrl.engines.vllm_engine import VLLMEngine
+
+    def ray_of(cls):
+        eng = object.__new__(RayEngine)   # no actor: the property must not need one
+        eng.engine_cls = cls
+        return eng
+
+    vllm, sgl = ray_of(VLLMEngine), ray_of(SGLangEngine)
+    assert verifies_processed_distribution(vllm) and not verifies_processed_distribution(sgl)
+    assert EngineRouter([vllm, vllm]).verifies_processed_distribution
+    assert not EngineRouter([vllm, sgl]).verifies_processed_distribution
+    assert not verifies_processed_distribution(ScriptedEngine(lambda ids: []))
+    with pytest.raises(NotImplementedError, match="cannot verify"):
+        SpeculativeRollout(EngineRouter([vllm, sgl]), TrajectoryStore(), mode="exact", lenience=1.0,
+                           sampling=SamplingSettings(top_p=0.9), max_new_tokens=4, seed=0)

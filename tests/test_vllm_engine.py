@@ -14,6 +14,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 from megatron_specrl.engines.protocol import (  # noqa: E402
     GenerateRequest, RolloutEngine, SamplingSettings, ScoreRequest, WeightVersionMismatch,
 )
+from megatron_specrl.engines.vllm_engine import token_logprobs  # noqa: E402
 
 pytestmark = pytest.mark.slow
 BLOCK = 32
@@ -94,10 +95,14 @@ def test_seeded_batch_larger_than_one_step(engine):
 
 
 def test_temperature_rules(engine):
-    with pytest.raises(NotImplementedError, match="temperature"):
-        engine.score([ScoreRequest(rand_ids(8, 1), [5, 6])], SamplingSettings(temperature=0.7), 0)
-    with pytest.raises(NotImplementedError, match="processed_logprobs"):
-        engine.generate([GenerateRequest(rand_ids(8, 1), 4)], SamplingSettings(temperature=0.7), 0)
+    """Any temperature > 0, top-k and top-p verify (tests/test_processed_verification.py); greedy
+    has no distribution to verify under, and the ban-first-token path is gone (replacements)."""
+    with pytest.raises(NotImplementedError, match="temperature > 0"):
+        engine.score([ScoreRequest(rand_ids(8, 1), [5, 6])], SamplingSettings(temperature=0.0), 0)
+    with pytest.raises(NotImplementedError, match="replacements"):
+        engine.generate([GenerateRequest(rand_ids(8, 1), 4, ban_first_token=5)], T1, 0)
+    s = engine.score([ScoreRequest(rand_ids(8, 1), [5, 6])], SamplingSettings(temperature=0.7, top_p=0.9), 0)[0]
+    assert len(s.sample_logprobs) == len(s.replacements) == 2 and engine.logprobs_mode == "processed_logprobs"
 
 
 def test_score_writes_prefix_cache_for_extension(engine):
@@ -110,8 +115,10 @@ def test_score_writes_prefix_cache_for_extension(engine):
 
 
 def test_batched_prompt_logprobs_patch_matches_vllm_loop(engine):
-    """patches/vllm_0_32_0_batched_prompt_logprobs: the batched verification returns exactly what
-    vLLM's per-request loop returns, for a mixed batch (lengths, top-k counts) in one step."""
+    """patches/vllm_0_32_0_batched_prompt_logprobs: for plain requests the batched prompt log-probs
+    are exactly what vLLM's per-request loop returns, for a mixed batch (lengths, top-k counts) in one
+    step, also with verification requests in the same step; at temperature 1 the verification's
+    tempered log-probs equal vLLM's own prompt log-probs."""
     import patches.vllm_0_32_0_batched_prompt_logprobs as batched
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -120,24 +127,33 @@ def test_batched_prompt_logprobs_patch_matches_vllm_loop(engine):
     reqs = [ScoreRequest(rand_ids(5 + 7 * i, 100 + i), rand_ids(3 + 11 * i, 200 + i)) for i in range(12)]
     prompts = [TokensPrompt(prompt_token_ids=rand_ids(9 + i, 300 + i)) for i in range(6)]
     params = [SamplingParams(max_tokens=1, prompt_logprobs=k, detokenize=False) for k in (0, 3, 0, 5, 3, 0)]
+    plain = [TokensPrompt(prompt_token_ids=r.prompt_ids + r.continuation_ids) for r in reqs]
+    plain_params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, flat_logprobs=True)
+    verify = [TokensPrompt(prompt_token_ids=rand_ids(12, 400))]
+    verify_params = [SamplingParams(max_tokens=1, prompt_logprobs=3, detokenize=False, flat_logprobs=True,
+                                    extra_args={batched.VERIFY_KEY: 4, batched.SEED_KEY: 1})]
 
-    def run():
-        scores = [s.logprobs for s in engine.score(reqs, T1, 0)]
-        outs = engine.llm.generate(prompts, params, use_tqdm=False)
+    def run(with_verify=False):
+        outs = engine.llm.generate(plain + prompts + (verify if with_verify else []),
+                                   [plain_params] * len(plain) + params + (verify_params if with_verify else []),
+                                   use_tqdm=False)
+        scores = [token_logprobs(o.prompt_logprobs, len(r.prompt_ids), r.continuation_ids) for o, r in zip(outs, reqs)]
         tops = [[sorted((t, round(lp.logprob, 6)) for t, lp in pos.items()) for pos in o.prompt_logprobs[1:]]
-                for o in outs]
+                for o in outs[len(plain):len(plain) + len(prompts)]]
         return scores, tops
 
     batched_scores, batched_tops = run()
+    mixed_scores, mixed_tops = run(with_verify=True)
     batched.revert()
     try:
         loop_scores, loop_tops = run()
     finally:
         assert batched.apply()
-    assert batched_scores == loop_scores                 # bit-identical
-    assert batched_tops == loop_tops
+    assert batched_scores == loop_scores == mixed_scores                # bit-identical
+    assert batched_tops == loop_tops == mixed_tops
     assert [len(t[0]) for t in batched_tops] == [1, 4, 1, 6, 4, 1]   # k top + the prompt token
     assert all(len(s) == len(r.continuation_ids) for s, r in zip(batched_scores, reqs))
+    assert [s.logprobs for s in engine.score(reqs, T1, 0)] == loop_scores
 
 
 def test_batched_prompt_logprobs_patch_is_version_pinned(monkeypatch):
@@ -151,24 +167,6 @@ def test_batched_prompt_logprobs_patch_is_version_pinned(monkeypatch):
     finally:
         monkeypatch.undo()
         assert batched.apply() is True
-
-
-def test_ban_first_token(engine):
-    """The banned token never comes first, may come later, and the first log-prob is unbanned."""
-    prompt = rand_ids(24, 21)
-    n = 64
-    firsts = [g.token_ids[0] for g in engine.generate(
-        [GenerateRequest(prompt, 1, seed=s) for s in range(n)], T1, 0)]
-    banned = engine.generate([GenerateRequest(prompt, 40, seed=s, ban_first_token=firsts[s])
-                              for s in range(n)], T1, 0)
-    later = 0
-    for y, g in zip(firsts, banned):
-        assert g.token_ids[0] != y                  # same seed would have produced y
-        later += g.token_ids[1:].count(y)
-    assert later > 0                                # the ban is lifted after position 0
-    scores = engine.score([ScoreRequest(prompt, g.token_ids) for g in banned], T1, 0)
-    for g, s in zip(banned, scores):
-        assert maxdiff(g.logprobs, s.logprobs) < 1e-5   # incl. position 0: unbanned policy
 
 
 def test_router_reassembles_in_order(engine):

@@ -23,9 +23,9 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, log_dir: str | Path, inde
                   gpu_memory_utilization=cfg.gpu_memory_utilization, log_dir=str(log_dir))
     if cfg.engine == "vllm":
         from megatron_specrl.engines.vllm_engine import VLLMEngine
-        # vLLM's raw log-probs are untempered: with temperature != 1 report the processed
-        # (tempered) ones instead; score() then refuses, as vLLM cannot temper prompt log-probs.
-        mode = "raw_logprobs" if cfg.temperature == 1.0 else "processed_logprobs"
+        # Generated tokens report processed log-probs (after temperature, top-k and top-p), the
+        # convention of score()'s acceptance log-probs and of the trajectory store.
+        mode = "processed_logprobs"
         # Sleep mode lets colocated engines hand their GPU memory to the learner during training.
         sleep = {"enable_sleep_mode": True} if cfg.colocate and torch.cuda.is_available() else {}
         return VLLMEngine, dict(common, kv_cache_gb=cfg.kv_cache_gb, logprobs_mode=mode, **sleep)

@@ -4,6 +4,13 @@ Everything is token ids in, token ids + log-probs out: the rollout code never
 hands text to an engine, so tokenizer drift cannot silently change a trajectory.
 Every call carries the weight version the caller believes is loaded; an engine
 serving another version raises instead of answering.
+
+Log-prob conventions (README, "Speculative rollouts"):
+- processed: the log-prob under the distribution the sampler draws from (logits / T, then top-k /
+  top-p truncation, renormalised; -inf outside the nucleus). Generated tokens carry these, and so
+  do the trajectory store's drafts; acceptance reads them.
+- tempered: log_softmax(logits / T) over the full vocabulary, what the learner computes. Without
+  top-k / top-p it equals the processed one.
 """
 
 from __future__ import annotations
@@ -44,15 +51,16 @@ class GenerateRequest:
     prompt_ids: list[int]
     max_new_tokens: int
     seed: int | None = None
-    # Token that must not be produced at the *first* generated position only
-    # (the exact speculative rule's resample at the first rejection).
+    # Token that must not be produced at the *first* generated position only: the exact rule's
+    # resample at a rejection on engines without replacements in `score` (SGLang; exact there only
+    # at temperature 1 without top-k / top-p). The vLLM engine refuses it.
     ban_first_token: int | None = None
 
 
 @dataclass
 class GenerateResult:
     token_ids: list[int]
-    logprobs: list[float]          # log-prob of each generated token under the serving weights
+    logprobs: list[float]          # processed log-prob of each generated token under the serving weights
     finish_reason: str             # "stop" (EOS / stop token) or "length"
     num_cached_tokens: int = 0     # prompt tokens served from the prefix cache
     weight_version: int = -1
@@ -62,12 +70,31 @@ class GenerateResult:
 class ScoreRequest:
     prompt_ids: list[int]
     continuation_ids: list[int]
+    seed: int | None = None        # seeds the replacement draws (same seed, same replacements)
 
 
 @dataclass
 class ScoreResult:
-    logprobs: list[float]          # one per continuation token, under the serving weights
+    """Per continuation token y_t, under the serving weights and the request's sampling settings.
+    Engines without processed verification (`verifies_processed_distribution` false) fill only
+    `logprobs`, and only at temperature 1 without top-k / top-p, where both conventions agree."""
+
+    logprobs: list[float]          # tempered log-prob of y_t (the learner's convention)
     weight_version: int = -1
+    sample_logprobs: list[float] | None = None        # processed log-prob of y_t (acceptance)
+    # r_t: drawn from the processed distribution with y_t excluded and renormalised; -1 where that
+    # distribution is empty (the nucleus is {y_t}). Its tempered and processed (y_t not excluded)
+    # log-probs, and whether it ends a response (EOS / stop token of the engine).
+    replacements: list[int] | None = None
+    replacement_logprobs: list[float] | None = None
+    replacement_sample_logprobs: list[float] | None = None
+    replacement_stops: list[bool] | None = None
+
+    @property
+    def acceptance_logprobs(self) -> list[float]:
+        """What acceptance reads: the processed log-probs (the tempered ones where the engine
+        reports no others, which is only allowed where they agree)."""
+        return self.logprobs if self.sample_logprobs is None else self.sample_logprobs
 
 
 @dataclass
@@ -89,7 +116,10 @@ class RolloutEngine(Protocol):
 
     def score(self, requests: list[ScoreRequest], sampling: SamplingSettings,
               weight_version: int) -> list[ScoreResult]:
-        """Log-probs of given continuations in one prefill; leaves the prefix cache warm."""
+        """Log-probs of given continuations in one prefill; leaves the prefix cache warm.
+        An engine whose class sets `verifies_processed_distribution = True` fills every field of
+        ScoreResult for any temperature > 0, top-k and top-p; others refuse settings other than
+        temperature 1 without truncation (NotImplementedError)."""
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -106,6 +136,17 @@ class RolloutEngine(Protocol):
     def health(self) -> EngineHealth: ...
 
     def shutdown(self) -> None: ...
+
+
+def untruncated_t1(s: SamplingSettings) -> bool:
+    """Temperature 1, no top-k, no top-p: processed, tempered and raw log-probs all agree."""
+    return s.temperature == 1.0 and s.top_p >= 1.0 and s.top_k in (-1, 0)
+
+
+def verifies_processed_distribution(engine) -> bool:
+    """Whether `engine.score` verifies under any temperature / top-k / top-p (and returns
+    replacements). A class attribute on engines; wrappers (Ray, router) forward it."""
+    return bool(getattr(engine, "verifies_processed_distribution", False))
 
 
 def check_version(engine_name: str, serving: int, expected: int) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from megatron_specrl.engines.protocol import (
     EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest,
-    ScoreResult, WeightVersionMismatch,
+    ScoreResult, WeightVersionMismatch, verifies_processed_distribution,
 )
 from megatron_specrl.engines.vllm_engine import tail_lines
 from megatron_specrl.resync.buckets import Bucket, plan_buckets
@@ -127,6 +127,11 @@ class RayEngine:
         return self._pid
 
     # -- protocol -----------------------------------------------------------------
+    @property
+    def verifies_processed_distribution(self) -> bool:
+        """The engine class's capability (a class attribute: no call into the actor)."""
+        return verifies_processed_distribution(self.engine_cls)
+
     @property
     def weight_version(self) -> int:
         return self._get(self.actor.weight_version.remote(), self.timeout_s, "weight_version")

@@ -18,7 +18,7 @@ import torch
 
 from megatron_specrl.engines.protocol import (
     EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest, ScoreResult,
-    WeightVersionMismatch,
+    WeightVersionMismatch, verifies_processed_distribution,
 )
 
 
@@ -49,6 +49,10 @@ class EngineRouter:
             raise ValueError("EngineRouter needs at least one engine")
         self.engines = list(engines)
         self.name = name
+
+    @property
+    def verifies_processed_distribution(self) -> bool:
+        return all(verifies_processed_distribution(e) for e in self.engines)
 
     @property
     def weight_version(self) -> int:

@@ -8,8 +8,10 @@ Semantics (read from sglang 0.5.23):
 - `generate(input_ids=..., return_logprob=True)` -> `meta_info.output_token_logprobs`
   = [(logprob, token_id, text|None)], after temperature (SGLANG_RETURN_ORIGINAL_LOGPROB unset).
 - Scoring = `logprob_start_len=len(prompt)-1`: `meta_info.input_token_logprobs` covers
-  input ids from that index on, the first value None; input log-probs are untempered,
-  so score() supports temperature 1 only (same rule as vLLM).
+  input ids from that index on, the first value None; input log-probs are untempered and
+  untruncated, so score() supports temperature 1 without top-k / top-p only and returns no
+  replacements (`verifies_processed_distribution = False`: SpeculativeRollout refuses other
+  settings, and its exact rule falls back to ban_first_token, exact at temperature 1).
 - A custom logit processor runs before the log-probs are taken, so the first token of a
   ban_first_token request is re-scored (one cached prefill) to report its unbanned log-prob.
 - Weights: `update_weights_from_tensor(named_tensors, load_format, flush_cache=False)` per
@@ -108,8 +110,11 @@ def parse_generate_response(outputs: list[dict], requests: list[GenerateRequest]
 
 
 def build_score_payload(requests: list[ScoreRequest], sampling: SamplingSettings) -> dict:
-    if sampling.temperature != 1.0:
-        raise NotImplementedError("SGLang input log-probs are untempered; score() supports temperature 1 only")
+    for setting, value, plain in (("temperature", sampling.temperature, 1.0), ("top_p", sampling.top_p, 1.0),
+                                  ("top_k", sampling.top_k, -1)):
+        if value != plain and not (setting == "top_k" and value == 0):
+            raise NotImplementedError(f"SGLang engine: score() with {setting}={value} is not supported (input "
+                                      "log-probs are untempered and untruncated); verification needs the vLLM engine")
     if any(not r.prompt_ids for r in requests):
         raise ValueError("score() needs a non-empty prompt")
     return {"input_ids": [list(r.prompt_ids) + list(r.continuation_ids) for r in requests],
@@ -144,6 +149,8 @@ def _ok(ret) -> bool:
 # -- engines --------------------------------------------------------------------------
 class _SGLangBase:
     """Version bookkeeping + the update order shared by the Engine and HTTP variants."""
+
+    verifies_processed_distribution = False   # score(): temperature 1, no top-k / top-p, no replacements
 
     def __init__(self, name: str, log_dir: str | Path | None, use_ban_processor: bool = True):
         self.name = name

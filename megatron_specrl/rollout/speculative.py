@@ -2,12 +2,19 @@
 
 Per (prompt, sample k) at step t:
   1. draft y, old log-probs q  <- TrajectoryStore (missing -> plain generation)
-  2. verify: engine.score(prompt, y) -> p_t under the current weights (also warms the prefix cache)
-  3. accept token by token (acceptance.decide) until the first rejection n
-  4. extend: engine.generate(prompt + y[:n], max_new_tokens = L - n), hitting the prefix cache;
-     skipped when all of y is accepted and y was finished (EOS or length L)
-  5. assemble prefix + continuation with current-policy log-probs and store it for the next epoch.
+  2. verify: engine.score(prompt, y) -> p_t under the current weights and the sampling settings
+     (processed: temperature, top-k, top-p), plus a replacement r_t per position drawn from p_t's
+     distribution with y_t excluded (also warms the prefix cache)
+  3. accept token by token (acceptance.decide) until the first rejection n; `exact` then takes r_n
+     as the first new token (a replacement equal to EOS ends the response)
+  4. extend: engine.generate(prompt + y[:n] (+ r_n), the rest of the L tokens), hitting the prefix
+     cache; skipped when the response is already finished (EOS or length L)
+  5. assemble prefix + continuation and store it for the next epoch.
 All requests of a step go to the engine as one verification batch and one extension batch.
+
+Log-probs: every response token carries its processed log-prob under the current weights (the
+distribution that sampled or accepted it), in the samples and in the store; the learner's tempered
+log-probs differ from these only under top-k / top-p (README, "Speculative rollouts").
 """
 
 from __future__ import annotations
@@ -18,7 +25,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megatron_specrl.engines.protocol import GenerateRequest, RolloutEngine, SamplingSettings, ScoreRequest
+from megatron_specrl.engines.protocol import (
+    GenerateRequest, RolloutEngine, SamplingSettings, ScoreRequest, untruncated_t1, verifies_processed_distribution,
+)
 from megatron_specrl.rollout.acceptance import MODES, decide
 from megatron_specrl.rollout.store import Trajectory, TrajectoryStore
 
@@ -29,7 +38,7 @@ class RolloutSample:
     sample_idx: int
     prompt_ids: list[int]
     response_ids: list[int]
-    logprobs: list[float]      # current-policy log-prob of every response token
+    logprobs: list[float]      # current-policy processed log-prob of every response token
     finish_reason: str
     num_reused: int            # leading response tokens taken from the draft
     weight_version: int
@@ -43,9 +52,12 @@ class _Plan:
     draft: Trajectory | None
     draft_ids: list[int] = field(default_factory=list)
     draft_finish_reason: str = "length"
-    p_logprobs: list[float] = field(default_factory=list)
+    p_logprobs: list[float] = field(default_factory=list)   # processed, of the draft tokens
     accepted: int = 0
-    ban: int | None = None
+    ban: int | None = None          # exclude at the first generated position (engines without replacements)
+    prefix_ids: list[int] = field(default_factory=list)          # accepted draft (+ exact's replacement)
+    prefix_logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = "length"   # when no generation is needed
     needs_generation: bool = True
 
 
@@ -60,6 +72,12 @@ class SpeculativeRollout:
                  sampling: SamplingSettings, max_new_tokens: int, seed: int):
         if mode not in MODES:
             raise ValueError(f"rollout.spec_mode={mode!r} is not one of {MODES}")
+        if mode != "off" and not untruncated_t1(sampling) and not verifies_processed_distribution(engine):
+            raise NotImplementedError(
+                f"rollout.spec_mode={mode} with temperature={sampling.temperature}, top_p={sampling.top_p}, "
+                f"top_k={sampling.top_k}: engine {getattr(engine, 'name', engine)} cannot verify drafts under that "
+                "distribution (it scores at temperature 1 without top-k / top-p only); use the vLLM engine or "
+                "spec_mode=off")
         self.engine, self.store = engine, store
         self.mode, self.lenience = mode, lenience
         self.sampling, self.max_new_tokens, self.seed = sampling, max_new_tokens, seed
@@ -84,31 +102,48 @@ class SpeculativeRollout:
         # 2. verify every draft in one batch
         to_verify = [p for p in plans if p.draft_ids]
         t_verify = time.perf_counter()
+        scores = []
         if to_verify:
-            scores = self.engine.score([ScoreRequest(p.prompt_ids, p.draft_ids) for p in to_verify],
-                                       self.sampling, weight_version)
+            scores = self.engine.score(
+                [ScoreRequest(p.prompt_ids, p.draft_ids, seed=stable_seed(self.seed, step, "verify", p.prompt_id,
+                                                                          p.sample_idx)) for p in to_verify],
+                self.sampling, weight_version)
             for p, s in zip(to_verify, scores):
-                p.p_logprobs = list(s.logprobs)
+                p.p_logprobs = list(s.acceptance_logprobs)
         verify_s = time.perf_counter() - t_verify
 
         # 3. accept
-        excess, n_excess = 0.0, 0
-        for p in to_verify:
+        excess, n_excess, replaced = 0.0, 0, 0
+        L = self.max_new_tokens
+        for p, s in zip(to_verify, scores):
             rng = np.random.default_rng(stable_seed(self.seed, step, "accept", p.prompt_id, p.sample_idx))
             q = p.draft.logprobs[: len(p.draft_ids)]
             acc = decide(p.draft_ids, p.p_logprobs, q, rng.random(len(p.draft_ids)), self.mode, self.lenience)
-            p.accepted, p.ban = acc.num_accepted, acc.ban_token
+            n = p.accepted = acc.num_accepted
             excess += acc.lenient_excess
-            n_excess += acc.num_accepted
-            # a fully accepted draft needs nothing more if it ended at EOS or filled all L tokens
-            draft_done = p.draft_finish_reason == "stop" or len(p.draft_ids) == self.max_new_tokens
-            p.needs_generation = not (acc.num_accepted == len(p.draft_ids) and draft_done)
+            n_excess += n
+            p.prefix_ids, p.prefix_logprobs = p.draft_ids[:n], p.p_logprobs[:n]
+            if n == len(p.draft_ids):
+                # a fully accepted draft needs nothing more if it ended at EOS or filled all L tokens
+                p.finish_reason = p.draft_finish_reason
+                p.needs_generation = not (p.draft_finish_reason == "stop" or n == L)
+            elif self.mode == "exact" and s.replacements is None:
+                p.ban = acc.ban_token     # the extension's first token excludes y_n (temperature 1 only)
+            elif self.mode == "exact" and s.replacements[n] >= 0:
+                # the first new token is the verification's draw from p without y_n: exact by construction
+                replaced += 1
+                p.prefix_ids = p.prefix_ids + [s.replacements[n]]
+                p.prefix_logprobs = p.prefix_logprobs + [s.replacement_sample_logprobs[n]]
+                p.finish_reason = "stop" if s.replacement_stops[n] else "length"
+                p.needs_generation = not (s.replacement_stops[n] or n + 1 == L)
+            # else lenient, or exact where p is a point mass on y_n (rejected by rounding only):
+            # position n is sampled by the extension from the full distribution
 
         # 4. extend (plain generation for plans without a draft) in one batch
         to_extend = [p for p in plans if p.needs_generation]
         requests = [
-            GenerateRequest(prompt_ids=p.prompt_ids + p.draft_ids[: p.accepted],
-                            max_new_tokens=self.max_new_tokens - p.accepted,
+            GenerateRequest(prompt_ids=p.prompt_ids + p.prefix_ids,
+                            max_new_tokens=self.max_new_tokens - len(p.prefix_ids),
                             seed=stable_seed(self.seed, step, "gen", p.prompt_id, p.sample_idx),
                             ban_first_token=p.ban)
             for p in to_extend
@@ -121,12 +156,12 @@ class SpeculativeRollout:
         # 5. assemble and store
         samples = []
         for p in plans:
-            prefix, prefix_lp = p.draft_ids[: p.accepted], p.p_logprobs[: p.accepted]
             r = by_plan.get(id(p))
             if r is None:
-                response, logprobs, finish = prefix, prefix_lp, p.draft_finish_reason
+                response, logprobs, finish = p.prefix_ids, p.prefix_logprobs, p.finish_reason
             else:
-                response, logprobs, finish = prefix + list(r.token_ids), prefix_lp + list(r.logprobs), r.finish_reason
+                response, logprobs, finish = (p.prefix_ids + list(r.token_ids), p.prefix_logprobs + list(r.logprobs),
+                                              r.finish_reason)
             samples.append(RolloutSample(p.prompt_id, p.sample_idx, p.prompt_ids, response, logprobs,
                                          finish, p.accepted, weight_version))
             self.store.put(p.prompt_id, p.sample_idx, Trajectory(response, logprobs, finish, weight_version))
@@ -137,6 +172,7 @@ class SpeculativeRollout:
             "spec/verified_tokens": float(sum(len(p.draft_ids) for p in to_verify)),
             "spec/accepted_tokens": float(accepted),
             "spec/generated_tokens": float(sum(len(r.token_ids) for r in results)),
+            "spec/replaced_tokens": float(replaced),   # exact: first new tokens drawn by the verification
             "spec/reuse_ratio": accepted / max(response_tokens, 1),
             "spec/full_reuse_ratio": sum(not p.needs_generation for p in plans) / max(len(plans), 1),
             "spec/mean_accept_len": accepted / max(len(to_verify), 1),
