@@ -78,6 +78,14 @@ class RolloutConfig(_Strict):
     # stays consistent; only the PPO ratio needs learner log-probs (learner.recompute_old_logprobs).
     engine_dtype: Literal["float32", "bfloat16"] = "float32"
     engine_timeout_s: float = Field(600.0, gt=0)
+    # Speculative decoding during generation with drafts from per-prompt trees of earlier responses
+    # (SRT): every sample of a prompt, past epochs and this step's in-flight tokens. vLLM's rejection
+    # sampler keeps every token an exact sample of the policy; composes with any spec_mode.
+    draft: Literal["none", "tree"] = "none"
+    draft_tokens: int = Field(16, ge=1, le=64)           # most draft tokens per request per engine step
+    draft_min_prob: float = Field(0.1, ge=0, le=1)       # stop a draft where its path frequency drops below
+    draft_token_budget: int = Field(4096, ge=1)          # about how many tokens one engine step verifies
+    draft_max_nodes: int = Field(4_000_000, ge=1000)     # tree memory bound (least recently used prompts go first)
 
     @field_validator("spec_mode", mode="before")
     @classmethod
@@ -227,6 +235,9 @@ class RunConfig(_Strict):
             raise ValueError(f"rollout.spec_mode={r.spec_mode} with rollout.engine=sglang needs temperature 1 and no "
                              f"top_p / top_k (got {r.temperature}, {r.top_p}, {r.top_k}): SGLang scores drafts with "
                              "untempered, untruncated log-probs; use rollout.engine=vllm or rollout.spec_mode=off")
+        if r.draft == "tree" and r.engine != "vllm":
+            raise ValueError(f"rollout.draft=tree with rollout.engine={r.engine}: tree drafting is built into "
+                             "the vLLM engine only; use rollout.engine=vllm or rollout.draft=none")
         if le.recompute_old_logprobs is None:
             le.recompute_old_logprobs = r.engine_dtype == "bfloat16" or truncated
         elif not le.recompute_old_logprobs and r.engine_dtype == "bfloat16":

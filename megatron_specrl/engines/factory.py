@@ -28,7 +28,10 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, log_dir: str | Path, inde
         mode = "processed_logprobs"
         # Sleep mode lets colocated engines hand their GPU memory to the learner during training.
         sleep = {"enable_sleep_mode": True} if cfg.colocate and torch.cuda.is_available() else {}
-        return VLLMEngine, dict(common, kv_cache_gb=cfg.kv_cache_gb, logprobs_mode=mode, **sleep)
+        draft = dict(draft=cfg.draft, draft_tokens=cfg.draft_tokens,
+                     draft_settings={"min_prob": cfg.draft_min_prob, "token_budget": cfg.draft_token_budget,
+                                     "max_nodes": cfg.draft_max_nodes})
+        return VLLMEngine, dict(common, kv_cache_gb=cfg.kv_cache_gb, logprobs_mode=mode, **sleep, **draft)
     from megatron_specrl.engines.sglang_engine import SGLangEngine
     return SGLangEngine, common
 

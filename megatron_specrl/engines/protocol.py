@@ -55,6 +55,11 @@ class GenerateRequest:
     # resample at a rejection on engines without replacements in `score` (SGLang; exact there only
     # at temperature 1 without top-k / top-p). The vLLM engine refuses it.
     ban_first_token: int | None = None
+    # Tree drafting (rollout.draft=tree): the tree this request drafts from and feeds (the prompt
+    # id: all samples of a prompt share one), and where in prompt_ids the response starts (an
+    # extension's prompt ends with the accepted part of its draft, which is part of the response).
+    draft_key: str | None = None
+    response_start: int = 0
 
 
 @dataclass

@@ -28,6 +28,9 @@ from typing import Iterable
 
 import torch
 
+from megatron_specrl.engines.tree_proposer import (
+    DRAFT_KEY, PROPOSER_CLASS, RESPONSE_START, SETTINGS_ENV, in_worker, settings_env,
+)
 from megatron_specrl.engines.protocol import (
     EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest,
     ScoreResult, WeightVersionMismatch, check_version, untruncated_t1,
@@ -167,10 +170,11 @@ class VLLMEngine:
                  tensor_parallel_size: int = 1, block_size: int | None = None, dtype: str = "float32",
                  enable_prefix_caching: bool = True, enforce_eager: bool = True,
                  logprobs_mode: str = "processed_logprobs", log_dir: str | Path | None = None,
-                 skip_cache_reset: bool = False, **llm_kwargs):
+                 skip_cache_reset: bool = False, draft: str = "none", draft_tokens: int = 16,
+                 draft_settings: dict | None = None, **llm_kwargs):
         from vllm import LLM
 
-        from patches.vllm_0_32_0_batched_prompt_logprobs import apply as batch_prompt_logprobs
+        from patches.vllm_engine_patches import apply_all, mark_our_engine
 
         self.name = name
         self.log_path = Path(log_dir or os.environ.get("SPECRL_ENGINE_LOG_DIR", "logs/engines")) / f"{name}.log"
@@ -202,10 +206,19 @@ class VLLMEngine:
             # discarded partial-prefill sample). Without chunking no sample is discarded.
             kwargs["enable_chunked_prefill"] = False
             kwargs["max_num_batched_tokens"] = max(max_model_len, 8192)
+        if draft not in ("none", "tree"):
+            raise ValueError(f"draft must be 'none' or 'tree', got {draft!r}")
+        self.draft = draft
+        if draft == "tree":   # speculative decoding from per-prompt trees (engines/tree_proposer.py)
+            os.environ[SETTINGS_ENV] = settings_env(**(draft_settings or {}))
+            kwargs["speculative_config"] = {"method": "custom_class", "model": PROPOSER_CLASS,
+                                            "num_speculative_tokens": int(draft_tokens)}
+            kwargs["async_scheduling"] = False   # the proposer reads the sampled ids as lists
         kwargs.update(llm_kwargs)
-        # In-process workers (CPU, tests) take the patch from here; multiprocess workers load it
-        # through the `vllm.general_plugins` entry point (setup.py; VLLM_PLUGINS may exclude it).
-        self._log.info("batched prompt log-probs patch applied: %s", batch_prompt_logprobs())
+        # In-process workers (CPU, tests) take the patches from here; multiprocess workers apply them
+        # through the `vllm.general_plugins` entry point, which acts only in processes we marked.
+        mark_our_engine()
+        self._log.info("vLLM patches applied: %s", apply_all())
         self._log.info("starting vLLM engine %s with %s", name, kwargs)
         try:
             self.llm = LLM(**kwargs)
@@ -230,6 +243,8 @@ class VLLMEngine:
             raise NotImplementedError("the vLLM engine has no ban-first-token processor: the exact rule takes "
                                       "its resampled token from score()'s replacements")
         extra = None
+        if req.draft_key is not None and self.draft == "tree":
+            extra = {DRAFT_KEY: req.draft_key, RESPONSE_START: req.response_start}
         return SamplingParams(
             n=1, max_tokens=req.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
             seed=req.seed, logprobs=0, detokenize=False, extra_args=extra, flat_logprobs=True)
@@ -372,6 +387,28 @@ class VLLMEngine:
         if not self.llm.reset_prefix_cache():
             raise EngineError("reset_prefix_cache failed (requests still running?)", self.name,
                               tail_lines(self.log_path))
+
+    # -- draft trees (rollout.draft=tree) ------------------------------------------------
+    def draft_stats(self) -> dict[str, float]:
+        """The tree proposer's counters since the last call (draft / accepted / generated tokens,
+        request-steps, engine steps) and the trees' size; {} without tree drafting."""
+        if self.draft != "tree":
+            return {}
+        with self._lock:
+            return self._run(lambda: self.llm.collective_rpc(in_worker, args=("take_stats",)))[0]
+
+    def draft_state(self) -> dict | None:
+        """The trees as numpy arrays and lists (rollout.draft_tree.DraftTrees.state_dict), for checkpoints."""
+        if self.draft != "tree":
+            return None
+        with self._lock:
+            return self._run(lambda: self.llm.collective_rpc(in_worker, args=("state_dict",)))[0]
+
+    def load_draft_state(self, state: dict) -> None:
+        if self.draft != "tree":
+            raise ValueError(f"engine {self.name} was built without tree drafting (rollout.draft=none)")
+        with self._lock:
+            self._run(lambda: self.llm.collective_rpc(in_worker, args=("load_state_dict", state)))
 
     def health(self) -> EngineHealth:
         return EngineHealth(alive=hasattr(self, "llm"), weight_version=self._version,

@@ -67,6 +67,22 @@ def stable_seed(*parts) -> int:
     return int.from_bytes(h, "little") >> 1
 
 
+def tree_metrics(engine) -> dict[str, float]:
+    """`tree/*` metrics of this rollout from engines that draft from trees (rollout.draft=tree):
+    tokens drafted and accepted, generated tokens per request per engine step (1 without drafts),
+    engine steps, and the trees' size."""
+    stats = engine.draft_stats() if hasattr(engine, "draft_stats") else {}
+    if not stats:
+        return {}
+    drafted, accepted = stats["draft_tokens"], stats["accepted_tokens"]
+    return {"tree/nodes": stats["nodes"], "tree/memory_mb": stats["memory_mb"],
+            "tree/draft_tokens": drafted, "tree/accepted_tokens": accepted,
+            "tree/accept_rate": accepted / max(drafted, 1.0),
+            "tree/tokens_per_step": stats["generated_tokens"] / max(stats["request_steps"], 1.0),
+            "tree/generated_tokens": stats["generated_tokens"], "tree/request_steps": stats["request_steps"],
+            "tree/engine_steps": stats["engine_steps"]}
+
+
 class SpeculativeRollout:
     def __init__(self, engine: RolloutEngine, store: TrajectoryStore, *, mode: str, lenience: float,
                  sampling: SamplingSettings, max_new_tokens: int, seed: int):
@@ -145,7 +161,8 @@ class SpeculativeRollout:
             GenerateRequest(prompt_ids=p.prompt_ids + p.prefix_ids,
                             max_new_tokens=self.max_new_tokens - len(p.prefix_ids),
                             seed=stable_seed(self.seed, step, "gen", p.prompt_id, p.sample_idx),
-                            ban_first_token=p.ban)
+                            ban_first_token=p.ban,
+                            draft_key=p.prompt_id, response_start=len(p.prompt_ids))
             for p in to_extend
         ]
         t_extend = time.perf_counter()
@@ -184,4 +201,9 @@ class SpeculativeRollout:
         }
         if self.mode == "lenient":
             metrics["spec/lenient_bias"] = excess / max(n_excess, 1)
+        metrics.update(tree_metrics(self.engine))
+        # engine decode steps of the generation batch: counted by the tree proposer when it drafts,
+        # otherwise one a token of the longest continuation
+        metrics["spec/decode_steps"] = metrics.get("tree/engine_steps",
+                                                   float(max((len(r.token_ids) for r in results), default=0)))
         return samples, metrics
