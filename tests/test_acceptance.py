@@ -44,7 +44,15 @@ def test_nonfinite_old_logprob_rejects_in_lenient_only():
     assert exact.num_accepted == 3 and exact.nonfinite == 2
 
 
+@pytest.mark.parametrize("mode", ["exact", "lenient"])
+def test_token_outside_the_nucleus_rejects_without_counting(mode):
+    """Processed log-probs are -inf outside top-k / top-p: probability 0, not an engine error."""
+    acc = decide([1, 2, 3], [-0.1, -INF, -0.1], [-0.1] * 3, np.zeros(3), mode, lenience=2.0)
+    assert acc.num_accepted == 1 and acc.nonfinite == 0
+
+
 def test_count_nonfinite():
+    assert count_nonfinite([NAN, INF, -INF, -3.0], neg_inf_ok=True) == 2
     assert count_nonfinite([0.0, -1.5], np.array([-2.0])) == 0
     assert count_nonfinite([NAN, INF, -INF, -3.0]) == 3
     assert count_nonfinite([None, -1.0], None) == 1               # an engine's None log-prob counts

@@ -24,8 +24,10 @@ class Acceptance:
     num_accepted: int          # n: tokens y[:n] are kept
     ban_token: int | None      # token to exclude at position n when resampling (exact only)
     lenient_excess: float      # sum over accepted tokens of 1 - min(1, p/q): mass lenient over-accepts
-    # Non-finite (NaN / +-inf) entries among the draft's new and old log-probs: an engine error, never
-    # accepted past. The caller logs the step's sum as `spec/nonfinite_logprobs`.
+    # Invalid entries among the draft's log-probs: NaN or +inf in either, -inf in the old ones (a sampled
+    # token had positive probability). An engine error, never accepted past. -inf in the new ones is
+    # not counted: under top-k / top-p it is a token outside the nucleus, probability 0. The caller
+    # logs the step's sum as `spec/nonfinite_logprobs`.
     nonfinite: int = 0
 
 
@@ -36,10 +38,18 @@ def _is_finite_number(v) -> bool:
         return False
 
 
-def count_nonfinite(*logprobs) -> int:
+def _is_neg_inf(v) -> bool:
+    try:
+        return float(v) == -math.inf
+    except (TypeError, ValueError):
+        return False
+
+
+def count_nonfinite(*logprobs, neg_inf_ok: bool = False) -> int:
     """Number of entries of the given log-prob sequences that are not finite numbers (NaN, +-inf,
-    None or anything non-numeric an engine might return). A None sequence counts 0 and a bare number
-    counts as one entry; an object that is neither raises TypeError naming its type."""
+    None or anything non-numeric an engine might return); with `neg_inf_ok`, -inf (probability 0)
+    is fine. A None sequence counts 0 and a bare number counts as one entry; an object that is
+    neither raises TypeError naming its type."""
     total = 0
     for values in logprobs:
         if values is None:
@@ -48,24 +58,27 @@ def count_nonfinite(*logprobs) -> int:
             arr = np.asarray(values, dtype=np.float64)
         except (TypeError, ValueError):   # ragged or non-numeric entries: one by one
             try:
-                total += sum(not _is_finite_number(v) for v in values)
+                total += sum(not (_is_finite_number(v) or (neg_inf_ok and _is_neg_inf(v))) for v in values)
             except TypeError:
                 raise TypeError(f"count_nonfinite needs sequences of log-probs, "
                                 f"got {type(values).__name__}") from None
             continue
-        total += int(arr.size - np.count_nonzero(np.isfinite(arr)))
+        ok = np.isfinite(arr) | (np.isneginf(arr) if neg_inf_ok else False)
+        total += int(arr.size - np.count_nonzero(ok))
     return total
 
 
 def accept_probabilities(p_logprobs: np.ndarray, q_logprobs: np.ndarray, mode: str, lenience: float) -> np.ndarray:
     """Per-token acceptance probability; NaN where an input the rule reads is not finite (rejected)."""
     with np.errstate(over="ignore", invalid="ignore"):
+        # p = -inf is a token outside the nucleus: probability 0, rejected like any u >= 0
+        p_bad = np.isnan(p_logprobs) | np.isposinf(p_logprobs)
         if mode == "exact":
             probs = np.exp(np.minimum(p_logprobs, 0.0))
-            bad = ~np.isfinite(p_logprobs)
+            bad = p_bad
         elif mode == "lenient":
             probs = np.minimum(1.0, np.exp(math.log(lenience) + p_logprobs - q_logprobs))
-            bad = ~(np.isfinite(p_logprobs) & np.isfinite(q_logprobs))
+            bad = p_bad | ~np.isfinite(q_logprobs)
         else:
             raise ValueError(f"no acceptance rule for spec_mode={mode!r}; choose one of {MODES}")
     return np.where(bad, np.nan, probs)
@@ -90,4 +103,4 @@ def decide(draft: list[int], p_logprobs: list[float], q_logprobs: list[float], u
     n = int(rejected[0]) if len(rejected) else len(draft)
     excess = float(np.sum(1.0 - np.minimum(1.0, np.exp(p[:n] - q[:n])))) if mode == "lenient" else 0.0
     ban = draft[n] if (mode == "exact" and n < len(draft)) else None
-    return Acceptance(n, ban, excess, count_nonfinite(p, q))
+    return Acceptance(n, ban, excess, count_nonfinite(p, neg_inf_ok=True) + count_nonfinite(q))

@@ -129,7 +129,7 @@ class SpeculativeRollout:
         verify_s = time.perf_counter() - t_verify
 
         # 3. accept
-        excess, n_excess, replaced = 0.0, 0, 0
+        excess, n_excess, replaced, nonfinite = 0.0, 0, 0, 0
         L = self.max_new_tokens
         for p, s in zip(to_verify, scores):
             rng = np.random.default_rng(stable_seed(self.seed, step, "accept", p.prompt_id, p.sample_idx))
@@ -137,6 +137,7 @@ class SpeculativeRollout:
             acc = decide(p.draft_ids, p.p_logprobs, q, rng.random(len(p.draft_ids)), self.mode, self.lenience)
             n = p.accepted = acc.num_accepted
             excess += acc.lenient_excess
+            nonfinite += acc.nonfinite
             n_excess += n
             p.prefix_ids, p.prefix_logprobs = p.draft_ids[:n], p.p_logprobs[:n]
             if n == len(p.draft_ids):
@@ -190,6 +191,7 @@ class SpeculativeRollout:
             "spec/accepted_tokens": float(accepted),
             "spec/generated_tokens": float(sum(len(r.token_ids) for r in results)),
             "spec/replaced_tokens": float(replaced),   # exact: first new tokens drawn by the verification
+            "spec/nonfinite_logprobs": float(nonfinite),   # NaN / +inf from the engine (never accepted)
             "spec/reuse_ratio": accepted / max(response_tokens, 1),
             "spec/full_reuse_ratio": sum(not p.needs_generation for p in plans) / max(len(plans), 1),
             "spec/mean_accept_len": accepted / max(len(to_verify), 1),
