@@ -84,7 +84,7 @@ class RolloutConfig(_Strict):
     draft: Literal["none", "tree"] = "none"
     draft_tokens: int = Field(16, ge=1, le=64)           # most draft tokens per request per engine step
     draft_min_prob: float = Field(0.1, ge=0, le=1)       # stop a draft where its path frequency drops below
-    draft_token_budget: int = Field(4096, ge=1)          # about how many tokens one engine step verifies
+    draft_token_budget: int = Field(2048, ge=1)          # about how many tokens one engine step verifies
     draft_max_nodes: int = Field(4_000_000, ge=1000)     # tree memory bound (least recently used prompts go first)
 
     @field_validator("spec_mode", mode="before")

@@ -14,7 +14,8 @@ once per engine step through `patches/vllm_0_32_0_tree_proposer.py` with the inp
 - the draft for a request is the tree's proposal from the longest suffix of its response,
   up to K tokens, where K shrinks as more requests run: a step verifies at most about
   `token_budget` tokens (drafting is free while the engine is under-used, as in the tail of a
-  batch, and costs compute when it is full; DAS and FastGRPO size drafts the same way).
+  batch, and costs compute when it is full; DAS and FastGRPO size drafts the same way); the
+  path-probability cut-off `min_prob` relaxes the same way as the batch empties.
 
 vLLM's rejection sampler verifies the drafts: a point-mass draft x is accepted with probability
 p(x) under the request's processed distribution, and a rejection samples p with x removed, so
@@ -37,7 +38,7 @@ SETTINGS_ENV = "SPECRL_TREE_PROPOSER"
 PROPOSER_CLASS = "megatron_specrl.engines.tree_proposer.TreeProposer"
 
 DEFAULTS = {"max_depth": 40, "max_match": 16, "max_nodes": 4_000_000, "min_prob": 0.1,
-            "token_budget": 4096}
+            "token_budget": 2048}
 
 _COUNTERS = ("draft_tokens", "accepted_tokens", "generated_tokens", "request_steps", "engine_steps")
 
@@ -69,8 +70,16 @@ class TreeProposer:
     def draft_len(self, running: int) -> int:
         return max(0, min(self.max_k, self.token_budget // max(running, 1) - 1))
 
+    def draft_min_prob(self, running: int) -> float:
+        """min_prob while full drafts for every running request would fill the step's budget, less
+        as the batch empties: in the tail a longer, less likely draft costs almost nothing and can
+        only add accepted tokens."""
+        fill = min(1.0, running * (self.max_k + 1) / self.token_budget)
+        return self.min_prob * fill
+
     def propose_batch(self, input_batch, requests, sampled_token_ids: list[list[int]]) -> list[list[int]]:
         k_max = self.draft_len(len(sampled_token_ids))
+        min_prob = self.draft_min_prob(len(sampled_token_ids))
         c = self.counters
         drafting = False   # engine steps count only when a request of ours runs (not eval, not others)
         token_ids, num_tokens = input_batch.token_ids_cpu, input_batch.num_tokens_no_spec
@@ -97,7 +106,7 @@ class TreeProposer:
                 if last_draft:
                     c["accepted_tokens"] += min(len(sampled) - 1, last_draft)
             k = min(k_max, self.max_model_len - end - 1)
-            draft = self.trees.propose(req_id, k, self.min_prob) if k > 0 else []
+            draft = self.trees.propose(req_id, k, min_prob) if k > 0 else []
             live[2] = len(draft)
             c["draft_tokens"] += len(draft)
             drafts.append(draft)
