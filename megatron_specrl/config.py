@@ -250,9 +250,6 @@ class RunConfig(_Strict):
         loss = le.loss
         if loss.loss_scale_factor is None:
             loss.loss_scale_factor = float(r.max_new_tokens)
-        if loss.agg_mode == "seq-mean-token-sum-norm" and self.algorithm.name == "ppo":
-            raise ValueError("learner.loss.agg_mode=seq-mean-token-sum-norm with algorithm.name=ppo: the critic's "
-                             "value loss is not given loss_scale_factor yet; use another agg_mode for PPO")
         batch = self.trainer.prompts_per_step * r.n_samples
         if batch % (le.dp * le.mini_batches) != 0:
             raise ValueError(f"trainer.prompts_per_step * rollout.n_samples = {batch} is not divisible by "

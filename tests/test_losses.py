@@ -239,3 +239,14 @@ def test_verl_grpo_recipe_gives_verls_loss(tmp_path):
     assert m["kl"].item() == pytest.approx(kl, abs=1e-12)
     assert loss.item() == pytest.approx(pg + 0.001 * kl, abs=1e-12)
     assert m["pg_clipfrac"].item() == pytest.approx(2 / 6) and m["pg_clipfrac_dual"].item() == pytest.approx(1 / 6)
+
+
+def test_value_loss_with_dr_grpo_aggregation_uses_the_scale_factor():
+    """The critic aggregates like the policy: per sequence, token sum / loss_scale_factor, then the mean."""
+    values = torch.tensor([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]])
+    returns = torch.zeros(2, 3)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    loss, _ = L.value_loss(values, values.clone(), returns, mask, clip=10.0,
+                           agg_mode="seq-mean-token-sum-norm", loss_scale_factor=4.0)
+    # 0.5 * mean((1 + 4) / 4, 9 / 4) = 0.5 * 1.75
+    assert loss.item() == pytest.approx(0.875)

@@ -295,7 +295,7 @@ class LearnerWorker:
             vals, ent = self._heads(output, mb, with_entropy=True)
             if self.role == "critic":
                 loss, met = L.value_loss(vals, mb["old_values"], mb["returns"], mb["loss_mask"], lc.value_clip,
-                                         lc.agg_mode, denom)
+                                         lc.agg_mode, denom, lc.loss_scale_factor)
                 summed = {"vf_loss": loss.detach()}
             else:
                 loss, met = L.rl_policy_objective(vals, ent, mb, lc, denom)

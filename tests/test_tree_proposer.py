@@ -1,0 +1,91 @@
+"""TreeProposer's bookkeeping without vLLM: a fake input batch drives propose_batch as the patched
+runner does (rows of token ids, request ids, the tokens sampled this step)."""
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from megatron_specrl.engines import tree_proposer as tp
+
+
+def _proposer(monkeypatch, k=8, **settings):
+    monkeypatch.setenv(tp.SETTINGS_ENV, tp.settings_env(**settings))
+    cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
+                          model_config=SimpleNamespace(max_model_len=256))
+    return tp.TreeProposer(cfg)
+
+
+class Batch:
+    """The runner's view: token rows, no-spec lengths, request ids; requests carry extra_args."""
+
+    def __init__(self):
+        self.token_ids_cpu = np.zeros((4, 256), dtype=np.int64)
+        self.num_tokens_no_spec = np.zeros(4, dtype=np.int64)
+        self.req_ids, self.requests = [], {}
+
+    def add(self, req_id, prompt, key, response_start=None):
+        i = len(self.req_ids)
+        self.req_ids.append(req_id)
+        self.token_ids_cpu[i, :len(prompt)] = prompt
+        self.num_tokens_no_spec[i] = len(prompt)
+        extra = None if key is None else {tp.DRAFT_KEY: key, tp.RESPONSE_START: response_start or len(prompt)}
+        self.requests[req_id] = SimpleNamespace(prompt_token_ids=list(prompt),
+                                                sampling_params=SimpleNamespace(extra_args=extra))
+
+    def sample(self, i, tokens):
+        n = self.num_tokens_no_spec[i]
+        self.token_ids_cpu[i, n:n + len(tokens)] = tokens
+        self.num_tokens_no_spec[i] = n + len(tokens)
+        return list(tokens)
+
+
+def test_draft_length_and_cut_off_follow_the_running_batch(monkeypatch):
+    p = _proposer(monkeypatch, k=16, token_budget=340, min_prob=0.2)
+    assert p.draft_len(1) == 16 and p.draft_len(20) == 16 and p.draft_len(40) == 7 and p.draft_len(400) == 0
+    assert p.draft_min_prob(40) == pytest.approx(0.2)            # 40 x 17 tokens would overfill the budget
+    assert p.draft_min_prob(2) == pytest.approx(0.2 * 2 * 17 / 340)   # the tail drafts with a lower cut-off
+
+
+def test_siblings_draft_from_each_other_and_the_counters_add_up(monkeypatch):
+    p = _proposer(monkeypatch, k=4, min_prob=0.0)
+    b = Batch()
+    prompt = [50, 51]
+    b.add("a", prompt, "q")
+    b.add("b", prompt, "q")
+    b.add("eval", prompt, None)     # no draft key: never drafted, never counted
+    # a runs ahead: 5 tokens over its first steps, then b (at its first token) drafts a's path
+    first = p.propose_batch(b, b.requests, [b.sample(0, [1, 2, 3, 4, 5]), b.sample(1, [1]), b.sample(2, [9])])
+    assert first == [[], [2, 3, 4, 5], []]
+    # b accepts 3 of the 4 draft tokens and gets a recovered token: 4 new tokens this step
+    second = p.propose_batch(b, b.requests, [b.sample(0, [6]), b.sample(1, [2, 3, 4, 7]), b.sample(2, [9])])
+    stats = p.take_stats()
+    assert stats["accepted_tokens"] == 3 and stats["engine_steps"] == 2
+    assert stats["generated_tokens"] == 5 + 1 + 1 + 4 and stats["request_steps"] == 4
+    assert stats["draft_tokens"] == sum(map(len, first + second))
+    assert p.take_stats()["draft_tokens"] == 0                   # counters reset on read
+
+
+def test_prefix_tokens_belong_to_the_response(monkeypatch):
+    """An extension request's prompt ends with its accepted draft prefix: the tree sees it as response."""
+    p = _proposer(monkeypatch, k=4, min_prob=0.0)
+    p.trees.insert("q", [7, 8, 9, 10, 11])
+    b = Batch()
+    b.add("ext", [50, 51, 7, 8], "q", response_start=2)
+    drafts = p.propose_batch(b, b.requests, [b.sample(0, [9])])
+    assert drafts == [[10, 11]]
+
+
+def test_finished_requests_are_forgotten_and_settings_are_checked(monkeypatch):
+    p = _proposer(monkeypatch, k=4)
+    b = Batch()
+    b.add("a", [1, 2], "q")
+    p.propose_batch(b, b.requests, [b.sample(0, [3])])
+    assert p.trees.stats()["active_requests"] == 1
+    empty = Batch()
+    p.propose_batch(empty, {}, [])
+    assert p.trees.stats()["active_requests"] == 0 and p.trees.has_key("q")
+    with pytest.raises(ValueError, match="unknown tree proposer settings"):
+        tp.settings_env(min_probability=0.1)
+    assert json.loads(tp.settings_env(min_prob=0.3))["min_prob"] == 0.3
