@@ -57,6 +57,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from patches.pinned import PinnedPatch
+
 VERSION = "0.32.0"
 _MAX_SCORE_BYTES = 512 << 20
 # fp32-equivalent (row x vocab) buffers alive at once while verifying a chunk: logits, tempered
@@ -65,7 +67,6 @@ _VERIFY_BUFFERS = 10
 VERIFY_KEY = "specrl_verify"
 SEED_KEY = "specrl_seed"
 VERIFY_COLUMNS = 4           # ask for prompt_logprobs = VERIFY_COLUMNS - 1
-_ORIGINAL = None
 
 
 class _Verify(NamedTuple):
@@ -309,27 +310,13 @@ def enabled_by_env() -> bool:
     return os.environ.get("SPECRL_VLLM_BATCHED_PROMPT_LOGPROBS", "1") != "0"
 
 
-def apply() -> bool:
-    """Install the batched method on GPUModelRunner (the CPU runner inherits it). Idempotent;
-    False (and vLLM untouched) on any version but 0.32.0 or when disabled by the env var."""
-    global _ORIGINAL
-    import vllm
-    if vllm.__version__.split("+")[0] != VERSION or not enabled_by_env():
-        return False
+def _runner():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    if _ORIGINAL is None:
-        _ORIGINAL = GPUModelRunner._get_prompt_logprobs_dict
-        GPUModelRunner._get_prompt_logprobs_dict = _batched_prompt_logprobs_dict
-    return True
+    return GPUModelRunner
 
 
-def revert() -> None:
-    global _ORIGINAL
-    if _ORIGINAL is not None:
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-        GPUModelRunner._get_prompt_logprobs_dict = _ORIGINAL
-        _ORIGINAL = None
-
-
-def is_applied() -> bool:
-    return _ORIGINAL is not None
+# Installed on GPUModelRunner (the CPU runner inherits it); off on other vLLM versions or with
+# SPECRL_VLLM_BATCHED_PROMPT_LOGPROBS=0.
+_PATCH = PinnedPatch(VERSION, _runner, ["_get_prompt_logprobs_dict"],
+                     lambda o: {"_get_prompt_logprobs_dict": _batched_prompt_logprobs_dict}, when=enabled_by_env)
+apply, revert, is_applied = _PATCH.apply, _PATCH.revert, _PATCH.is_applied

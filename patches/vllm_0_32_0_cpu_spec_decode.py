@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import torch
 
+from patches.pinned import PinnedPatch
+
 VERSION = "0.32.0"
-_ORIGINAL: dict | None = None   # name -> vLLM's function, while applied
 
 
 def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int,
@@ -49,32 +50,18 @@ def _guard_empty(original):
     return apply_sampling_constraints
 
 
-def apply() -> bool:
-    """Install on the CPU platform of vLLM 0.32.0 (idempotent); False and vLLM untouched elsewhere."""
-    global _ORIGINAL
-    import vllm
-    if vllm.__version__.split("+")[0] != VERSION:
-        return False
+def _on_cpu() -> bool:
     from vllm.platforms import current_platform
-    if not current_platform.is_cpu():
-        return False
-    from vllm.v1.sample import rejection_sampler as rs
-    if _ORIGINAL is None:
-        _ORIGINAL = {"expand_batch_to_tokens": rs.expand_batch_to_tokens,
-                     "apply_sampling_constraints": rs.apply_sampling_constraints}
-        rs.expand_batch_to_tokens = expand_batch_to_tokens
-        rs.apply_sampling_constraints = _guard_empty(_ORIGINAL["apply_sampling_constraints"])
-    return True
+    return current_platform.is_cpu()
 
 
-def revert() -> None:
-    global _ORIGINAL
-    if _ORIGINAL is not None:
-        from vllm.v1.sample import rejection_sampler as rs
-        for name, fn in _ORIGINAL.items():
-            setattr(rs, name, fn)
-        _ORIGINAL = None
+def _rejection_sampler():
+    from vllm.v1.sample import rejection_sampler
+    return rejection_sampler
 
 
-def is_applied() -> bool:
-    return _ORIGINAL is not None
+_PATCH = PinnedPatch(VERSION, _rejection_sampler, ["expand_batch_to_tokens", "apply_sampling_constraints"],
+                     lambda o: {"expand_batch_to_tokens": expand_batch_to_tokens,
+                                "apply_sampling_constraints": _guard_empty(o["apply_sampling_constraints"])},
+                     when=_on_cpu)
+apply, revert, is_applied = _PATCH.apply, _PATCH.revert, _PATCH.is_applied

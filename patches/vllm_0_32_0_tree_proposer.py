@@ -22,8 +22,9 @@ engines this project starts call `apply()` (VLLMEngine, before building its LLM)
 
 from __future__ import annotations
 
+from patches.pinned import PinnedPatch
+
 VERSION = "0.32.0"
-_ORIGINAL = None
 
 
 def _propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
@@ -35,29 +36,14 @@ def _propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, *
         self._draft_probs = None
         self._draft_prob_req_ids = None
         return drafter.propose_batch(self.input_batch, self.requests, sampled_token_ids)
-    return _ORIGINAL(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+    return _PATCH.original("propose_draft_token_ids")(self, scheduler_output, sampled_token_ids, *args, **kwargs)
 
 
-def apply() -> bool:
-    """Install the wrapper (idempotent). False, and vLLM untouched, on any version but 0.32.0."""
-    global _ORIGINAL
-    import vllm
-    if vllm.__version__.split("+")[0] != VERSION:
-        return False
+def _runner():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    if _ORIGINAL is None:
-        _ORIGINAL = GPUModelRunner.propose_draft_token_ids
-        GPUModelRunner.propose_draft_token_ids = _propose_draft_token_ids
-    return True
+    return GPUModelRunner
 
 
-def revert() -> None:
-    global _ORIGINAL
-    if _ORIGINAL is not None:
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-        GPUModelRunner.propose_draft_token_ids = _ORIGINAL
-        _ORIGINAL = None
-
-
-def is_applied() -> bool:
-    return _ORIGINAL is not None
+_PATCH = PinnedPatch(VERSION, _runner, ["propose_draft_token_ids"],
+                     lambda originals: {"propose_draft_token_ids": _propose_draft_token_ids})
+apply, revert, is_applied = _PATCH.apply, _PATCH.revert, _PATCH.is_applied

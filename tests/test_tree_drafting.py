@@ -91,7 +91,7 @@ def test_the_comparison_sees_vllm_cpu_expand_bug(engine, monkeypatch):
     assert fix.is_applied()
     sampling = SamplingSettings(temperature=0.7)
     engine.generate(_requests(N // 2, "bug", 40_000), sampling, 0)
-    monkeypatch.setattr(rejection_sampler, "expand_batch_to_tokens", fix._ORIGINAL["expand_batch_to_tokens"])
+    monkeypatch.setattr(rejection_sampler, "expand_batch_to_tokens", fix._PATCH.original("expand_batch_to_tokens"))
     try:
         drafted = engine.generate(_requests(N // 2, "bug", 50_000), sampling, 0)
     except Exception as e:   # garbage can also crash the sampler: caught either way

@@ -130,6 +130,27 @@ class _Request:
         self.tail = None      # tokens past the stored ones, once the tree had no room (else None)
 
 
+def _split(tree: _Tree, q: int, new_length: int, p: int, c: int) -> int:
+    """Suffix-automaton split: clone state q with the shorter strings (length <= new_length), point
+    the c-transitions into q along p's suffix-link chain at the clone, and make it q's link. The clone
+    starts with q's transitions and count (it holds q's shortest string). Returns the clone."""
+    trans, link, length, cnt, utok, ustate = tree.trans, tree.link, tree.length, tree.cnt, tree.utok, tree.ustate
+    clone = len(length)
+    trans.append(trans[q].copy())
+    link.append(link[q])
+    length.append(new_length)
+    cnt.append(cnt[q])
+    utok.append(utok[q])
+    ustate.append(ustate[q])
+    while p != -1 and trans[p].get(c) == q:
+        trans[p][c] = clone
+        if utok[p] >= 0:
+            ustate[p] = clone
+        p = link[p]
+    link[q] = clone
+    return clone
+
+
 def _feed(tree: _Tree, last: int, anchor: int, n: int, tokens, room: int, depth: int) -> tuple[int, int, int]:
     """Append `tokens` to a sequence of length `n` whose whole string is in state `last` and whose
     suffix of length min(n, depth) is in state `anchor`; stop before a token when fewer than 2 of
@@ -152,20 +173,7 @@ def _feed(tree: _Tree, last: int, anchor: int, n: int, tokens, room: int, depth:
             if length[q] == lc:
                 cur = q
             else:                               # split q: strings of length <= lc move to a clone
-                cur = len(length)
-                trans.append(trans[q].copy())
-                link.append(link[q])
-                length.append(lc)
-                cnt.append(cnt[q])
-                utok.append(utok[q])
-                ustate.append(ustate[q])
-                link[q] = cur
-                p = last
-                while p != -1 and trans[p].get(c) == q:
-                    trans[p][c] = cur
-                    if utok[p] >= 0:
-                        ustate[p] = cur
-                    p = link[p]
+                cur = _split(tree, q, lc, last, c)
         else:
             cur = len(length)
             trans.append({})
@@ -189,20 +197,7 @@ def _feed(tree: _Tree, last: int, anchor: int, n: int, tokens, room: int, depth:
                 if length[q] == lp:
                     link[cur] = q
                 else:
-                    clone = len(length)
-                    trans.append(trans[q].copy())
-                    link.append(link[q])
-                    length.append(lp)
-                    cnt.append(cnt[q])
-                    utok.append(utok[q])
-                    ustate.append(ustate[q])
-                    while p != -1 and trans[p].get(c) == q:
-                        trans[p][c] = clone
-                        if utok[p] >= 0:
-                            ustate[p] = clone
-                        p = link[p]
-                    link[q] = clone
-                    link[cur] = clone
+                    link[cur] = _split(tree, q, lp, p, c)
         n += 1
         if n <= depth:
             v = anchor = cur
