@@ -64,7 +64,7 @@ def test_malformed_recipe_file(tmp_path):
 def test_cli_dry_run_prints_resolved_config(capsys):
     assert main(["train", "tiny-cpu-grpo", "rollout.n_samples=4", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "n_samples: 4" in out and "spec_mode: lenient" in out
+    assert "n_samples: 4" in out and "spec_mode: exact" in out and "draft: none" in out
 
 
 @pytest.mark.parametrize("args, needle", [
