@@ -205,6 +205,9 @@ def save_run_checkpoint(run: Run) -> Path:
     return ckpt.commit(tmp, state, keep=run.cfg.trainer.keep_checkpoints)
 
 
+ENGINE_TREES = "engine-{}"   # one directory per engine, by its index in the router (0 without one)
+
+
 def save_draft_trees(engine, directory: Path) -> None:
     """The engines' per-prompt draft trees (rollout.draft=tree), one directory per engine, so a
     resumed run drafts as well as before the crash."""
@@ -213,7 +216,7 @@ def save_draft_trees(engine, directory: Path) -> None:
         return
     for i, s in enumerate(state["engines"] if "engines" in state else [state]):
         if s is not None:
-            DraftTrees.save_state(s, directory / f"engine-{i}")
+            DraftTrees.save_state(s, directory / ENGINE_TREES.format(i))
 
 
 def restore_draft_trees(engine, directory: Path) -> None:
@@ -221,9 +224,13 @@ def restore_draft_trees(engine, directory: Path) -> None:
     was off, or an older checkpoint) leaves them empty."""
     if not directory.is_dir() or not hasattr(engine, "load_draft_state"):
         return
-    states = [DraftTrees.load_state(d) for d in sorted(directory.glob("engine-*"), key=lambda d: int(d.name[7:]))]
-    if not states:
+    dirs, i = [], 0
+    while (directory / ENGINE_TREES.format(i)).is_dir():
+        dirs.append(directory / ENGINE_TREES.format(i))
+        i += 1
+    if not dirs:
         return
+    states = [DraftTrees.load_state(d) for d in dirs]
     if hasattr(engine, "engines"):   # a router: one state per engine, in order
         engine.load_draft_state({"engines": states})
     else:

@@ -51,7 +51,6 @@ class TreeProposer:
         self.max_k = int(spec.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         s = dict(DEFAULTS, **json.loads(os.environ.get(SETTINGS_ENV) or "{}"))
-        self.settings = s
         self.min_prob, self.token_budget = float(s["min_prob"]), int(s["token_budget"])
         self.trees = DraftTrees(max_depth=int(s["max_depth"]), max_match=int(s["max_match"]),
                                 max_nodes=int(s["max_nodes"]))
