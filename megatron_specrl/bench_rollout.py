@@ -149,8 +149,7 @@ def plot(results: dict[str, list[dict]], path: str) -> None:
 
 
 def run_mode(args, mode: str, seed: int, root: Path, steps_per_epoch: int, console: Console) -> list[dict]:
-    from megatron_specrl.cli import resolve_recipe
-    from megatron_specrl.config import load_config
+    from megatron_specrl.config import load_config, resolve_recipe
     from megatron_specrl.metrics import read_metrics
     from megatron_specrl.trainer import train
 
@@ -214,8 +213,7 @@ def summary_table(spreads: dict[str, dict[str, float]], modes: list[str], n_seed
 
 
 def bench_rollout_main(argv: list[str]) -> int:
-    from megatron_specrl.cli import resolve_recipe
-    from megatron_specrl.config import load_config
+    from megatron_specrl.config import load_config, resolve_recipe
 
     args = _parse(argv)
     modes = [m for m in args.modes.split(",") if m]

@@ -4,25 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from megatron_specrl.config import ConfigError, load_config, to_yaml
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
-
-def resolve_recipe(recipe: str | None) -> Path | None:
-    """A path, or a recipe name under examples/ ('tiny-cpu-grpo'); None means the embedded defaults."""
-    if recipe is None:
-        return None
-    path = Path(recipe)
-    if path.is_file():
-        return path
-    named = EXAMPLES / (recipe if recipe.endswith(".yaml") else recipe + ".yaml")
-    if named.is_file():
-        return named
-    raise ConfigError(f"recipe {recipe!r} not found (not a file, nor a recipe in {EXAMPLES})")
-
+from megatron_specrl.config import ConfigError, load_config, resolve_recipe, to_yaml
 
 def _split_recipe_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
     if items and "=" not in items[0]:

@@ -19,6 +19,23 @@ class ConfigError(ValueError):
     """A recipe or override is wrong; the message names the key and the value."""
 
 
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def resolve_recipe(recipe: str | None) -> Path | None:
+    """A path, or a recipe name under examples/ ('tiny-cpu-grpo'); None means the embedded defaults.
+    Lives with the config (not the CLI) because every entry point that reads a recipe needs it."""
+    if recipe is None:
+        return None
+    path = Path(recipe)
+    if path.is_file():
+        return path
+    named = EXAMPLES / (recipe if recipe.endswith(".yaml") else recipe + ".yaml")
+    if named.is_file():
+        return named
+    raise ConfigError(f"recipe {recipe!r} not found (not a file, nor a recipe in {EXAMPLES})")
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 

@@ -55,8 +55,7 @@ def render(recipe: str, nodes: int, gpus_per_node: int, cpus_per_node: int, time
 
 
 def launch_main(argv: list[str]) -> int:
-    from megatron_specrl.cli import resolve_recipe
-    from megatron_specrl.config import load_config
+    from megatron_specrl.config import load_config, resolve_recipe
 
     p = argparse.ArgumentParser(prog="megatron-specrl launch", description=__doc__)
     p.add_argument("recipe")

@@ -92,11 +92,3 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: fl
         out = out + mean
     return out * mask
 
-
-# DAPO helpers live in dapo.py; re-exported so one import serves the trainer.
-from megatron_specrl.algorithms.dapo import (  # noqa: E402
-    DynamicSampler, DynamicSamplingError, dapo_keep_mask, dynamic_sample, overlong_penalty,
-)
-
-__all__ = ["group_index", "grpo_advantages", "terminal_rewards", "gae", "whiten",
-           "DynamicSampler", "DynamicSamplingError", "dapo_keep_mask", "dynamic_sample", "overlong_penalty"]

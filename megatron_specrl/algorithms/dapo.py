@@ -14,6 +14,8 @@ from typing import Callable, Generic, Sequence, TypeVar
 
 import torch
 
+from megatron_specrl.algorithms.advantages import group_index
+
 T = TypeVar("T")
 
 
@@ -27,8 +29,6 @@ def dapo_keep_mask(rewards: torch.Tensor, group_ids) -> torch.Tensor:
     A sample counts as correct when its reward is > 0. Pass correctness rewards
     (before any length shaping) so the overlong penalty cannot flip the decision.
     """
-    from megatron_specrl.algorithms.advantages import group_index  # late: advantages re-exports this module
-
     rewards = torch.as_tensor(rewards, dtype=torch.float32).flatten()
     idx, num_groups = group_index(group_ids, rewards.numel())
     correct = (rewards > 0).float()
