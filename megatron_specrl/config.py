@@ -15,6 +15,11 @@ from omegaconf import OmegaConf
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
+# Weight-resync transports (trainer.resync_transport): the one list of their names. resync/choose.py
+# picks among them, resync/routes.py has one route per name (a test holds the two in step).
+RESYNC_TRANSPORTS = ("ray", "broadcast", "cuda_ipc")
+
+
 class ConfigError(ValueError):
     """A recipe or override is wrong; the message names the key and the value."""
 
@@ -163,6 +168,11 @@ class LearnerConfig(_Strict):
     # defaulting on (instead of only rejecting) keeps bf16 and top-p one key each.
     recompute_old_logprobs: bool | None = None
     loss: LossConfig = Field(default_factory=LossConfig)
+    # --- cluster runs (issue #15): read by the plan check's memory estimate (plan.py) ---
+    # Megatron's distributed optimizer: Adam states sharded over the data-parallel ranks.
+    distributed_optimizer: bool = False
+    # Activation recompute: none (store all), selective (recompute attention's core), full (per layer).
+    recompute: Literal["none", "selective", "full"] = "none"
 
 
 class AlgorithmConfig(_Strict):
@@ -191,7 +201,7 @@ class TrainerConfig(_Strict):
     resync_bucket_mb: int = Field(512, gt=0)
     # How weights reach the engines: auto picks from the placement (resync/choose.py); ray = object
     # store (any host), broadcast = one process group (gloo on CPU, NCCL on GPU), cuda_ipc = colocated GPU.
-    resync_transport: Literal["auto", "ray", "broadcast", "cuda_ipc"] = "auto"
+    resync_transport: Literal[("auto", *RESYNC_TRANSPORTS)] = "auto"
     export_hf: bool = True
 
 
@@ -229,6 +239,15 @@ class RayConfig(_Strict):
     log_to_driver: bool = False      # engine/learner logs go to files under output_dir; errors still raise
 
 
+# --- cluster runs (issue #15): the allocation a recipe is planned for (plan.py, launch.py) ---
+class ClusterConfig(_Strict):
+    """The Slurm allocation: `launch` asks for it, the plan check fits the layout and memory to it.
+    gpus_per_node 0 means a CPU run (no GPU count or memory fit to check)."""
+    nodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(0, ge=0)
+    gpu_memory_gb: float = Field(80.0, gt=0)
+
+
 class RunConfig(_Strict):
     output_dir: str = "outputs/tiny-cpu-grpo"
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -240,6 +259,7 @@ class RunConfig(_Strict):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "RunConfig":

@@ -176,3 +176,21 @@ def test_tree_drafting_keys_reach_the_vllm_engine_and_sglang_is_refused():
         load_config(ROOT / "examples/tiny-cpu-grpo.yaml", ["rollout.draft=tree", "rollout.engine=sglang"])
     with pytest.raises(ConfigError, match="rollout.draft"):
         load_config(ROOT / "examples/tiny-cpu-grpo.yaml", ["rollout.draft=ngram"])
+
+
+def test_transport_names_have_one_source():
+    """config.RESYNC_TRANSPORTS is the list: the config accepts exactly those (and auto), every name
+    has a route, and the resolver takes each one it may choose."""
+    import typing
+
+    from megatron_specrl.config import RESYNC_TRANSPORTS, TrainerConfig
+    from megatron_specrl.resync.choose import TRANSPORTS
+    from megatron_specrl.resync.routes import ROUTES, make_route
+
+    literal = typing.get_args(TrainerConfig.model_fields["resync_transport"].annotation)
+    assert set(literal) == {"auto", *RESYNC_TRANSPORTS}
+    assert TRANSPORTS == RESYNC_TRANSPORTS
+    assert set(ROUTES) == set(RESYNC_TRANSPORTS)
+    assert all(make_route(name).name == name for name in RESYNC_TRANSPORTS)
+    with pytest.raises(ConfigError, match="resync_transport"):
+        load_config(None, ["trainer.resync_transport=nccl"])

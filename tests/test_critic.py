@@ -1,16 +1,10 @@
 """PPO's critic: the same Megatron stack with a value head; values are per token and it learns returns."""
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_specrl.ports import free_port
 
 
 def _critic_child(rank, hf_dir, port, out):
@@ -37,7 +31,7 @@ def _critic_child(rank, hf_dir, port, out):
 @pytest.mark.slow
 def test_critic_learns_returns(tiny_llama, tmp_path):
     out = tmp_path / "critic.pt"
-    mp.spawn(_critic_child, args=(str(tiny_llama), _free_port(), str(out)), nprocs=1, join=True)
+    mp.spawn(_critic_child, args=(str(tiny_llama), free_port("127.0.0.1"), str(out)), nprocs=1, join=True)
     r = torch.load(out)
     assert r["values0"].shape == (4, 10)
     m = r["mask"].bool()

@@ -7,19 +7,14 @@ Each test function spawns its processes once and runs several layouts in them
 from __future__ import annotations
 
 import math
-import socket
 
 import pytest
 import torch
 
+from megatron_specrl.ports import free_port
+
 B, T = 4, 12
 TOL = 1e-5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_batch(hf_dir, seed: int = 0) -> dict:
@@ -141,7 +136,7 @@ def _run(hf_dir, tmp_path, world, layouts, train_and_checkpoint=False):
     batch = make_batch(hf_dir)
     logits, lp, grads = hf_reference(hf_dir, batch, loss_config())
     torch.save({"batch": batch, "lp": lp}, tmp_path / "ref.pt")
-    ports = [_free_port() for _ in layouts]
+    ports = [free_port("127.0.0.1") for _ in layouts]
     mp.spawn(_child, args=(world, layouts, str(hf_dir), str(tmp_path), ports, train_and_checkpoint),
              nprocs=world, join=True)
     am = batch["attention_mask"].bool()

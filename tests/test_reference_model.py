@@ -12,20 +12,15 @@ were the policy itself.
 from __future__ import annotations
 
 import json
-import socket
 import time
 
 import pytest
 import torch
 
+from megatron_specrl.ports import free_port
+
 pytestmark = pytest.mark.slow
 B, T = 4, 12
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batch(vocab_size: int, pad_id: int) -> dict:
@@ -95,7 +90,7 @@ def test_reference_is_frozen_initial_policy_and_old_logprobs_are_scored_once(tin
     import torch.multiprocessing as mp
     t0 = time.perf_counter()
     out = tmp_path / "ref.pt"
-    mp.spawn(_child, args=(2, str(tiny_qwen2), _free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_child, args=(2, str(tiny_qwen2), free_port("127.0.0.1"), str(out)), nprocs=2, join=True)
     r = torch.load(out)
     print(f"\nreference unit test (PP=2, 2 processes): {time.perf_counter() - t0:.1f}s; kl step 1 "
           f"{r['m1']['kl']:.3g}, step 2 {r['m2']['kl']:.3g}")

@@ -13,15 +13,10 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import socket
 import sys
 from pathlib import Path
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_specrl.ports import free_port
 
 
 def _rank_main(rank: int, world: int, port: int, direction: str, src: str, out: str, tp: int, pp: int) -> None:
@@ -54,7 +49,7 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 
     if not (hf_dir / "config.json").is_file():
         raise FileNotFoundError(f"{hf_dir} has no config.json")
     out_dir.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_rank_main, args=(tp * pp, _free_port(), "hf-to-mcore", str(hf_dir), str(out_dir), tp, pp),
+    mp.spawn(_rank_main, args=(tp * pp, free_port("127.0.0.1"), "hf-to-mcore", str(hf_dir), str(out_dir), tp, pp),
              nprocs=tp * pp, join=True)
     _copy_hf_metadata(hf_dir, out_dir / "hf")
     return out_dir
@@ -65,7 +60,7 @@ def mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int 
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / "hf" / "config.json").is_file():
         raise FileNotFoundError(f"{ckpt_dir} has no hf/config.json (was it written by `convert hf-to-mcore`?)")
-    mp.spawn(_rank_main, args=(tp * pp, _free_port(), "mcore-to-hf", str(ckpt_dir), str(out_dir), tp, pp),
+    mp.spawn(_rank_main, args=(tp * pp, free_port("127.0.0.1"), "mcore-to-hf", str(ckpt_dir), str(out_dir), tp, pp),
              nprocs=tp * pp, join=True)
     return Path(out_dir)
 

@@ -7,12 +7,11 @@ into the object store once and shared by all ranks.
 
 from __future__ import annotations
 
-import socket
-
 import ray
 
 from megatron_specrl.config import LearnerConfig
 from megatron_specrl.learner.worker import LearnerWorker
+from megatron_specrl.ports import free_port
 from megatron_specrl.resync.buckets import plan_buckets
 from megatron_specrl.resync.group import ResyncMember
 
@@ -58,12 +57,6 @@ class RayLearnerWorker(LearnerWorker, ResyncMember):
         return push_ipc(buckets, self.device, load_everywhere)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 class LearnerGroup:
     def __init__(self, settings: LearnerConfig, seed: int, role: str = "policy",
                  num_cpus_per_rank: float = 0.01, num_gpus_per_rank: float = 0.0, env: dict | None = None):
@@ -73,7 +66,7 @@ class LearnerGroup:
         env = {"OMP_WAIT_POLICY": "PASSIVE", **(env or {})}
         actor_cls = ray.remote(RayLearnerWorker).options(
             num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank, runtime_env={"env_vars": env})
-        addr, port = ray.util.get_node_ip_address(), _free_port()
+        addr, port = ray.util.get_node_ip_address(), free_port()
         self.actors = [actor_cls.remote(rank, world, addr, port, settings, seed=seed, role=role)
                        for rank in range(world)]
 

@@ -7,10 +7,8 @@ ranks on one GPU); disaggregated on GPUs -> broadcast (NCCL from learner rank 0 
 
 from __future__ import annotations
 
-from megatron_specrl.config import ConfigError
+from megatron_specrl.config import RESYNC_TRANSPORTS as TRANSPORTS, ConfigError
 from megatron_specrl.placement import Placement
-
-TRANSPORTS = ("ray", "broadcast", "cuda_ipc")
 
 
 def resolve_transport(requested: str, placement: Placement, num_engines: int = 1) -> str:

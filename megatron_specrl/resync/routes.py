@@ -142,7 +142,8 @@ class CudaIpcRoute:
         return int(done[refs[0]]["buckets"])
 
 
-ROUTES = {"ray": ObjectStoreRoute, "broadcast": BroadcastRoute, "cuda_ipc": CudaIpcRoute}
+# Keyed by each route's own name (config.RESYNC_TRANSPORTS lists the same names; tests/test_config checks).
+ROUTES = {route.name: route for route in (ObjectStoreRoute, BroadcastRoute, CudaIpcRoute)}
 
 
 def make_route(name: str, timeout_s: float = 600.0):
