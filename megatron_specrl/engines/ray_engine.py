@@ -19,7 +19,7 @@ from megatron_specrl.engines.protocol import (
     EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest,
     ScoreResult, WeightVersionMismatch, verifies_processed_distribution,
 )
-from megatron_specrl.engines.vllm_engine import tail_lines
+from megatron_specrl.engines.logs import tail_lines
 from megatron_specrl.resync.buckets import Bucket, plan_buckets
 from megatron_specrl.resync.group import ResyncMember
 

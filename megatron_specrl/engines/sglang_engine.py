@@ -31,7 +31,7 @@ from megatron_specrl.engines.protocol import (
     EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest,
     ScoreResult, WeightVersionMismatch, check_version,
 )
-from megatron_specrl.engines.vllm_engine import attach_log_file, detach_log_file, tail_lines
+from megatron_specrl.engines.logs import attach_log_file, detach_log_file, tail_lines
 
 BAN_PARAM = "specrl_ban_first_token"
 
