@@ -86,9 +86,14 @@ class RolloutConfig(_Strict):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = -1
-    # Speculative rollout: off (plain generation), exact (distribution-exact), lenient (SPEC-RL).
-    spec_mode: Literal["off", "exact", "lenient"] = "lenient"
+    # Speculative rollout: off (plain generation), exact (distribution-exact), lenient (SPEC-RL),
+    # coupled (every (prompt, sample) drawn with the same position-keyed noise each epoch: exact
+    # samples that reuse about as much as lenient; vLLM only).
+    spec_mode: Literal["off", "exact", "lenient", "coupled"] = "lenient"
     lenience: float = Field(math.exp(0.5), ge=1.0)
+    # coupled: the fraction of (prompt, sample) pairs whose noise is re-drawn each step (0: always
+    # reuse, most reuse; 1: fresh noise every step, reuse only by chance)
+    coupled_refresh: float = Field(0.0, ge=0, le=1)
     max_model_len: int = Field(256, gt=0)
     kv_cache_gb: float = Field(1.0, gt=0)
     gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
@@ -272,6 +277,9 @@ class RunConfig(_Strict):
             raise ValueError(f"rollout.spec_mode={r.spec_mode} with rollout.engine=sglang needs temperature 1 and no "
                              f"top_p / top_k (got {r.temperature}, {r.top_p}, {r.top_k}): SGLang scores drafts with "
                              "untempered, untruncated log-probs; use rollout.engine=vllm or rollout.spec_mode=off")
+        if r.spec_mode == "coupled" and r.engine != "vllm":
+            raise ValueError(f"rollout.spec_mode=coupled with rollout.engine={r.engine}: position-keyed sampling "
+                             "is built into the vLLM engine only; use rollout.engine=vllm or another spec_mode")
         if r.draft == "tree" and r.engine != "vllm":
             raise ValueError(f"rollout.draft=tree with rollout.engine={r.engine}: tree drafting is built into "
                              "the vLLM engine only; use rollout.engine=vllm or rollout.draft=none")

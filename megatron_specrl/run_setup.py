@@ -7,7 +7,6 @@ eval and the end-of-run export, so trainer.py stays one screen.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,23 +91,11 @@ class Run:
                 log.warning("shutdown: %s", e)
 
 
-def _init_ray(cfg: RunConfig) -> None:
-    import ray
-    if ray.is_initialized():
-        return
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    kwargs = dict(address=cfg.ray.address, include_dashboard=False, log_to_driver=cfg.ray.log_to_driver)
-    if cfg.ray.address is None:
-        kwargs["num_cpus"] = cfg.ray.num_cpus or max(os.cpu_count() or 2, 2)
-    ray.init(**kwargs)
-
-
 def build_run(cfg: RunConfig) -> Run:
     from transformers import AutoTokenizer
 
+    from megatron_specrl.actors import build_actors, init_ray
     from megatron_specrl.data.datasets import PromptLoader, load_records
-    from megatron_specrl.engines.factory import make_engine
-    from megatron_specrl.learner.group import LearnerGroup
     from megatron_specrl.rewards import default_reward_for, get_reward
 
     out = Path(cfg.output_dir)
@@ -129,23 +116,15 @@ def build_run(cfg: RunConfig) -> Run:
     if state is not None:
         ckpt.check_tokenizer(state, resume_from, tokenizer_id, model_dir)
 
-    _init_ray(cfg)
+    init_ray(cfg.ray)
     placement = plan_placement(cfg, cluster_gpus())
     transport = resolve_transport(cfg.trainer.resync_transport, placement, cfg.rollout.num_engines)
-    learner = LearnerGroup(cfg.learner, seed=cfg.trainer.seed, num_gpus_per_rank=placement.learner_gpus_per_rank)
-    learner.load_hf(str(model_dir))
-    critic = ref = None
-    if cfg.algorithm.name == "ppo":
-        critic_cfg = cfg.learner.model_copy(update={"lr": cfg.algorithm.critic_lr})
-        critic = LearnerGroup(critic_cfg, seed=cfg.trainer.seed, role="critic",
-                              num_gpus_per_rank=placement.learner_gpus_per_rank)
-        critic.load_hf(str(model_dir))
-    if cfg.learner.loss.kl_coef > 0:
-        ref = LearnerGroup(cfg.learner, seed=cfg.trainer.seed, role="reference",
-                           num_gpus_per_rank=placement.learner_gpus_per_rank)
-        ref.load_hf(str(model_dir))
-    engine = make_engine(cfg.rollout, str(model_dir), log_dir=str(out / "engine_logs"), use_ray=True,
-                         gpus_per_engine=placement.gpus_per_engine)
+    actors = build_actors(model_dir, cfg.learner, cfg.rollout, seed=cfg.trainer.seed, log_dir=out / "engine_logs",
+                          critic_lr=cfg.algorithm.critic_lr if cfg.algorithm.name == "ppo" else None,
+                          reference=cfg.learner.loss.kl_coef > 0,
+                          learner_gpus_per_rank=placement.learner_gpus_per_rank,
+                          gpus_per_engine=placement.gpus_per_engine)
+    learner, engine, critic, ref = actors.learner, actors.engine, actors.critic, actors.reference
 
     store = TrajectoryStore()
     step = version = 0
@@ -160,7 +139,8 @@ def build_run(cfg: RunConfig) -> Run:
 
     sampling = SamplingSettings(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
     rollout = SpeculativeRollout(engine, store, mode=cfg.rollout.spec_mode, lenience=cfg.rollout.lenience,
-                                 sampling=sampling, max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.trainer.seed)
+                                 sampling=sampling, max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.trainer.seed,
+                                 coupled_refresh=cfg.rollout.coupled_refresh)
     logger = MetricsLogger(out, cfg.model_dump(mode="json"), use_wandb=cfg.logging.wandb,
                            wandb_mode=cfg.logging.wandb_mode, project=cfg.logging.project,
                            run_name=cfg.logging.run_name, resume_step=step)

@@ -63,9 +63,11 @@ VERSION = "0.32.0"
 _MAX_SCORE_BYTES = 512 << 20
 # fp32-equivalent (row x vocab) buffers alive at once while verifying a chunk: logits, tempered
 # and processed log-probs, the top-k/top-p sort (values + int64 indices), probabilities, fp64 CDF
-_VERIFY_BUFFERS = 10
+# (or, for coupled rows, the int64 noise keys and fp64 uniforms and Gumbel scores)
+_VERIFY_BUFFERS = 12
 VERIFY_KEY = "specrl_verify"
 SEED_KEY = "specrl_seed"
+COUPLED_KEY = "specrl_coupled_seed"    # shared with patches/vllm_0_32_0_coupled_sampling
 VERIFY_COLUMNS = 4           # ask for prompt_logprobs = VERIFY_COLUMNS - 1
 
 
@@ -75,6 +77,8 @@ class _Verify(NamedTuple):
     top_k: int               # vocab size when top-k is off
     top_p: float
     seed: int | None
+    coupled_seed: int | None = None   # columns 2-3 hold the coupled draw (noise of this seed)
+    start: int = 1                    # prompt index of response position 0 (the first verified token)
 
 
 class _Rows(NamedTuple):
@@ -101,7 +105,10 @@ def _verify_settings(request, vocab: int) -> tuple[_Verify, int] | None:
         raise ValueError(f"{VERIFY_KEY} needs temperature > 0 (greedy has no distribution to verify)")
     top_k = sp.top_k if 0 < sp.top_k < vocab else vocab
     seed = extra.get(SEED_KEY, sp.seed)
-    return _Verify(float(sp.temperature), int(top_k), float(sp.top_p), None if seed is None else int(seed)), max(start, 1)
+    coupled = extra.get(COUPLED_KEY)
+    start = max(start, 1)
+    return _Verify(float(sp.temperature), int(top_k), float(sp.top_p), None if seed is None else int(seed),
+                   None if coupled is None else int(coupled), start), start
 
 
 def _batched_prompt_logprobs_dict(self, hidden_states: torch.Tensor, num_scheduled_tokens: dict[str, int]):
@@ -228,13 +235,22 @@ def _verify_group(runner, hidden_states: torch.Tensor, group: list[_Rows]) -> No
     top_p = torch.from_numpy(per_row(lambda v: v.top_p).astype(np.float32))
     uniforms = torch.from_numpy(np.concatenate([
         replacement_uniforms(w.verify.seed, np.arange(w.first_target, w.first_target + w.n)) for w in group]))
+    coupled = None
+    if any(w.verify.coupled_seed is not None for w in group):
+        is_coupled = torch.from_numpy(per_row(lambda v: v.coupled_seed is not None).astype(bool))
+        seeds = torch.from_numpy(per_row(lambda v: v.coupled_seed or 0).astype(np.int64))
+        # the target at prompt index i is response position i - start
+        positions = torch.from_numpy(np.concatenate([
+            np.arange(w.first_target, w.first_target + w.n) - w.verify.start for w in group]).astype(np.int64))
+        coupled = (is_coupled, seeds, positions)
     out_ids = torch.empty((len(targets), VERIFY_COLUMNS), dtype=torch.int64)
     out_lps = torch.empty((len(targets), VERIFY_COLUMNS), dtype=torch.float32)
     out_ranks = torch.empty(len(targets), dtype=torch.int64)
     for lo, hi, logits in _row_chunks(runner, hidden_states, group, buffers=_VERIFY_BUFFERS):
         put = lambda t: t[lo:hi].to(device, non_blocking=True)  # noqa: E731
         ids, lps, ranks = verify_rows(logits, put(torch.from_numpy(targets)), put(temperature), put(top_k),
-                                      put(top_p), put(uniforms))
+                                      put(top_p), put(uniforms),
+                                      None if coupled is None else tuple(put(t) for t in coupled))
         out_ids[lo:hi].copy_(ids)
         out_lps[lo:hi].copy_(lps)
         out_ranks[lo:hi].copy_(ranks)
@@ -242,28 +258,27 @@ def _verify_group(runner, hidden_states: torch.Tensor, group: list[_Rows]) -> No
 
 
 def verify_rows(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                top_p: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                top_p: torch.Tensor, uniforms: torch.Tensor, coupled: tuple | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [R, V] and per-row targets (int64), temperature, top_k (V = off), top_p (1 = off),
     uniforms in [0, 1) (float64) -> token ids [R, 4], log-probs [R, 4], ranks [R] (docstring layout).
+    `coupled` = (is_coupled [R] bool, noise seeds [R] int64, response positions [R] int64): those
+    rows put the coupled draw in columns 2-3 instead of a replacement.
 
     The processed distribution is built as `Sampler.sample` builds it: fp32 logits divided by the
     temperature, then `apply_top_k_top_p` (top_k / top_p None when no row uses them), then a
     log-softmax, so the nucleus is the one the sampler uses on this platform."""
-    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
     from vllm.v1.sample.sampler import Sampler
 
     vocab = logits.shape[-1]
-    x = logits.to(torch.float32) / temperature.unsqueeze(1)
-    tempered = Sampler.compute_logprobs(x)
+    tempered, processed = tempered_and_processed(logits, temperature, top_k, top_p)
     tgt = targets.unsqueeze(1)
     _, lp_y, ranks, *_ = Sampler.gather_logprobs(tempered, 0, targets)
-    k = None if bool((top_k >= vocab).all()) else top_k.clone()   # apply_top_k_only edits k in place
-    p = None if bool((top_p >= 1.0).all()) else top_p
-    # x is masked in place; without truncation the processed distribution is the tempered one
-    processed = tempered if k is None and p is None else Sampler.compute_logprobs(apply_top_k_top_p(x, k, p))
-    del x
     lp_y_proc = processed.gather(1, tgt)
     # r ~ processed distribution without y, renormalised: inverse CDF in fp64, one uniform per row
+    if coupled is not None and bool(coupled[0].all()):
+        ids, lps = _coupled_columns(tempered, processed, tgt, lp_y, lp_y_proc, *coupled)
+        return ids, lps, ranks
     probs = processed.exp()
     probs.scatter_(1, tgt, 0.0)
     cdf = probs.to(torch.float64).cumsum_(dim=1)
@@ -279,7 +294,46 @@ def verify_rows(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.
     lp_r_proc = processed.gather(1, r).masked_fill_(none.unsqueeze(1), float("-inf"))
     ids = torch.cat([tgt, tgt, r, r], dim=1)
     lps = torch.cat([lp_y, lp_y_proc, lp_r, lp_r_proc], dim=1)
+    if coupled is not None and bool(coupled[0].any()):   # a batch mixing coupled and exact requests
+        c_ids, c_lps = _coupled_columns(tempered, processed, tgt, lp_y, lp_y_proc, *coupled)
+        ids = torch.where(coupled[0].unsqueeze(1), c_ids, ids)
+        lps = torch.where(coupled[0].unsqueeze(1), c_lps, lps)
     return ids, lps, ranks
+
+
+def tempered_and_processed(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                           top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, V] log-probs of log_softmax(logits / T) (the learner's convention) and of what the sampler
+    draws from: logits / T, vLLM's `apply_top_k_top_p` (top_k / top_p None when no row uses them),
+    renormalised; -inf outside the nucleus. Per-row temperature, top_k (V = off), top_p (1 = off).
+    Also the coupled draw's distribution (patches/vllm_0_32_0_coupled_sampling), so verification
+    and decoding truncate identically."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+    from vllm.v1.sample.sampler import Sampler
+
+    vocab = logits.shape[-1]
+    x = logits.to(torch.float32) / temperature.unsqueeze(1)
+    tempered = Sampler.compute_logprobs(x)
+    k = None if bool((top_k >= vocab).all()) else top_k.clone()   # apply_top_k_only edits k in place
+    p = None if bool((top_p >= 1.0).all()) else top_p
+    # x is masked in place; without truncation the processed distribution is the tempered one
+    processed = tempered if k is None and p is None else Sampler.compute_logprobs(apply_top_k_top_p(x, k, p))
+    return tempered, processed
+
+
+def _coupled_columns(tempered, processed, tgt, lp_y, lp_y_proc, is_coupled, seeds, positions):
+    """(ids, log-probs) with columns 2-3 holding c, the coupled draw at that response position
+    (megatron_specrl.rollout.coupled; it may equal y). Rows not coupled get c = y: the caller
+    keeps its own columns for them."""
+    from megatron_specrl.rollout.coupled import coupled_tokens
+
+    c = tgt.squeeze(1).clone()
+    rows = is_coupled.nonzero().squeeze(1)
+    if rows.numel():
+        c[rows] = coupled_tokens(processed.index_select(0, rows), seeds[rows], positions[rows])
+    c = c.unsqueeze(1)
+    return (torch.cat([tgt, tgt, c, c], dim=1),
+            torch.cat([lp_y, lp_y_proc, tempered.gather(1, c), processed.gather(1, c)], dim=1))
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)

@@ -60,6 +60,11 @@ class GenerateRequest:
     # extension's prompt ends with the accepted part of its draft, which is part of the response).
     draft_key: str | None = None
     response_start: int = 0
+    # Coupled sampling (rollout.spec_mode=coupled): the token at response position t (counted from
+    # response_start) is drawn with noise that depends only on (coupled_seed, t), so an extension
+    # that starts inside the response draws what a generation from the prompt would
+    # (megatron_specrl.rollout.coupled). Engines with `samples_coupled` only; `seed` is then unused.
+    coupled_seed: int | None = None
 
 
 @dataclass
@@ -76,6 +81,10 @@ class ScoreRequest:
     prompt_ids: list[int]
     continuation_ids: list[int]
     seed: int | None = None        # seeds the replacement draws (same seed, same replacements)
+    # Coupled verification: `replacements` hold the coupled draw c_t at every position instead
+    # (equal to y_t where the draft survives; never -1); the noise of continuation token t is that
+    # of response position t of a GenerateRequest with the same coupled_seed.
+    coupled_seed: int | None = None
 
 
 @dataclass
@@ -152,6 +161,12 @@ def verifies_processed_distribution(engine) -> bool:
     """Whether `engine.score` verifies under any temperature / top-k / top-p (and returns
     replacements). A class attribute on engines; wrappers (Ray, router) forward it."""
     return bool(getattr(engine, "verifies_processed_distribution", False))
+
+
+def samples_coupled(engine) -> bool:
+    """Whether the engine honours GenerateRequest.coupled_seed and ScoreRequest.coupled_seed
+    (position-keyed noise). A class attribute on engines; wrappers (Ray, router) forward it."""
+    return bool(getattr(engine, "samples_coupled", False))
 
 
 def check_version(engine_name: str, serving: int, expected: int) -> None:

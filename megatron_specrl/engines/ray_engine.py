@@ -17,7 +17,7 @@ import torch
 
 from megatron_specrl.engines.protocol import (
     EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest,
-    ScoreResult, WeightVersionMismatch, verifies_processed_distribution,
+    ScoreResult, WeightVersionMismatch, samples_coupled, verifies_processed_distribution,
 )
 from megatron_specrl.engines.logs import tail_lines
 from megatron_specrl.resync.buckets import Bucket, plan_buckets
@@ -131,6 +131,10 @@ class RayEngine:
     def verifies_processed_distribution(self) -> bool:
         """The engine class's capability (a class attribute: no call into the actor)."""
         return verifies_processed_distribution(self.engine_cls)
+
+    @property
+    def samples_coupled(self) -> bool:
+        return samples_coupled(self.engine_cls)
 
     @property
     def weight_version(self) -> int:

@@ -18,7 +18,7 @@ import torch
 
 from megatron_specrl.engines.protocol import (
     EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest, ScoreResult,
-    WeightVersionMismatch, verifies_processed_distribution,
+    WeightVersionMismatch, samples_coupled, verifies_processed_distribution,
 )
 
 
@@ -53,6 +53,10 @@ class EngineRouter:
     @property
     def verifies_processed_distribution(self) -> bool:
         return all(verifies_processed_distribution(e) for e in self.engines)
+
+    @property
+    def samples_coupled(self) -> bool:
+        return all(samples_coupled(e) for e in self.engines)
 
     @property
     def weight_version(self) -> int:

@@ -36,6 +36,7 @@ from megatron_specrl.engines.protocol import (
     EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest,
     ScoreResult, WeightVersionMismatch, check_version, untruncated_t1,
 )
+from patches.vllm_0_32_0_batched_prompt_logprobs import COUPLED_KEY
 
 GiB = 1 << 30
 
@@ -76,10 +77,11 @@ def token_logprobs(container, start: int, tokens: list[int]) -> list[float]:
 
 
 def verify_columns(container, start: int, tokens: list[int], stop_ids: frozenset[int],
-                   weight_version: int) -> ScoreResult:
+                   weight_version: int, coupled: bool = False) -> ScoreResult:
     """ScoreResult from a verification request's flat prompt log-probs: per position the 4 columns
     (y, tempered), (y, processed), (r, tempered), (r, processed) of
-    patches/vllm_0_32_0_batched_prompt_logprobs; r == y marks "no replacement" (-1 here)."""
+    patches/vllm_0_32_0_batched_prompt_logprobs; r == y marks "no replacement" (-1 here), except
+    for coupled requests, where r is the coupled draw and r == y means the draft token survives."""
     from patches.vllm_0_32_0_batched_prompt_logprobs import VERIFY_COLUMNS
 
     if not hasattr(container, "start_indices"):
@@ -94,10 +96,10 @@ def verify_columns(container, start: int, tokens: list[int], stop_ids: frozenset
         r = ids[i + 2]
         res.logprobs.append(float(lps[i]))
         res.sample_logprobs.append(float(lps[i + 1]))
-        res.replacements.append(-1 if r == t else int(r))
+        res.replacements.append(int(r) if coupled or r != t else -1)
         res.replacement_logprobs.append(float(lps[i + 2]))
         res.replacement_sample_logprobs.append(float(lps[i + 3]))
-        res.replacement_stops.append(r != t and r in stop_ids)
+        res.replacement_stops.append(res.replacements[-1] >= 0 and r in stop_ids)
     return res
 
 
@@ -107,6 +109,9 @@ class VLLMEngine:
     # score() verifies under the sampler's processed distribution (any temperature, top-k, top-p)
     # and returns replacements for the exact rule (SpeculativeRollout asks this)
     verifies_processed_distribution = True
+    # generate() and score() honour coupled_seed: position-keyed noise
+    # (patches/vllm_0_32_0_coupled_sampling, megatron_specrl.rollout.coupled)
+    samples_coupled = True
 
     def __init__(self, model_path: str, name: str = "vllm-0", seed: int = 0, max_model_len: int = 256,
                  kv_cache_gb: float = 1.0, gpu_memory_utilization: float = 0.6,
@@ -185,12 +190,25 @@ class VLLMEngine:
         if req.ban_first_token is not None:
             raise NotImplementedError("the vLLM engine has no ban-first-token processor: the exact rule takes "
                                       "its resampled token from score()'s replacements")
-        extra = None
+        extra = {}
         if req.draft_key is not None and self.draft == "tree":
-            extra = {DRAFT_KEY: req.draft_key, RESPONSE_START: req.response_start}
+            extra.update({DRAFT_KEY: req.draft_key, RESPONSE_START: req.response_start})
+        seed = req.seed
+        if req.coupled_seed is not None:
+            self._check_coupled(s)
+            extra.update({COUPLED_KEY: int(req.coupled_seed), RESPONSE_START: req.response_start})
+            seed = None   # the coupled noise replaces vLLM's per-request generator
         return SamplingParams(
             n=1, max_tokens=req.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-            seed=req.seed, logprobs=0, detokenize=False, extra_args=extra, flat_logprobs=True)
+            seed=seed, logprobs=0, detokenize=False, extra_args=extra or None, flat_logprobs=True)
+
+    @staticmethod
+    def _check_coupled(s: SamplingSettings) -> None:
+        from patches import vllm_0_32_0_coupled_sampling
+        if s.temperature <= 0:
+            raise ValueError(f"coupled sampling needs temperature > 0, got {s.temperature}")
+        if not vllm_0_32_0_coupled_sampling.is_applied():
+            raise NotImplementedError("coupled sampling needs patches/vllm_0_32_0_coupled_sampling (vLLM 0.32.0)")
 
     def generate(self, requests: list[GenerateRequest], sampling: SamplingSettings,
                  weight_version: int) -> list[GenerateResult]:
@@ -244,8 +262,7 @@ class VLLMEngine:
             params = [SamplingParams(
                 max_tokens=1, prompt_logprobs=verify.VERIFY_COLUMNS - 1, detokenize=False, flat_logprobs=True,
                 temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                extra_args={verify.VERIFY_KEY: len(requests[i].prompt_ids), verify.SEED_KEY: requests[i].seed})
-                for i in todo]
+                extra_args=self._verify_args(requests[i], sampling)) for i in todo]
             outs = self._run(lambda: self.llm.generate(prompts, params, use_tqdm=False)) if todo else []
             self._check_unchanged(weight_version)
             stops = self._stop_token_ids()
@@ -253,8 +270,16 @@ class VLLMEngine:
         for i, out in zip(todo, outs):
             req = requests[i]
             results[i] = verify_columns(out.prompt_logprobs, len(req.prompt_ids), req.continuation_ids, stops,
-                                        weight_version)
+                                        weight_version, coupled=req.coupled_seed is not None)
         return results
+
+    def _verify_args(self, req: ScoreRequest, sampling: SamplingSettings) -> dict:
+        from patches import vllm_0_32_0_batched_prompt_logprobs as verify
+        args = {verify.VERIFY_KEY: len(req.prompt_ids), verify.SEED_KEY: req.seed}
+        if req.coupled_seed is not None:
+            self._check_coupled(sampling)
+            args[verify.COUPLED_KEY] = int(req.coupled_seed)
+        return args
 
     def _stop_token_ids(self) -> frozenset[int]:
         """Tokens that end a response here: the tokenizer's EOS and the generation config's

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-MODES = ("off", "exact", "lenient")
+MODES = ("off", "exact", "lenient", "coupled")
 
 
 @dataclass
@@ -82,6 +82,20 @@ def accept_probabilities(p_logprobs: np.ndarray, q_logprobs: np.ndarray, mode: s
         else:
             raise ValueError(f"no acceptance rule for spec_mode={mode!r}; choose one of {MODES}")
     return np.where(bad, np.nan, probs)
+
+
+def coupled_prefix(draft: list[int], coupled_draws: list[int], p_logprobs: list[float]) -> Acceptance:
+    """spec_mode=coupled: the draft survives up to the first position where the coupled draw under
+    the new weights (the same noise the draft was drawn with, megatron_specrl.rollout.coupled)
+    differs from it; there the coupled draw is the new token. No randomness here: the result is
+    what generation with that noise gives, whatever the draft. A non-finite new log-prob ends the
+    prefix there and is counted."""
+    p = np.asarray(p_logprobs, dtype=np.float64)
+    if not (len(draft) == len(coupled_draws) == len(p)):
+        raise ValueError(f"draft of {len(draft)} tokens has {len(coupled_draws)} coupled draws and {len(p)} log-probs")
+    bad = ~(np.asarray(draft) == np.asarray(coupled_draws)) | np.isnan(p) | (p == np.inf)
+    stop = np.nonzero(bad)[0]
+    return Acceptance(int(stop[0]) if len(stop) else len(draft), None, 0.0, count_nonfinite(p, neg_inf_ok=True))
 
 
 def decide(draft: list[int], p_logprobs: list[float], q_logprobs: list[float], uniforms: np.ndarray,

@@ -6,7 +6,11 @@ Per (prompt, sample k) at step t:
      (processed: temperature, top-k, top-p), plus a replacement r_t per position drawn from p_t's
      distribution with y_t excluded (also warms the prefix cache)
   3. accept token by token (acceptance.decide) until the first rejection n; `exact` then takes r_n
-     as the first new token (a replacement equal to EOS ends the response)
+     as the first new token (a replacement equal to EOS ends the response). `coupled` draws every
+     token of a (prompt, sample) with position-keyed noise kept across epochs
+     (rollout/coupled.py): the verification returns the coupled draw c_t under the new weights at
+     every position, the draft survives while c_t == y_t, and c_n is the first new token
+     (acceptance.coupled_prefix); the extension continues with the same noise
   4. extend: engine.generate(prompt + y[:n] (+ r_n), the rest of the L tokens), hitting the prefix
      cache; skipped when the response is already finished (EOS or length L)
   5. assemble prefix + continuation and store it for the next epoch.
@@ -26,9 +30,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatron_specrl.engines.protocol import (
-    GenerateRequest, RolloutEngine, SamplingSettings, ScoreRequest, untruncated_t1, verifies_processed_distribution,
+    GenerateRequest, RolloutEngine, SamplingSettings, ScoreRequest, samples_coupled, untruncated_t1,
+    verifies_processed_distribution,
 )
-from megatron_specrl.rollout.acceptance import MODES, decide
+from megatron_specrl.rollout.acceptance import MODES, coupled_prefix, decide
 from megatron_specrl.rollout.store import Trajectory, TrajectoryStore
 
 
@@ -59,6 +64,8 @@ class _Plan:
     prefix_logprobs: list[float] = field(default_factory=list)
     finish_reason: str = "length"   # when no generation is needed
     needs_generation: bool = True
+    noise_seed: int | None = None   # coupled: the seed of this (prompt, sample)'s position-keyed noise
+    refreshed: bool = False         # coupled: the noise was re-drawn this step (rollout.coupled_refresh)
 
 
 def stable_seed(*parts) -> int:
@@ -85,9 +92,16 @@ def tree_metrics(engine) -> dict[str, float]:
 
 class SpeculativeRollout:
     def __init__(self, engine: RolloutEngine, store: TrajectoryStore, *, mode: str, lenience: float,
-                 sampling: SamplingSettings, max_new_tokens: int, seed: int):
+                 sampling: SamplingSettings, max_new_tokens: int, seed: int, coupled_refresh: float = 0.0):
         if mode not in MODES:
             raise ValueError(f"rollout.spec_mode={mode!r} is not one of {MODES}")
+        if mode == "coupled" and not samples_coupled(engine):
+            raise NotImplementedError(f"rollout.spec_mode=coupled: engine {getattr(engine, 'name', engine)} has no "
+                                      "position-keyed sampling (vLLM engines only)")
+        if mode == "coupled" and sampling.temperature <= 0:
+            raise ValueError(f"rollout.spec_mode=coupled needs temperature > 0, got {sampling.temperature}")
+        if not 0.0 <= coupled_refresh <= 1.0:
+            raise ValueError(f"rollout.coupled_refresh={coupled_refresh} is not a fraction in [0, 1]")
         if mode != "off" and not untruncated_t1(sampling) and not verifies_processed_distribution(engine):
             raise NotImplementedError(
                 f"rollout.spec_mode={mode} with temperature={sampling.temperature}, top_p={sampling.top_p}, "
@@ -97,10 +111,24 @@ class SpeculativeRollout:
         self.engine, self.store = engine, store
         self.mode, self.lenience = mode, lenience
         self.sampling, self.max_new_tokens, self.seed = sampling, max_new_tokens, seed
+        self.coupled_refresh = coupled_refresh
 
-    def _plan(self, prompt_id: str, k: int, prompt_ids: list[int]) -> _Plan:
+    def _noise_seed(self, prompt_id: str, k: int, draft: Trajectory | None, step) -> tuple[int, bool]:
+        """(noise seed, re-drawn?) of a (prompt, sample) under spec_mode=coupled: the draft's seed, so
+        that this epoch's noise is last epoch's, except for a `coupled_refresh` fraction of pairs per
+        step (and pairs never drawn), which get a seed of their own."""
+        u = np.random.default_rng(stable_seed(self.seed, step, "refresh", prompt_id, k)).random()
+        if draft is not None and draft.noise_seed is not None and not u < self.coupled_refresh:
+            return draft.noise_seed, False
+        if draft is None or draft.noise_seed is None:
+            return stable_seed(self.seed, "coupled", prompt_id, k), False
+        return stable_seed(self.seed, "coupled", prompt_id, k, step), True
+
+    def _plan(self, prompt_id: str, k: int, prompt_ids: list[int], step) -> _Plan:
         draft = self.store.get(prompt_id, k) if self.mode != "off" else None
         plan = _Plan(prompt_id, k, prompt_ids, draft)
+        if self.mode == "coupled":
+            plan.noise_seed, plan.refreshed = self._noise_seed(prompt_id, k, draft, step)
         if draft is not None and draft.token_ids:
             L = self.max_new_tokens
             plan.draft_ids = list(draft.token_ids[:L])   # an old response longer than L is truncated
@@ -113,7 +141,7 @@ class SpeculativeRollout:
         """`step` only seeds the randomness (acceptance uniforms, sampling seeds), so a resumed
         run makes the same draws."""
         t0 = time.perf_counter()
-        plans = [self._plan(pid, k, ids) for pid, ids in prompts for k in range(n_samples)]
+        plans = [self._plan(pid, k, ids, step) for pid, ids in prompts for k in range(n_samples)]
 
         # 2. verify every draft in one batch
         to_verify = [p for p in plans if p.draft_ids]
@@ -122,7 +150,8 @@ class SpeculativeRollout:
         if to_verify:
             scores = self.engine.score(
                 [ScoreRequest(p.prompt_ids, p.draft_ids, seed=stable_seed(self.seed, step, "verify", p.prompt_id,
-                                                                          p.sample_idx)) for p in to_verify],
+                                                                          p.sample_idx), coupled_seed=p.noise_seed)
+                 for p in to_verify],
                 self.sampling, weight_version)
             for p, s in zip(to_verify, scores):
                 p.p_logprobs = list(s.acceptance_logprobs)
@@ -134,7 +163,10 @@ class SpeculativeRollout:
         for p, s in zip(to_verify, scores):
             rng = np.random.default_rng(stable_seed(self.seed, step, "accept", p.prompt_id, p.sample_idx))
             q = p.draft.logprobs[: len(p.draft_ids)]
-            acc = decide(p.draft_ids, p.p_logprobs, q, rng.random(len(p.draft_ids)), self.mode, self.lenience)
+            if self.mode == "coupled":
+                acc = coupled_prefix(p.draft_ids, s.replacements, p.p_logprobs)
+            else:
+                acc = decide(p.draft_ids, p.p_logprobs, q, rng.random(len(p.draft_ids)), self.mode, self.lenience)
             n = p.accepted = acc.num_accepted
             excess += acc.lenient_excess
             nonfinite += acc.nonfinite
@@ -146,8 +178,9 @@ class SpeculativeRollout:
                 p.needs_generation = not (p.draft_finish_reason == "stop" or n == L)
             elif self.mode == "exact" and s.replacements is None:
                 p.ban = acc.ban_token     # the extension's first token excludes y_n (temperature 1 only)
-            elif self.mode == "exact" and s.replacements[n] >= 0:
-                # the first new token is the verification's draw from p without y_n: exact by construction
+            elif self.mode in ("exact", "coupled") and s.replacements[n] >= 0:
+                # the first new token is the verification's draw: exact's from p without y_n (exact by
+                # construction), coupled's with the noise of position n (what generation would draw)
                 replaced += 1
                 p.prefix_ids = p.prefix_ids + [s.replacements[n]]
                 p.prefix_logprobs = p.prefix_logprobs + [s.replacement_sample_logprobs[n]]
@@ -163,7 +196,7 @@ class SpeculativeRollout:
                             max_new_tokens=self.max_new_tokens - len(p.prefix_ids),
                             seed=stable_seed(self.seed, step, "gen", p.prompt_id, p.sample_idx),
                             ban_first_token=p.ban,
-                            draft_key=p.prompt_id, response_start=len(p.prompt_ids))
+                            draft_key=p.prompt_id, response_start=len(p.prompt_ids), coupled_seed=p.noise_seed)
             for p in to_extend
         ]
         t_extend = time.perf_counter()
@@ -182,7 +215,8 @@ class SpeculativeRollout:
                                               r.finish_reason)
             samples.append(RolloutSample(p.prompt_id, p.sample_idx, p.prompt_ids, response, logprobs,
                                          finish, p.accepted, weight_version))
-            self.store.put(p.prompt_id, p.sample_idx, Trajectory(response, logprobs, finish, weight_version))
+            self.store.put(p.prompt_id, p.sample_idx,
+                           Trajectory(response, logprobs, finish, weight_version, p.noise_seed))
 
         response_tokens = sum(len(s.response_ids) for s in samples)
         accepted = sum(p.accepted for p in plans)
@@ -203,6 +237,8 @@ class SpeculativeRollout:
         }
         if self.mode == "lenient":
             metrics["spec/lenient_bias"] = excess / max(n_excess, 1)
+        if self.mode == "coupled":
+            metrics["spec/coupled_refreshed"] = float(sum(p.refreshed for p in plans))
         metrics.update(tree_metrics(self.engine))
         # engine decode steps of the generation batch: counted by the tree proposer when it drafts,
         # otherwise one a token of the longest continuation

@@ -20,6 +20,9 @@ class Trajectory:
     logprobs: list[float]   # per token, under the policy that last produced or verified it
     finish_reason: str      # "stop" or "length"
     weight_version: int
+    # spec_mode=coupled: the noise seed the response was drawn with (kept across epochs unless
+    # rollout.coupled_refresh re-draws it); None otherwise
+    noise_seed: int | None = None
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.logprobs):
@@ -55,6 +58,8 @@ class TrajectoryStore:
             logprobs=np.array([x for t in trajs for x in t.logprobs], dtype=np.float32),
             lengths=lengths,
             versions=np.array([t.weight_version for t in trajs], dtype=np.int64),
+            # -1: no noise seed (seeds are 63-bit, never negative)
+            noise_seeds=np.array([-1 if t.noise_seed is None else t.noise_seed for t in trajs], dtype=np.int64),
         )
         meta = {"keys": [[p, k] for p, k in keys], "finish": [t.finish_reason for t in trajs]}
         (d / "trajectories.json").write_text(json.dumps(meta))
@@ -73,8 +78,10 @@ class TrajectoryStore:
             raise RuntimeError(f"trajectory store in {d} is corrupt: key and token counts disagree")
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         ids, lps, vers = arrays["token_ids"], arrays["logprobs"], arrays["versions"]
+        # stores written before coupled rollouts have no noise seeds
+        seeds = arrays["noise_seeds"] if "noise_seeds" in arrays.files else np.full(len(lengths), -1, np.int64)
         for i, ((pid, k), finish) in enumerate(zip(meta["keys"], meta["finish"])):
             a, b = offsets[i], offsets[i + 1]
             store.put(pid, int(k), Trajectory(ids[a:b].tolist(), lps[a:b].astype(float).tolist(),
-                                              finish, int(vers[i])))
+                                              finish, int(vers[i]), None if seeds[i] < 0 else int(seeds[i])))
         return store

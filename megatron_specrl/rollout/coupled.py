@@ -1,0 +1,102 @@
+"""Coupled sampling: every (prompt, sample) draws its token at response position t with noise that is
+a fixed function of (noise seed, t), so consecutive epochs reuse most of each other's tokens while
+each response stays an exact sample of the policy that produced it.
+
+A token is drawn by the Gumbel-max trick on the distribution the sampler uses (`processed`:
+logits / T, then top-k / top-p, renormalised):
+
+    y_t = argmax_v  processed_logprob(v | y_<t) + G(seed, t, v),   G = -log(-log U),  U ~ U(0, 1)
+
+which is vLLM's own rule (`probs / Exp(1)`, argmax) written in logs. U is a counter-based hash
+(SplitMix64) of (seed, t, v): no generator state, so the noise at position t is the same whether t
+is reached by decoding from the prompt, by an extension that starts at t, by a draft verified in a
+prefill, or in any batch. Under fixed weights the noise is i.i.d. across positions and vocabulary,
+so y is an exact sample; after a weight update the response under the same noise changes only
+where the argmax changes, and everything before the first change is the old response.
+
+Pure torch (no engine import): the vLLM patches call `coupled_tokens` in the decode sampler, in the
+rejection step of speculative decoding, and in the verification prefill, so all three draw
+identically. `splitmix64_np` is the numpy reference the tests compare against.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def _i64(c: int) -> int:
+    """An unsigned 64-bit constant as the signed int64 torch stores."""
+    c &= _MASK64
+    return c - (1 << 64) if c >> 63 else c
+
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_VOCAB_STEP = 0xD1B54A32D192ED03      # a second odd constant: rows and columns do not collide
+_M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser on int64 tensors (wrapping multiplication, as uint64 would)."""
+    z = z ^ _shr(z, 30)
+    z = z * _i64(_M1)
+    z = z ^ _shr(z, 27)
+    z = z * _i64(_M2)
+    return z ^ _shr(z, 31)
+
+
+def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One 64-bit key per (seed, response position), int64 tensors of equal shape."""
+    return _mix(_mix(seeds.to(torch.int64)) + (positions.to(torch.int64) + 1) * _i64(_GOLDEN))
+
+
+def uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, vocab] float64 uniforms in (0, 1): U(seed_r, position_r, v)."""
+    keys = row_keys(seeds, positions).unsqueeze(1)
+    cols = (torch.arange(vocab, dtype=torch.int64, device=keys.device) + 1) * _i64(_VOCAB_STEP)
+    z = _mix(keys + cols.unsqueeze(0))
+    # top 53 bits, centred in their interval: never exactly 0 or 1
+    return (_shr(z, 11).to(torch.float64) + 0.5) * (1.0 / (1 << 53))
+
+
+def gumbel(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, vocab] float64 Gumbel(0, 1) noise G = -log(-log U)."""
+    return -torch.log(-torch.log(uniforms(seeds, positions, vocab)))
+
+
+def coupled_tokens(processed_logprobs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The coupled draw per row: argmax_v processed_logprobs[r, v] + G(seed_r, position_r, v).
+    Tokens outside the nucleus (-inf) are never drawn. int64 [R]."""
+    if processed_logprobs.shape[0] == 0:
+        return torch.empty(0, dtype=torch.int64, device=processed_logprobs.device)
+    noise = gumbel(seeds.to(processed_logprobs.device), positions.to(processed_logprobs.device),
+                   processed_logprobs.shape[-1])
+    return (processed_logprobs.to(torch.float64) + noise).argmax(dim=-1)
+
+
+# -- numpy reference (tests) ---------------------------------------------------------------------
+
+def splitmix64_np(z: np.ndarray) -> np.ndarray:
+    z = np.asarray(z, dtype=np.uint64).copy()
+    with np.errstate(over="ignore"):
+        z ^= z >> np.uint64(30)
+        z *= np.uint64(_M1)
+        z ^= z >> np.uint64(27)
+        z *= np.uint64(_M2)
+        z ^= z >> np.uint64(31)
+    return z
+
+
+def uniforms_np(seed: int, position: int, vocab: int) -> np.ndarray:
+    """The same uniforms as `uniforms` for one row, computed in uint64 numpy."""
+    with np.errstate(over="ignore"):
+        key = splitmix64_np(splitmix64_np(np.uint64(seed & _MASK64)) + np.uint64(position + 1) * np.uint64(_GOLDEN))
+        z = splitmix64_np(key + (np.arange(vocab, dtype=np.uint64) + np.uint64(1)) * np.uint64(_VOCAB_STEP))
+    return ((z >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
