@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from megatron_specrl.config import ConfigError, load_config, resolve_recipe, to_yaml
+from megatron_specrl.plan import PlanError
 
 def _split_recipe_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
     if items and "=" not in items[0]:
@@ -13,14 +15,26 @@ def _split_recipe_and_overrides(items: list[str]) -> tuple[str | None, list[str]
     return None, items
 
 
+def train_parser() -> argparse.ArgumentParser:
+    t = argparse.ArgumentParser(prog="megatron-specrl train",
+                                description="Run RL training. RECIPE is a YAML file or a name under examples/ "
+                                            "(default: the embedded tiny CPU GRPO run); key=value overrides follow.")
+    t.add_argument("items", nargs="*", metavar="RECIPE|key=value")
+    t.add_argument("--dry-run", action="store_true",
+                   help="validate, check the plan (layout, model, data, memory per GPU) and print it; run nothing")
+    return t
+
+
 def cmd_train(args) -> int:
+    args = train_parser().parse_intermixed_args(args.rest)   # flags anywhere: RECIPE --dry-run key=value
     recipe, overrides = _split_recipe_and_overrides(args.items)
     cfg = load_config(resolve_recipe(recipe), overrides)
-    from megatron_specrl.config import check_model_divisibility
-    from megatron_specrl.models.resolve import model_shape
-    check_model_divisibility(cfg, *model_shape(cfg.model))
+    from megatron_specrl.plan import build_plan, print_plan
+    plan = build_plan(cfg)    # layout, model, data and memory, before anything is written
     if args.dry_run:
         print(to_yaml(cfg), end="")
+    print_plan(plan)
+    if args.dry_run:
         return 0
     from megatron_specrl.trainer import train
     train(cfg)
@@ -28,7 +42,22 @@ def cmd_train(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from megatron_specrl.learner.convert import convert_main
+    """The plan's divisibility check runs before any rank is spawned, and a failed conversion
+    leaves no output directory behind that it created."""
+    import shutil
+
+    from megatron_specrl.learner.convert import build_parser as convert_parser, convert_main
+    from megatron_specrl.plan import check_convert_layout
+    if not any(a in ("-h", "--help") for a in args.rest):
+        parsed = convert_parser().parse_args(args.rest)
+        hf_dir = Path(parsed.hf) if parsed.direction == "hf-to-mcore" else Path(parsed.ckpt) / "hf"
+        check_convert_layout(hf_dir, parsed.tp, parsed.pp)
+        out = Path(parsed.out)
+        existed = out.exists()
+        rc = convert_main(args.rest)
+        if rc != 0 and not existed and out.exists():
+            shutil.rmtree(out, ignore_errors=True)
+        return rc
     return convert_main(args.rest)
 
 
@@ -50,12 +79,10 @@ def cmd_launch(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-specrl", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="run RL training from a recipe",
-                       description="Run RL training. RECIPE is a YAML file or a name under examples/ "
-                                   "(default: the embedded tiny CPU GRPO run); key=value overrides follow.")
-    t.add_argument("items", nargs="*", metavar="RECIPE|key=value")
-    t.add_argument("--dry-run", action="store_true", help="validate and print the resolved config, run nothing")
-    t.set_defaults(func=cmd_train)
+    for name, func, text in [("train", cmd_train, "run RL training from a recipe")]:
+        s = sub.add_parser(name, help=text, description=text, add_help=False)
+        s.add_argument("rest", nargs=argparse.REMAINDER)
+        s.set_defaults(func=func)
     for name, func, text in [
         ("convert", cmd_convert, "convert checkpoints between HF safetensors and Megatron TP/PP layouts"),
         ("check-resync", cmd_check_resync, "compare engine weights and log-probs with the learner's"),
@@ -68,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-PASSTHROUGH = ("convert", "check-resync", "bench-rollout", "launch")
+PASSTHROUGH = ("train", "convert", "check-resync", "bench-rollout", "launch")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
+    except PlanError as e:
+        for line in e.failures:
+            print(f"megatron-specrl: plan error: {line}", file=sys.stderr)
+        return 2
     except ConfigError as e:
         print(f"megatron-specrl: config error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,428 @@
+"""The plan check: everything about a run that can be known before it queues, checked in one place.
+
+`train --dry-run`, `launch` (before it writes a script) and `convert` (before it spawns ranks) all
+call `check_plan`: a layout that cannot run on the allocation, a model its parallel sizes do not
+divide, a missing model config or data file, or a learner that does not fit in GPU memory would
+otherwise fail only after hours in a Slurm queue. Every failure is one line naming the key, its value
+and the reason; success is a table of the plan (layout, batch arithmetic, memory per GPU).
+
+Memory model (bytes per GPU, the heaviest rank):
+  learner  weights, gradients and AdamW's two moments are fp32 (the learner keeps fp32 weights and
+           grads; no separate master copy), so 4 + 4 + 8 bytes a parameter, the moments divided by
+           learner.dp with the distributed optimizer. Activations follow Korthikanti et al. 2022
+           ("Reducing Activation Recomputation in Large Transformer Models", arXiv 2205.05198), counted
+           per tensor saved for backward (no sequence parallelism, no dropout masks), in fp32:
+           none/selective store every layer's tensors (on GPU flash attention stores no s^2 scores, so
+           selective equals none there), full stores each layer's input plus one layer's tensors; the
+           first pipeline stage holds min(pp, microbatches) microbatches in flight (1F1B), and the last
+           stage holds the fp32 logits and their log-softmax.
+  engine   weights in rollout.engine_dtype over engine_tp GPUs; vLLM reserves
+           rollout.gpu_memory_utilization of the GPU and fills what the weights leave with KV cache.
+           The KV the step's batch would need at full length (prompt + response) is reported with the
+           number of sequences that fit at once; a cache that cannot hold one max_model_len sequence
+           fails, as vLLM would at start-up. Colocated, the learner's weights, grads and optimizer
+           stay resident while the engine runs, so both must fit together.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_specrl.config import ConfigError, RunConfig
+
+GB = 1024 ** 3
+FP32 = 4
+ENGINE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+class PlanError(ConfigError):
+    """The plan cannot run; `failures` holds one line per reason (key, value, why)."""
+
+    def __init__(self, failures: list[str]):
+        self.failures = list(failures)
+        super().__init__("; ".join(self.failures))
+
+
+# --------------------------------------------------------------------------- the model's shape
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan needs from an HF config.json (transformers' AutoConfig reads it)."""
+    model_type: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+    max_positions: int
+
+    @classmethod
+    def from_hf(cls, hf) -> "ModelShape":
+        from megatron_specrl.learner.model_provider import head_dim, qkv_bias
+        return cls(model_type=hf.model_type, hidden=hf.hidden_size, layers=hf.num_hidden_layers,
+                   heads=hf.num_attention_heads, kv_heads=hf.num_key_value_heads or hf.num_attention_heads,
+                   head_dim=head_dim(hf), ffn=hf.intermediate_size, vocab=hf.vocab_size,
+                   tied=bool(getattr(hf, "tie_word_embeddings", False)), qkv_bias=qkv_bias(hf),
+                   max_positions=hf.max_position_embeddings)
+
+
+def load_hf_config(model_path: str):
+    """AutoConfig of `model.path`: the tiny models' config without building them, else the local
+    directory's config.json (never a hub download: a cluster job must not depend on one)."""
+    from transformers import AutoConfig
+
+    from megatron_specrl.models.resolve import TINY
+    if model_path in TINY:
+        from megatron_specrl.models.tiny import ARCHS, DEFAULT_NUM_LAYERS
+        spec = dict(ARCHS[TINY[model_path]])
+        return AutoConfig.for_model(spec.pop("model_type"), vocab_size=TINY_VOCAB,
+                                    num_hidden_layers=DEFAULT_NUM_LAYERS, max_position_embeddings=512, **spec)
+    config_json = Path(model_path) / "config.json"
+    if not config_json.is_file():
+        raise PlanError([f"model.path={model_path!r}: no config.json there (a local HF checkpoint directory, "
+                         f"or one of {sorted(TINY)})"])
+    try:
+        return AutoConfig.from_pretrained(str(Path(model_path)), local_files_only=True)
+    except Exception as e:  # transformers raises OSError / ValueError / KeyError for bad files
+        raise PlanError([f"model.path={model_path!r}: config.json is not a readable HF config "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"]) from None
+
+
+TINY_VOCAB = 264   # models/tiny.py's tokenizer size
+
+
+# --------------------------------------------------------------------------- parameter counts
+
+def layer_parameters(s: ModelShape, tp: int) -> int:
+    """One transformer layer's parameters on one TP rank (Megatron's GPT layer: norms replicated)."""
+    qkv_out = (s.heads + 2 * s.kv_heads) * s.head_dim
+    sharded = s.hidden * qkv_out + s.heads * s.head_dim * s.hidden + 3 * s.hidden * s.ffn
+    if s.qkv_bias:
+        sharded += qkv_out
+    return sharded // tp + 2 * s.hidden
+
+
+def stage_parameters(s: ModelShape, tp: int, pp: int, stage: int, padded_vocab: int, role: str = "policy") -> int:
+    """Parameters of one rank of pipeline stage `stage` (Megatron GPTModel with this project's options).
+    A tied embedding is one tensor at pp=1; at pp>1 the last stage keeps its own copy of it."""
+    n = (s.layers // pp) * layer_parameters(s, tp)
+    first, last = stage == 0, stage == pp - 1
+    if first:
+        n += padded_vocab * s.hidden // tp
+    if last:
+        n += s.hidden                                    # final norm
+        if role == "critic":
+            n += s.hidden                                # value head, replicated
+        elif not s.tied or pp > 1:
+            n += padded_vocab * s.hidden // tp
+    return n
+
+
+def full_parameters(s: ModelShape) -> int:
+    """The HF model's parameter count (unpadded vocab): what an engine holds."""
+    n = s.layers * layer_parameters(s, 1) + s.vocab * s.hidden + s.hidden
+    return n if s.tied else n + s.vocab * s.hidden
+
+
+# --------------------------------------------------------------------------- memory
+
+@dataclass
+class LearnerMemory:
+    params: int                     # parameters on the heaviest rank
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+    tokens_per_microbatch: int
+    microbatches_in_flight: int
+
+    @property
+    def static(self) -> int:
+        return self.weights + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.static + self.activations
+
+
+def activation_elements_per_token_layer(s: ModelShape, tp: int, seq_len: int, flash: bool) -> int:
+    """Elements one layer saves for backward per token: norm inputs, QKV/MLP inputs, q/k/v, context,
+    SwiGLU's two halves and its output; the attention scores (s per head) unless flash attention."""
+    n = 4 * s.hidden                                           # 2 norm inputs + QKV and fc1 inputs
+    n += (2 * s.heads + 2 * s.kv_heads) * s.head_dim // tp     # q, k, v, context (the proj input)
+    n += 3 * s.ffn // tp                                       # gate, up, silu(gate) * up
+    if not flash:
+        n += s.heads * seq_len // tp                           # softmax probabilities
+    return n
+
+
+def learner_memory(cfg: RunConfig, s: ModelShape, padded_vocab: int, flash: bool) -> LearnerMemory:
+    le = cfg.learner
+    params = max(stage_parameters(s, le.tp, le.pp, st, padded_vocab) for st in range(le.pp))
+    seq = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    rows = batch_arithmetic(cfg)["rows_per_dp_minibatch"]
+    tokens = le.max_tokens_per_microbatch or min(le.micro_batch_size, rows) * seq
+    in_flight = min(le.pp, batch_arithmetic(cfg)["microbatches"])
+    layers = s.layers // le.pp
+    per_layer = activation_elements_per_token_layer(s, le.tp, seq, flash) * tokens * FP32
+    if le.recompute == "selective" and not flash:   # flash attention already stores no scores
+        per_layer = activation_elements_per_token_layer(s, le.tp, seq, flash=True) * tokens * FP32
+
+    def stage(microbatches: int) -> int:
+        if le.recompute == "full":      # each layer's input kept, one layer rebuilt at a time
+            return microbatches * layers * s.hidden * tokens * FP32 + per_layer
+        return microbatches * layers * per_layer
+
+    logits = 2 * tokens * (padded_vocab // le.tp) * FP32           # logits + log-softmax, last stage
+    acts = stage(in_flight) + logits if le.pp == 1 else max(stage(in_flight), stage(1) + logits)
+    optimizer = 2 * params * FP32
+    if le.distributed_optimizer:
+        optimizer = math.ceil(optimizer / le.dp)
+    return LearnerMemory(params, params * FP32, params * FP32, optimizer, acts, tokens, in_flight)
+
+
+@dataclass
+class EngineMemory:
+    weights: int
+    budget: int                # what vLLM reserves: gpu_memory_utilization x GPU memory
+    kv_per_token: int
+    kv_batch: int              # the KV the step's batch per engine needs at full length
+    sequences_per_engine: int
+    concurrent_sequences: int  # full-length sequences the cache holds at once
+
+    @property
+    def kv_space(self) -> int:
+        return self.budget - self.weights
+
+
+def engine_memory(cfg: RunConfig, s: ModelShape, gpu_bytes: int) -> EngineMemory:
+    r = cfg.rollout
+    dtype = ENGINE_BYTES[r.engine_dtype]
+    weights = full_parameters(s) * dtype // r.engine_tp
+    kv_per_token = 2 * s.layers * max(1, s.kv_heads // r.engine_tp) * s.head_dim * dtype
+    seqs = math.ceil(cfg.trainer.prompts_per_step * r.n_samples / r.num_engines)
+    seq = cfg.data.max_prompt_len + r.max_new_tokens
+    budget = int(r.gpu_memory_utilization * gpu_bytes)
+    space = budget - weights
+    concurrent = max(0, space // (seq * kv_per_token))
+    return EngineMemory(weights, budget, kv_per_token, seqs * seq * kv_per_token, seqs, int(concurrent))
+
+
+# --------------------------------------------------------------------------- arithmetic
+
+def batch_arithmetic(cfg: RunConfig) -> dict[str, int]:
+    le = cfg.learner
+    rows = cfg.trainer.prompts_per_step * cfg.rollout.n_samples
+    per_dp = rows // (le.dp * le.mini_batches)
+    return {"rows": rows, "rows_per_dp_minibatch": per_dp,
+            "microbatches": max(1, math.ceil(per_dp / le.micro_batch_size)),
+            "optimizer_steps": le.ppo_epochs * le.mini_batches}
+
+
+def gpus_needed(cfg: RunConfig) -> tuple[int, int]:
+    """(learner GPUs, engine GPUs not shared with the learner)."""
+    r = cfg.rollout
+    return cfg.world_size, 0 if r.colocate else r.num_engines * r.engine_tp
+
+
+# --------------------------------------------------------------------------- checks
+
+def _divisibility(cfg: RunConfig, s: ModelShape) -> list[str]:
+    le, r, out = cfg.learner, cfg.rollout, []
+    for key, size in (("learner.tp", le.tp), ("rollout.engine_tp", r.engine_tp)):
+        bad = [f"{name}={n}" for name, n in (("num_attention_heads", s.heads), ("num_key_value_heads", s.kv_heads))
+               if n % size]
+        if bad:
+            out.append(f"{key}={size} does not divide {' and '.join(bad)} of model.path={cfg.model.path!r}")
+    if s.layers % le.pp:
+        out.append(f"learner.pp={le.pp} does not divide num_hidden_layers={s.layers} of model.path={cfg.model.path!r}")
+    if cfg.rollout.max_model_len > s.max_positions:
+        out.append(f"rollout.max_model_len={r.max_model_len} exceeds the model's max_position_embeddings="
+                   f"{s.max_positions}")
+    return out
+
+
+def _hf_support(cfg: RunConfig, hf) -> list[str]:
+    from megatron_specrl.learner.model_provider import check_hf_config
+    try:
+        check_hf_config(hf)
+    except ValueError as e:
+        return [f"model.path={cfg.model.path!r}: {e}"]
+    return []
+
+
+def _layout(cfg: RunConfig) -> list[str]:
+    c, le, r, out = cfg.cluster, cfg.learner, cfg.rollout, []
+    ba = batch_arithmetic(cfg)
+    if le.pp > 1 and ba["microbatches"] < le.pp:
+        out.append(f"learner.micro_batch_size={le.micro_batch_size} gives {ba['microbatches']} microbatches per "
+                   f"data-parallel rank ({ba['rows_per_dp_minibatch']} rows), fewer than learner.pp={le.pp}: the "
+                   "pipeline never fills; lower micro_batch_size")
+    if c.gpus_per_node == 0:
+        return out      # a CPU run: Ray places ranks and engines on cores
+    have = c.nodes * c.gpus_per_node
+    learner, engines = gpus_needed(cfg)
+    if c.gpus_per_node % le.tp:
+        out.append(f"learner.tp={le.tp} does not divide cluster.gpus_per_node={c.gpus_per_node}: a tensor-parallel "
+                   "group must sit inside one node")
+    if r.engine_tp > c.gpus_per_node or c.gpus_per_node % r.engine_tp:
+        out.append(f"rollout.engine_tp={r.engine_tp} does not divide cluster.gpus_per_node={c.gpus_per_node}: an "
+                   "engine must sit inside one node")
+    if r.colocate:
+        if r.engine_tp != 1:
+            out.append(f"rollout.engine_tp={r.engine_tp} with rollout.colocate=true: a colocated engine shares one GPU "
+                       "with one learner rank; use engine_tp=1 or colocate=false")
+        if r.num_engines > learner:
+            out.append(f"rollout.num_engines={r.num_engines} exceeds the learner's {learner} GPUs it is colocated on")
+    if learner + engines != have:
+        what = (f"learner.tp x pp x dp = {le.tp} x {le.pp} x {le.dp} = {learner}"
+                + ("" if r.colocate else f" plus rollout.num_engines x engine_tp = {r.num_engines} x {r.engine_tp} "
+                   f"= {engines} (disaggregated)"))
+        out.append(f"cluster.nodes={c.nodes}: {what} GPUs, but cluster.nodes x gpus_per_node = {c.nodes} x "
+                   f"{c.gpus_per_node} = {have}" + (" (GPUs would sit idle)" if learner + engines < have else ""))
+    return out
+
+
+def _memory(cfg: RunConfig, lm: LearnerMemory, em: EngineMemory) -> list[str]:
+    c, r, out = cfg.cluster, cfg.rollout, []
+    if c.gpus_per_node == 0:
+        return out
+    gpu = int(c.gpu_memory_gb * GB)
+    if lm.total > gpu:
+        out.append(f"cluster.gpu_memory_gb={c.gpu_memory_gb:g}: the learner needs {lm.total / GB:.1f} GB per GPU "
+                   f"(weights {lm.weights / GB:.1f} + grads {lm.grads / GB:.1f} + optimizer {lm.optimizer / GB:.1f} "
+                   f"+ activations {lm.activations / GB:.1f}) at learner.tp={cfg.learner.tp} pp={cfg.learner.pp} "
+                   f"dp={cfg.learner.dp}; raise tp/pp, set learner.distributed_optimizer / learner.recompute, "
+                   "or lower learner.micro_batch_size")
+    if em.kv_space <= 0 or em.concurrent_sequences < 1:
+        out.append(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization:g}: vLLM's {em.budget / GB:.1f} GB leave "
+                   f"{max(0, em.kv_space) / GB:.1f} GB of KV cache after {em.weights / GB:.1f} GB of weights per GPU, "
+                   f"less than one {cfg.data.max_prompt_len + r.max_new_tokens}-token sequence needs "
+                   f"({(cfg.data.max_prompt_len + r.max_new_tokens) * em.kv_per_token / GB:.2f} GB); raise it or "
+                   "rollout.engine_tp")
+    if r.colocate and lm.static + em.budget > gpu:
+        out.append(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization:g}: colocated, vLLM's {em.budget / GB:.1f} "
+                   f"GB plus the learner's resident {lm.static / GB:.1f} GB (weights, grads, optimizer) exceed "
+                   f"cluster.gpu_memory_gb={c.gpu_memory_gb:g}")
+    return out
+
+
+def _data(cfg: RunConfig) -> list[str]:
+    from megatron_specrl.data.datasets import DatasetError, load_records
+    d, out = cfg.data, []
+    for key, split in (("data.source", "train"), ("data.eval_source", "eval")):
+        value = getattr(d, key.split(".")[1])
+        if value is None or value == "synthetic":
+            continue
+        try:
+            records = load_records(d, split, seed=cfg.trainer.seed)
+        except DatasetError as e:
+            out.append(f"{key}={value!r}: {e}")
+            continue
+        if split == "train" and len(records) < cfg.trainer.prompts_per_step:
+            out.append(f"{key}={value!r}: {len(records)} prompts, fewer than trainer.prompts_per_step="
+                       f"{cfg.trainer.prompts_per_step}")
+    return out
+
+
+# --------------------------------------------------------------------------- the plan
+
+@dataclass
+class Plan:
+    cfg: RunConfig
+    shape: ModelShape
+    padded_vocab: int
+    learner: LearnerMemory
+    engine: EngineMemory
+    failures: list[str] = field(default_factory=list)
+
+    def rows(self) -> list[tuple[str, str]]:
+        cfg, s, c, le, r = self.cfg, self.shape, self.cfg.cluster, self.cfg.learner, self.cfg.rollout
+        ba = batch_arithmetic(cfg)
+        learner_gpus, engine_gpus = gpus_needed(cfg)
+        gpu = f"{c.nodes} x {c.gpus_per_node} = {c.nodes * c.gpus_per_node} ({c.gpu_memory_gb:g} GB)" \
+            if c.gpus_per_node else f"{c.nodes} node(s), CPU"
+        gb = lambda b: f"{b / GB:.1f} GB"  # noqa: E731
+        return [
+            ("model", f"{cfg.model.path} ({s.model_type}: {s.layers} layers, hidden {s.hidden}, heads {s.heads}/"
+                      f"{s.kv_heads} kv, ffn {s.ffn}, {full_parameters(s) / 1e9:.2f} B params)"),
+            ("vocab", f"{s.vocab} -> {self.padded_vocab} padded (multiple of 128 x tp)"),
+            ("cluster", gpu),
+            ("learner", f"tp {le.tp} x pp {le.pp} x dp {le.dp} = {learner_gpus} GPUs"),
+            ("engines", f"{r.num_engines} x engine_tp {r.engine_tp}, "
+                        + ("colocated" if r.colocate else f"disaggregated ({engine_gpus} GPUs)")),
+            ("batch", f"{cfg.trainer.prompts_per_step} prompts x {r.n_samples} = {ba['rows']} sequences; "
+                      f"{ba['rows_per_dp_minibatch']} per dp rank and mini-batch, {ba['microbatches']} microbatches, "
+                      f"{ba['optimizer_steps']} optimizer steps"),
+            ("lengths", f"prompt {cfg.data.max_prompt_len} + response {r.max_new_tokens}"
+                        + (f" (overlong buffer {cfg.algorithm.overlong_buffer})" if cfg.algorithm.name == "dapo" else "")
+                        + f", max_model_len {r.max_model_len}"),
+            ("learner params / GPU", f"{self.learner.params / 1e9:.3f} B (heaviest stage)"),
+            ("learner memory / GPU", f"weights {gb(self.learner.weights)} + grads {gb(self.learner.grads)} + optimizer "
+                                     f"{gb(self.learner.optimizer)}"
+                                     + (" (distributed)" if le.distributed_optimizer else "")
+                                     + f" + activations {gb(self.learner.activations)} (recompute {le.recompute}, "
+                                     f"{self.learner.tokens_per_microbatch} tokens x "
+                                     f"{self.learner.microbatches_in_flight} in flight) = {gb(self.learner.total)}"),
+            ("engine memory / GPU", f"weights {gb(self.engine.weights)} ({r.engine_dtype}) of vLLM's "
+                                    f"{gb(self.engine.budget)}; KV {self.engine.kv_per_token / 1024:.0f} KiB/token"),
+            ("engine KV for the batch", f"{self.engine.sequences_per_engine} sequences need "
+                                        f"{gb(self.engine.kv_batch)}; {gb(max(0, self.engine.kv_space))} holds "
+                                        f"{self.engine.concurrent_sequences} at full length"),
+            ("data", cfg.data.source + (f" (eval {cfg.data.eval_source})" if cfg.data.eval_source else "")),
+        ]
+
+    def table(self):
+        from rich.table import Table
+        t = Table(title=f"plan: {self.cfg.output_dir}", show_header=True)
+        t.add_column("item", style="bold")
+        t.add_column("value")
+        for k, v in self.rows():
+            t.add_row(k, v)
+        return t
+
+
+def build_plan(cfg: RunConfig, check_data: bool = True) -> Plan:
+    """Every check; raises PlanError with one line per failure."""
+    hf = load_hf_config(cfg.model.path)
+    s = ModelShape.from_hf(hf)
+    from megatron_specrl.learner.model_provider import padded_vocab_size
+    padded = padded_vocab_size(s.vocab, cfg.learner.tp)
+    flash = cfg.cluster.gpus_per_node > 0
+    gpu_bytes = int(cfg.cluster.gpu_memory_gb * GB)
+    lm = learner_memory(cfg, s, padded, flash)
+    em = engine_memory(cfg, s, gpu_bytes)
+    failures = _hf_support(cfg, hf) + _divisibility(cfg, s) + _layout(cfg) + _memory(cfg, lm, em)
+    if check_data:
+        failures += _data(cfg)
+    if failures:
+        raise PlanError(failures)
+    return Plan(cfg, s, padded, lm, em)
+
+
+def print_plan(plan: Plan) -> None:
+    from rich.console import Console
+    Console(width=160).print(plan.table())
+
+
+def check_convert_layout(hf_dir: str | Path, tp: int, pp: int) -> None:
+    """`convert`'s check before it spawns tp x pp ranks: the model config is readable and the
+    layout divides its heads, KV heads and layers."""
+    if tp < 1 or pp < 1:
+        raise PlanError([f"--tp={tp} / --pp={pp}: parallel sizes must be >= 1"])
+    s = ModelShape.from_hf(load_hf_config(str(hf_dir)))
+    out = []
+    bad = [f"{name}={n}" for name, n in (("num_attention_heads", s.heads), ("num_key_value_heads", s.kv_heads))
+           if n % tp]
+    if bad:
+        out.append(f"--tp={tp} does not divide {' and '.join(bad)} of {hf_dir}")
+    if s.layers % pp:
+        out.append(f"--pp={pp} does not divide num_hidden_layers={s.layers} of {hf_dir}")
+    if out:
+        raise PlanError(out)
