@@ -28,11 +28,13 @@ import multiprocessing
 import re
 import threading
 from decimal import Decimal, InvalidOperation
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from megatron_specrl.config import DataConfig
 from megatron_specrl.data import synthetic
 from megatron_specrl.data.datasets import PromptRecord, file_format
+
+if TYPE_CHECKING:   # a type only: the config imports this module to validate reward.name
+    from megatron_specrl.config import DataConfig
 
 RewardFn = Callable[[str, PromptRecord], float]
 

@@ -1,5 +1,8 @@
 """Import boundaries between concerns (issue #14).
 
+- Concerns keep their side of the line (tests/import_graph.py reads the imports with ast): the
+  speculative core needs no engine, Ray or Megatron, engines never see learner code, the learner
+  reaches neither an engine nor resync, and no import cycles; a planted tree proves the checker bites.
 - Engines stand alone: the SGLang and Ray engine modules import in a process where vLLM cannot
   be imported at all, and without loading the vLLM engine's module, so an SGLang-only install
   works and a vLLM upgrade cannot break them.
@@ -52,3 +55,57 @@ def test_the_vllm_block_is_real():
     """The finder must actually stop vLLM, or the test above proves nothing."""
     proc = _import_without_vllm("megatron_specrl.engines.vllm_engine", "vllm")
     assert proc.returncode != 0 and "vllm is blocked" in proc.stderr, proc.stdout + proc.stderr
+
+
+# ----------------------------------------------------------------------------- concern boundaries
+def test_package_respects_the_boundaries_and_has_no_cycles():
+    """The speculative core needs no engine, Ray or Megatron; engines never see the learner; the
+    learner reaches neither an engine nor resync (resync/ drives it from actors.py); no cycles."""
+    from import_graph import cycles, violations
+    pkg = ROOT / "megatron_specrl"
+    assert violations(pkg) == []
+    assert cycles(pkg) == []
+
+
+def _plant(tmp_path: Path, files: dict[str, str]) -> Path:
+    pkg = tmp_path / "megatron_specrl"
+    for rel, text in files.items():
+        path = pkg / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for parent in [path.parent, *path.parent.parents]:
+            if parent == tmp_path:
+                break
+            (parent / "__init__.py").touch()
+        path.write_text(text)
+    return pkg
+
+
+def test_checker_catches_planted_violations(tmp_path):
+    from import_graph import cycles, violations
+    pkg = _plant(tmp_path, {
+        "rollout/acceptance.py": "def f():\n    import vllm   # late, still a dependency\n",
+        "rollout/speculative.py": "from megatron_specrl.engines.protocol import X\n"      # allowed
+                                  "from ..engines import vllm_engine\n",                  # relative, not
+        "rollout/store.py": "import ray.util\n",
+        "rollout/draft_tree.py": "from megatron.core import parallel_state\n",
+        "engines/protocol.py": "",
+        "engines/vllm_engine.py": "from megatron_specrl.learner.worker import LearnerWorker\n",
+        "learner/worker.py": "from megatron_specrl.resync import buckets\n",
+        "learner/group.py": "import megatron_specrl.engines.vllm_engine\n",
+        "resync/buckets.py": "",
+        "a.py": "from megatron_specrl import b, c\n",
+        "b.py": "def f():\n    from megatron_specrl.a import g\n",
+        "c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from megatron_specrl import a\n",
+    })
+    found = violations(pkg)
+    assert [v.split(":")[0] for v in found] == [
+        "megatron_specrl.engines.vllm_engine imports megatron_specrl.learner.worker",
+        "megatron_specrl.learner.group imports megatron_specrl.engines.vllm_engine",
+        "megatron_specrl.learner.worker imports megatron_specrl.resync",
+        "megatron_specrl.rollout.acceptance imports vllm",
+        "megatron_specrl.rollout.draft_tree imports megatron.core",
+        "megatron_specrl.rollout.speculative imports megatron_specrl.engines",
+        "megatron_specrl.rollout.store imports ray.util",
+    ], found
+    # the late a <-> b import is a cycle; c -> a is for annotations only, so c is not in it
+    assert cycles(pkg) == [["megatron_specrl.a", "megatron_specrl.b"]]

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from megatron_specrl.resync.check import LOGPROB_TOL, make_probe_prompts, resync, run_check
+from megatron_specrl.resync.routes import bucket_streams
 
 pytestmark = pytest.mark.slow
 WEIGHT_TOL = 1e-6
@@ -60,7 +61,7 @@ def test_bf16_engine_after_grpo_step_passes_check_resync(tmp_path, tiny_llama):
         assert max(float((t - initial[n]).abs().max()) for n, t in fp32.items()) > 10 * WEIGHT_TOL
 
         # 2. what the sync ships: bf16 only, half the fp32 bytes
-        rank0, others = run.learner.bucket_streams(1 << 30, "bfloat16")
+        rank0, others = bucket_streams(run.learner, 1 << 30, "bfloat16")
         (payload,) = [ray.get(ref) for ref in rank0]
         for s in others:
             list(s)

@@ -37,7 +37,8 @@ def ray_session():
 def learner(ray_session, tiny_llama):
     from megatron_specrl.config import LearnerConfig
     from megatron_specrl.learner.group import LearnerGroup
-    group = LearnerGroup(LearnerConfig(tp=2, pp=2, lr=1e-4, micro_batch_size=4), seed=1)
+    from megatron_specrl.resync.learner_actor import RayLearnerWorker
+    group = LearnerGroup(LearnerConfig(tp=2, pp=2, lr=1e-4, micro_batch_size=4), seed=1, worker_cls=RayLearnerWorker)
     group.load_hf(str(tiny_llama))
     yield group
     group.shutdown()

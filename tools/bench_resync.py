@@ -115,7 +115,8 @@ def breakdown(learner, engine, version: int, bucket_bytes: int, pids, dtype: str
     import ray
     with RssPeak(pids) as m1:
         t = time.perf_counter()
-        rank0, others = learner.bucket_streams(bucket_bytes, dtype)
+        from megatron_specrl.resync.routes import bucket_streams
+        rank0, others = bucket_streams(learner, bucket_bytes, dtype)
         refs = list(rank0)
         for s in others:
             for _ in s:
@@ -158,9 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from megatron_specrl.config import LearnerConfig, RolloutConfig
-    from megatron_specrl.engines.factory import make_engine
-    from megatron_specrl.learner.group import LearnerGroup
+    from megatron_specrl.actors import build_actors, init_ray
+    from megatron_specrl.config import LearnerConfig, RayConfig, RolloutConfig
     from megatron_specrl.learner.hf_mapping import expected_hf_shapes
     from megatron_specrl.resync.lifecycle import sync_weights
     from megatron_specrl.resync.routes import make_route
@@ -176,14 +176,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"{args.engine_dtype} on the wire (learner fp32); learner TP={args.tp} x PP={args.pp}; "
                   f"bucket {args.bucket_mb} MiB; transport {args.transport}")
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    learner = engine = None
+    init_ray(RayConfig(num_cpus=2))
+    actors = None
     try:
-        learner = LearnerGroup(LearnerConfig(tp=args.tp, pp=args.pp), seed=0)
-        learner.load_hf(str(model_dir))
-        engine = make_engine(RolloutConfig(kv_cache_gb=0.25, engine_dtype=args.engine_dtype), str(model_dir),
-                             log_dir=tempfile.mkdtemp(prefix="bench-resync-"), use_ray=True,
-                             bucket_bytes=args.bucket_mb << 20)
+        actors = build_actors(model_dir, LearnerConfig(tp=args.tp, pp=args.pp),
+                              RolloutConfig(kv_cache_gb=0.25, engine_dtype=args.engine_dtype), seed=0,
+                              log_dir=tempfile.mkdtemp(prefix="bench-resync-"), bucket_bytes=args.bucket_mb << 20)
+        learner, engine = actors.learner, actors.engine
         pids = {"learner rank 0": ray.get(learner.actors[0].__ray_call__.remote(_pid)),
                 "engine actor": engine.pid, "driver": os.getpid()}
         t_setup = time.perf_counter() - t_start
@@ -233,9 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"total wall time {time.perf_counter() - t_start:.0f} s")
         return 0
     finally:
-        for x in (engine, learner):
-            if x is not None:
-                x.shutdown()
+        if actors is not None:
+            actors.shutdown()
         ray.shutdown()
 
 

@@ -19,10 +19,12 @@ import random
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
-from megatron_specrl.config import DataConfig
 from megatron_specrl.data import synthetic
+
+if TYPE_CHECKING:   # a type only: the config (via rewards) imports this module
+    from megatron_specrl.config import DataConfig
 
 # Offset between the synthetic train and eval seeds (any large constant works; it is part of the ids).
 EVAL_SEED_OFFSET = 1_000_000

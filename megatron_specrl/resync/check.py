@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import random
 import sys
 from dataclasses import dataclass, field
@@ -185,7 +184,8 @@ def _learner_fp32_state(learner, bucket_bytes: int) -> dict[str, torch.Tensor]:
         return dict(learner.iter_hf_state())
     import ray
     from megatron_specrl.resync.buckets import Bucket
-    rank0, others = learner.bucket_streams(bucket_bytes)
+    from megatron_specrl.resync.routes import bucket_streams
+    rank0, others = bucket_streams(learner, bucket_bytes)
     state = {}
     for ref in rank0:
         state.update(Bucket.from_wire(ray.get(ref)).unflatten())
@@ -360,6 +360,9 @@ def check_resync_main(argv: list[str] | None = None, learner=None, engine=None) 
     import ray
     from rich.console import Console
 
+    from megatron_specrl.actors import build_actors, init_ray
+    from megatron_specrl.config import LearnerConfig, RolloutConfig
+
     args = build_parser().parse_args(argv)
     console = Console()
     if not console.is_terminal:
@@ -367,29 +370,18 @@ def check_resync_main(argv: list[str] | None = None, learner=None, engine=None) 
     model_dir = _model_dir(args.model)
     prompts, pad_id = _prompt_ids_for(model_dir, args.num_prompts, args.seed)
     bucket_bytes = args.bucket_mb << 20
-    started_ray = False
-    built = []                      # what this call started, and so shuts down
-    if learner is None or engine is None:
-        if not ray.is_initialized():
-            os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-            ray.init(num_cpus=max(os.cpu_count() or 2, 2), include_dashboard=False, log_to_driver=False)
-            started_ray = True
+    if (learner is None) != (engine is None):
+        raise ValueError("pass both a learner and an engine, or neither (then both are built)")
+    started_ray = learner is None and init_ray()
+    built = None                    # what this call started, and so shuts down
     try:
         if learner is None:
-            from megatron_specrl.config import LearnerConfig
-            from megatron_specrl.learner.group import LearnerGroup
             console.print(f"learner: TP={args.tp} x PP={args.pp} ({args.tp * args.pp} Ray actors), {model_dir}")
-            learner = LearnerGroup(LearnerConfig(tp=args.tp, pp=args.pp, lr=args.lr), seed=args.seed)
-            built.append(learner)
-            learner.load_hf(str(model_dir))
-        if engine is None:
-            from megatron_specrl.config import RolloutConfig
-            from megatron_specrl.engines.factory import make_engine
-            log_dir = args.log_dir or tempfile.mkdtemp(prefix="check-resync-")
-            engine = make_engine(RolloutConfig(kv_cache_gb=0.25, engine_dtype=args.engine_dtype), str(model_dir),
-                                 log_dir=log_dir, use_ray=True,
-                                 seed=args.seed, bucket_bytes=bucket_bytes)
-            built.append(engine)
+            built = build_actors(model_dir, LearnerConfig(tp=args.tp, pp=args.pp, lr=args.lr),
+                                 RolloutConfig(kv_cache_gb=0.25, engine_dtype=args.engine_dtype), seed=args.seed,
+                                 log_dir=args.log_dir or tempfile.mkdtemp(prefix="check-resync-"),
+                                 engine_seed=args.seed, bucket_bytes=bucket_bytes)
+            learner, engine = built.learner, built.engine
         from megatron_specrl.resync.routes import make_route
         report = check_resync(learner, engine, prompts, pad_id=pad_id, train_step=args.train_step,
                               swap_kv=args.swap_kv, swap_gate_up=args.swap_gate_up,
@@ -401,11 +393,8 @@ def check_resync_main(argv: list[str] | None = None, learner=None, engine=None) 
         print_report(report, console, args.show_tensors, args.show_tokens)
         return 0 if report.passed else 1
     finally:
-        for x in reversed(built):
-            try:
-                x.shutdown()
-            except Exception:  # keep shutting the rest down
-                pass
+        if built is not None:
+            built.shutdown()
         if started_ray:
             ray.shutdown()
 

@@ -57,12 +57,22 @@ def _ray_get(ref):
     return ray.get(ref)
 
 
+def bucket_streams(learner, bucket_bytes: int, dtype: str = "float32", **debug):
+    """Start the collective weight gather on every rank of a LearnerGroup of
+    resync.learner_actor.RayLearnerWorker actors; returns rank 0's stream of bucket refs (tensors cast to `dtype`) and the other ranks' streams
+    (drain them so their generators finish)."""
+    # Backpressure: rank 0 packs at most two buckets ahead of the engines.
+    streams = [a.hf_bucket_stream.options(num_returns="streaming", _generator_backpressure_num_objects=2)
+               .remote(bucket_bytes, dtype, **debug) for a in learner.actors]
+    return streams[0], streams[1:]
+
+
 class ObjectStoreRoute:
     name = "ray"
 
     def load(self, learner, targets: list, version: int, bucket_bytes: int, dtype: str = "float32",
              **debug) -> int:
-        rank0_stream, other_streams = learner.bucket_streams(bucket_bytes, dtype, **debug)
+        rank0_stream, other_streams = bucket_streams(learner, bucket_bytes, dtype, **debug)
         n = 0
         for ref in rank0_stream:
             n += 1

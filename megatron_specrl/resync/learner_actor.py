@@ -1,0 +1,55 @@
+"""The learner side of a sync, running inside each learner rank's Ray actor.
+
+The learner only knows how to yield its weights as full HF tensors (`iter_hf_state`); turning
+them into buckets and moving them by a transport is resync's business, so it lives here and the
+actor class is injected into `LearnerGroup` (actors.py) instead of the learner importing resync.
+Every rank runs the sync methods (the gather is collective); only rank 0 sends. `dtype` is the
+engines' (rollout.engine_dtype): floating tensors are cast to it on rank 0 as they enter a bucket,
+so every transport moves the same, cast, buckets.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from megatron_specrl.learner.worker import LearnerWorker
+from megatron_specrl.resync.buckets import plan_buckets
+from megatron_specrl.resync.group import ResyncMember
+from megatron_specrl.resync.streams import broadcast_all, drain, push_ipc
+
+
+class RayLearnerWorker(LearnerWorker, ResyncMember):
+    """LearnerWorker plus its weights as resync buckets, for each transport (resync.routes)."""
+
+    def _buckets(self, bucket_bytes: int, dtype: str, swap_kv: bool, swap_gate_up: bool):
+        return plan_buckets(self.iter_hf_state(swap_kv=swap_kv, swap_gate_up=swap_gate_up), bucket_bytes,
+                            dtype=dtype)
+
+    def hf_bucket_stream(self, bucket_bytes: int, dtype: str = "float32", swap_kv: bool = False,
+                         swap_gate_up: bool = False):
+        """Object store: numpy payloads that Ray writes once into its store and engine actors read from there."""
+        for bucket in self._buckets(bucket_bytes, dtype, swap_kv, swap_gate_up):
+            yield bucket.to_payload()
+
+    def open_resync_store(self, timeout_s: float) -> tuple[str, int]:
+        return self.resync_endpoint.open_store(ray.util.get_node_ip_address(), timeout_s)
+
+    def broadcast_buckets(self, bucket_bytes: int, dtype: str = "float32", swap_kv: bool = False,
+                          swap_gate_up: bool = False):
+        """Broadcast: rank 0 sends every bucket over the resync group; returns {buckets, bytes} there."""
+        buckets = self._buckets(bucket_bytes, dtype, swap_kv, swap_gate_up)
+        if self.rank != 0:
+            return drain(buckets)
+        return broadcast_all(self.resync_endpoint, buckets)
+
+    def push_ipc_buckets(self, bucket_bytes: int, engine_actors: list, version: int, timeout_s: float,
+                         dtype: str = "float32", swap_kv: bool = False, swap_gate_up: bool = False):
+        """CUDA IPC: rank 0 hands each bucket's handles to every engine actor and waits for all of them."""
+        buckets = self._buckets(bucket_bytes, dtype, swap_kv, swap_gate_up)
+        if self.rank != 0:
+            return drain(buckets)
+
+        def load_everywhere(payload):
+            ray.get([a.update_weights_ipc.remote(payload, version) for a in engine_actors], timeout=timeout_s)
+        return push_ipc(buckets, self.device, load_everywhere)
+
