@@ -6,7 +6,9 @@ context, so the whole response distribution can be enumerated. It samples and
 verifies under the processed distribution (temperature, then vLLM's top-k / top-p
 rule) as the vLLM engine does, with replacements, unless built with
 `replacements=False` (then it scores like SGLang: temperature 1 only, no
-replacements, and honours ban_first_token).
+replacements, and honours ban_first_token). With replacements it also samples coupled
+(`coupled_seed`: the position-keyed Gumbel noise of megatron_specrl.rollout.coupled), as the
+vLLM engine's patch does.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import hashlib
 import math
 
 import numpy as np
+import torch
 
 from megatron_specrl.engines.protocol import (EngineHealth, GenerateRequest, GenerateResult, SamplingSettings,
                                               ScoreRequest, ScoreResult, check_version, untruncated_t1)
+from megatron_specrl.rollout.coupled import coupled_tokens
 
 EOS = 0
 
@@ -83,12 +87,20 @@ class TabularPolicy:
         return out
 
 
+def coupled_draw(probs: np.ndarray, seed: int, position: int) -> int:
+    """The token coupled sampling draws from `probs` at response position `position`."""
+    with np.errstate(divide="ignore"):
+        lp = torch.from_numpy(np.log(probs)).unsqueeze(0)
+    return int(coupled_tokens(lp, torch.tensor([seed]), torch.tensor([position]))[0])
+
+
 class TabularEngine:
     name = "tabular"
 
     def __init__(self, policy: TabularPolicy, version: int = 0, replacements: bool = True):
         self.policy, self._version = policy, version
         self.verifies_processed_distribution = replacements
+        self.samples_coupled = replacements
         self.calls: list[str] = []
 
     @property
@@ -109,7 +121,10 @@ class TabularEngine:
                 if i == 0 and r.ban_first_token is not None:
                     draw[r.ban_first_token] = 0.0
                 draw /= draw.sum()
-                tok = int(rng.choice(len(draw), p=draw))
+                if r.coupled_seed is not None:
+                    tok = coupled_draw(p, r.coupled_seed, len(ctx) - r.response_start)
+                else:
+                    tok = int(rng.choice(len(draw), p=draw))
                 toks.append(tok)
                 lps.append(math.log(p[tok]))     # processed log-prob, without the ban
                 ctx = ctx + (tok,)
@@ -137,7 +152,9 @@ class TabularEngine:
                     excl = proc.copy()
                     excl[tok] = 0.0
                     rep = -1
-                    if excl.sum() > 0:
+                    if r.coupled_seed is not None:   # the coupled draw at response position pos
+                        rep = coupled_draw(proc, r.coupled_seed, pos)
+                    elif excl.sum() > 0:
                         rng = np.random.default_rng([r.seed if r.seed is not None else 0, pos])
                         rep = int(rng.choice(len(excl), p=excl / excl.sum()))
                     res.replacements.append(rep)
