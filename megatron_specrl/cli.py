@@ -62,7 +62,7 @@ def cmd_convert(args) -> int:
 
 
 def cmd_check_resync(args) -> int:
-    from megatron_specrl.resync.check import check_resync_main
+    from megatron_specrl.diagnostics.check import check_resync_main
     return check_resync_main(args.rest)
 
 

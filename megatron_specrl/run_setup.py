@@ -59,6 +59,11 @@ class Run:
         return render_prompt(record, self.tokenizer, self.cfg.data.apply_chat_template,
                              max_prompt_len=self.cfg.data.max_prompt_len)
 
+    def probe_prompts(self, n: int = 8) -> list[list[int]]:
+        """A few held-out prompts (training ones when there is no eval set) for the resync check."""
+        records = list(self.eval_records) or list(self.train_records.values())
+        return [self.prompt_ids(r) for r in records[:n]]
+
     def resync(self, wake_engines: bool = False) -> dict[str, float]:
         """Push the learner's current weights to every engine as weight version `self.version`."""
         from megatron_specrl.resync.lifecycle import sync_weights

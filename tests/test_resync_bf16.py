@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from megatron_specrl.resync.check import LOGPROB_TOL, make_probe_prompts, resync, run_check
+from megatron_specrl.diagnostics.check import LOGPROB_TOL, make_probe_prompts, resync, run_check
 from megatron_specrl.resync.routes import bucket_streams
 
 pytestmark = pytest.mark.slow
@@ -40,8 +40,8 @@ def test_bf16_engine_after_grpo_step_passes_check_resync(tmp_path, tiny_llama):
     from safetensors.torch import load_file
 
     from megatron_specrl.resync.buckets import Bucket
-    from megatron_specrl.resync.check import learner_hf_state, read_engine_weights
-    from megatron_specrl.resync.readout import compare_weights
+    from megatron_specrl.diagnostics.check import learner_hf_state, read_engine_weights
+    from megatron_specrl.diagnostics.readout import compare_weights
     from megatron_specrl.resync.routes import make_route
     from megatron_specrl.run_setup import build_run
     from megatron_specrl.trainer import train_step

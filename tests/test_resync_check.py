@@ -8,11 +8,10 @@ They prove the check passes after a correct sync and *fails* for the classic bug
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 
-from megatron_specrl.resync.check import (
+from megatron_specrl.diagnostics.check import (
     check_resync_main, logprob_check, make_probe_prompts, probe_logprobs, resync, run_check,
 )
 
@@ -134,9 +133,7 @@ def test_cli_exit_codes_and_trainer_hook(learner, engine, tiny_llama):
     assert check_resync_main(base + ["--swap-gate-up", "--no-weights"], learner=learner, engine=engine) == 1
     assert check_resync_main(base, learner=learner, engine=engine) == 0         # repaired by a correct sync
 
-    run = SimpleNamespace(engine=engine, learner=learner, version=engine.weight_version, pad_id=PAD,
-                          eval_records=[[5 + i] * (20 + i) for i in range(3)], train_records={},
-                          prompt_ids=list, cfg=SimpleNamespace(rollout=SimpleNamespace(max_new_tokens=8)))
-    metrics = logprob_check(run)
+    prompts = [[5 + i] * (20 + i) for i in range(3)]
+    metrics = logprob_check(engine, learner, engine.weight_version, prompts, max_new_tokens=8, pad_id=PAD)
     assert metrics["resync/logprob_abs_diff"] <= LOGPROB_TOL
     assert metrics["resync/logprob_max_abs_diff"] >= metrics["resync/logprob_abs_diff"]

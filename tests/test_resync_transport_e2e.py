@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_specrl.resync.check import make_probe_prompts, probe_logprobs, resync, run_check
+from megatron_specrl.diagnostics.check import make_probe_prompts, probe_logprobs, resync, run_check
 
 pytestmark = pytest.mark.slow
 WEIGHT_TOL, LOGPROB_TOL = 1e-6, 1e-4
@@ -42,7 +42,7 @@ def test_grpo_step_over_broadcast_serves_the_learners_weights(tp, restart, tmp_p
     import ray
     from safetensors.torch import load_file
 
-    from megatron_specrl.resync.check import learner_hf_state
+    from megatron_specrl.diagnostics.check import learner_hf_state
     from megatron_specrl.resync.routes import BroadcastRoute
     from megatron_specrl.run_setup import build_run
     from megatron_specrl.trainer import train_step

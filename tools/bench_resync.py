@@ -220,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"= {nbytes / med / 1e9 / mc:.3f} x memcpy; setup {t_setup:.0f} s")
 
         if args.verify:
-            from megatron_specrl.resync.check import learner_hf_state, read_engine_weights
-            from megatron_specrl.resync.readout import compare_weights
+            from megatron_specrl.diagnostics.check import learner_hf_state, read_engine_weights
+            from megatron_specrl.diagnostics.readout import compare_weights
             rows = compare_weights(read_engine_weights(engine)[engine.name],
                                    learner_hf_state(learner, dtype=args.engine_dtype))
             console.print(f"verify: {len(rows)} tensors, max |engine - learner| {max(r.max_abs for r in rows):.3g}")

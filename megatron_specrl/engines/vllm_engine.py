@@ -386,22 +386,12 @@ class VLLMEngine:
     def last_log_lines(self, n: int = 50) -> list[str]:
         return tail_lines(self.log_path, n)
 
-    # -- debug readout (resync.check) -------------------------------------------------
-    def read_weights(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
-        """fp32 copies of the weights worker 0 computes with, vLLM-named (see resync.readout)."""
-        return self._read(names, checksums_only=False)
-
-    def weight_checksums(self, names: list[str] | None = None) -> dict[str, list[float]]:
-        """{name: [position-weighted checksum, L2]} computed in the worker (nothing big moves)."""
-        return self._read(names, checksums_only=True)
-
-    def _read(self, names, checksums_only: bool):
-        from megatron_specrl.resync.readout import decode_worker_result, read_weights_in_worker
-        as_bytes = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
-        kwargs = {"names": names, "checksums_only": checksums_only, "as_bytes": as_bytes}
+    # -- a function in every worker (diagnostics.readout reads the weights back this way) ------
+    def run_in_workers(self, fn, kwargs: dict | None = None) -> list:
+        """fn(worker, **kwargs) in each vLLM worker (collective_rpc); one result per worker. The
+        engine knows nothing of what fn does, so diagnostics stay out of the engine."""
         with self._lock:
-            outs = self._run(lambda: self.llm.collective_rpc(read_weights_in_worker, kwargs=kwargs))
-        return decode_worker_result(outs[0])
+            return self._run(lambda: self.llm.collective_rpc(fn, kwargs=kwargs or {}))
 
     def shutdown(self) -> None:
         llm = self.__dict__.pop("llm", None)

