@@ -1,8 +1,10 @@
 """`megatron-specrl bench-rollout`: the same RL run under every rollout mode, side by side.
 
 Modes: `off` (plain generation), `exact` and `lenient` (last epoch's response verified in one
-prefill, decoded from the first rejection), `tree` (plain generation with speculative decoding
-from per-prompt trees of earlier responses inside vLLM), and `exact+tree` / `lenient+tree` (both).
+prefill, decoded from the first rejection), `coupled` (the same, every (prompt, sample) drawn with
+position-keyed noise kept across epochs: exact samples, reused where the argmax survives), `tree`
+(plain generation with speculative decoding from per-prompt trees of earlier responses inside
+vLLM), and `exact+tree` / `lenient+tree` / `coupled+tree` (both).
 Same recipe, seed and data order for each mode, run one after another in one process; a small
 dataset so every prompt comes back each epoch (drafts exist from epoch 2 on). Per epoch it
 reports rollout seconds, reuse ratio, generated tokens per request per decode step, decode steps
@@ -29,7 +31,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-MODES = ("off", "exact", "lenient", "tree", "exact+tree", "lenient+tree")
+MODES = ("off", "exact", "lenient", "coupled", "tree", "exact+tree", "lenient+tree", "coupled+tree")
 STEADY_FROM_EPOCH = 3
 
 
@@ -38,7 +40,7 @@ def mode_overrides(mode: str) -> list[str]:
     spec, _, draft = mode.partition("+")
     if spec == "tree":
         spec, draft = "off", "tree"
-    if spec not in ("off", "exact", "lenient") or draft not in ("", "tree"):
+    if spec not in ("off", "exact", "lenient", "coupled") or draft not in ("", "tree"):
         raise SystemExit(f"unknown bench mode {mode!r}; modes: {', '.join(MODES)}")
     return [f"rollout.spec_mode={spec}", f"rollout.draft={draft or 'none'}"]
 

@@ -46,6 +46,7 @@ def test_modes_and_seed_spread():
     assert mode_overrides("exact+tree") == ["rollout.spec_mode=exact", "rollout.draft=tree"]
     assert mode_overrides("tree") == ["rollout.spec_mode=off", "rollout.draft=tree"]
     assert mode_overrides("lenient") == ["rollout.spec_mode=lenient", "rollout.draft=none"]
+    assert mode_overrides("coupled+tree") == ["rollout.spec_mode=coupled", "rollout.draft=tree"]
     with pytest.raises(SystemExit, match="unknown bench mode"):
         mode_overrides("exact+ngram")
     sp = spread([{"speedup_x": 2.0, "only_one": 1.0}, {"speedup_x": 3.0}])
