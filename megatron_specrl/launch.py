@@ -1,13 +1,22 @@
-"""`megatron-specrl launch`: render (and optionally submit) a Slurm job that starts a Ray cluster and trains.
+"""`megatron-specrl launch`: check the whole plan, then render (and optionally submit) a Slurm job
+that starts a Ray cluster and trains.
 
-Node 0 runs `ray start --head` and the driver; the other nodes join with
-`ray start --address`. The driver then runs `megatron-specrl train` with
-`ray.address=auto`, so placement is Ray's, exactly as in a local run.
+The plan check (plan.py) runs first, always, and nothing is written when it fails: a layout that
+cannot run would otherwise fail only after the job left the queue. The script then:
+  1. runs the GPU stack check (gpu_stack.py) on every node, so a broken install fails in seconds;
+  2. starts the Ray head on the first node and a worker on each other node with `srun`, and waits
+     with ray_join.py until every node's GPUs have joined (a timeout, never a fixed sleep);
+  3. runs `megatron-specrl train ... ray.address=auto trainer.resume=auto` on the head;
+  4. stops Ray on exit (an EXIT trap), exits with train's status, and requeues itself after a
+     failure other than a config error (2) up to --max-requeues times; resume=auto continues from
+     the newest complete checkpoint. Slurm's --requeue covers preemption and node failure.
+Every path and override is shell-quoted.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import subprocess
 import sys
@@ -20,63 +29,133 @@ TEMPLATE = """#!/bin/bash
 #SBATCH --gpus-per-node={gpus_per_node}
 #SBATCH --cpus-per-task={cpus_per_node}
 #SBATCH --time={time}
-#SBATCH --output={log_dir}/%x-%j.out
-{partition_line}{account_line}
+#SBATCH --output={log_file}
+#SBATCH --open-mode=append
+#SBATCH --requeue
+{extra_sbatch}# Rendered by `megatron-specrl launch` after the plan check passed; the plan is in {plan_file}.
 set -euo pipefail
-nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
-head=${{nodes[0]}}
-head_ip=$(srun --nodes=1 --ntasks=1 -w "$head" hostname --ip-address | awk '{{print $1}}')
-port={ray_port}
-export RAY_ADDRESS="$head_ip:$port"
 
-srun --nodes=1 --ntasks=1 -w "$head" {venv}/bin/ray start --head --node-ip-address="$head_ip" --port=$port \\
-    --num-gpus={gpus_per_node} --num-cpus={cpus_per_node} --block &
-sleep 20
+VENV={venv}
+WORKDIR={workdir}
+RECIPE={recipe}
+TRAIN_ARGS=({train_args})
+RAY_PORT={ray_port}
+GPUS_PER_NODE={gpus_per_node}
+CPUS_PER_NODE={cpus_per_node}
+JOIN_TIMEOUT_S={join_timeout_s}
+MAX_REQUEUES={max_requeues}
+ENGINE={engine}
+
+cd "$WORKDIR"
+mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+num_nodes=${{#nodes[@]}}
+head_node=${{nodes[0]}}
+head_ip=$(srun --nodes=1 --ntasks=1 -w "$head_node" hostname --ip-address | awk '{{print $1}}')
+export RAY_ADDRESS="$head_ip:$RAY_PORT"
+ray_pids=()
+
+# shellcheck disable=SC2329  # invoked by the EXIT trap below
+stop_ray() {{
+    srun --overlap --nodes="$num_nodes" --ntasks-per-node=1 "$VENV/bin/ray" stop --force >/dev/null 2>&1 || true
+    if [ "${{#ray_pids[@]}}" -gt 0 ]; then
+        kill "${{ray_pids[@]}}" 2>/dev/null || true
+    fi
+}}
+trap stop_ray EXIT
+
+# 1. The GPU stack imports, has the pinned versions and sees its GPUs, on every node.
+srun --nodes="$num_nodes" --ntasks-per-node=1 "$VENV/bin/python" -m megatron_specrl.gpu_stack \\
+    --gpus "$GPUS_PER_NODE" --engine "$ENGINE"
+
+# 2. Ray: the head on the first node, a worker on each other node; wait until all have joined.
+srun --nodes=1 --ntasks=1 -w "$head_node" "$VENV/bin/ray" start --head --node-ip-address="$head_ip" \\
+    --port="$RAY_PORT" --num-gpus="$GPUS_PER_NODE" --num-cpus="$CPUS_PER_NODE" --block &
+ray_pids+=("$!")
 for node in "${{nodes[@]:1}}"; do
-  srun --nodes=1 --ntasks=1 -w "$node" {venv}/bin/ray start --address="$RAY_ADDRESS" \\
-      --num-gpus={gpus_per_node} --num-cpus={cpus_per_node} --block &
+    srun --nodes=1 --ntasks=1 -w "$node" "$VENV/bin/ray" start --address="$RAY_ADDRESS" \\
+        --num-gpus="$GPUS_PER_NODE" --num-cpus="$CPUS_PER_NODE" --block &
+    ray_pids+=("$!")
 done
-sleep 20
+"$VENV/bin/python" -m megatron_specrl.ray_join --address "$RAY_ADDRESS" --nodes "$num_nodes" \\
+    --gpus-per-node "$GPUS_PER_NODE" --timeout-s "$JOIN_TIMEOUT_S"
 
-srun --overlap --nodes=1 --ntasks=1 -w "$head" {venv}/bin/megatron-specrl train {recipe} ray.address=auto {overrides}
+# 3. Train on the head node; resume=auto continues a requeued job from its newest checkpoint.
+rc=0
+srun --overlap --nodes=1 --ntasks=1 -w "$head_node" "$VENV/bin/megatron-specrl" train "$RECIPE" "${{TRAIN_ARGS[@]}}" || rc=$?
+
+# 4. Requeue after a failure that is not a config error (exit 2), a bounded number of times.
+if [ "$rc" -ne 0 ] && [ "$rc" -ne 2 ] && [ "${{SLURM_RESTART_COUNT:-0}}" -lt "$MAX_REQUEUES" ]; then
+    echo "train exited with $rc; requeueing (restart ${{SLURM_RESTART_COUNT:-0}} of $MAX_REQUEUES)" >&2
+    scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$rc"
 """
 
 
 def render(recipe: str, nodes: int, gpus_per_node: int, cpus_per_node: int, time: str, partition: str | None,
-           account: str | None, overrides: list[str], venv: str, log_dir: str, ray_port: int = 6379) -> str:
-    if nodes < 1 or gpus_per_node < 0:
-        raise ValueError("--nodes must be >= 1 and --gpus-per-node >= 0")
+           account: str | None, overrides: list[str], venv: str, log_dir: str, workdir: str, engine: str = "vllm",
+           ray_port: int = 6379, join_timeout_s: int = 600, max_requeues: int = 3, plan_file: str = "") -> str:
+    q = shlex.quote
+    extra = "".join(f"#SBATCH --{k}={v}\n" for k, v in (("partition", partition), ("account", account)) if v)
+    train_args = ["ray.address=auto", "trainer.resume=auto", *overrides]
     return TEMPLATE.format(
         job_name=f"specrl-{Path(recipe).stem}", nodes=nodes, gpus_per_node=gpus_per_node,
-        cpus_per_node=cpus_per_node, time=time, log_dir=log_dir, ray_port=ray_port, venv=venv,
-        partition_line=f"#SBATCH --partition={partition}\n" if partition else "",
-        account_line=f"#SBATCH --account={account}\n" if account else "",
-        recipe=shlex.quote(recipe), overrides=" ".join(shlex.quote(o) for o in overrides))
+        cpus_per_node=cpus_per_node, time=time, log_file=_sbatch_value(f"{log_dir}/%x-%j.out"),
+        extra_sbatch=extra, plan_file=plan_file or "the job's output directory", venv=q(venv), workdir=q(workdir),
+        recipe=q(recipe), train_args=" ".join(q(a) for a in train_args), ray_port=ray_port,
+        join_timeout_s=join_timeout_s, max_requeues=max_requeues, engine=q(engine))
 
 
-def launch_main(argv: list[str]) -> int:
-    from megatron_specrl.config import load_config, resolve_recipe
+def _sbatch_value(value: str) -> str:
+    """#SBATCH lines are not shell: sbatch reads a double-quoted value as one, spaces included."""
+    if '"' in value or "\n" in value:
+        from megatron_specrl.config import ConfigError
+        raise ConfigError(f"output_dir={value!r}: a double quote or newline cannot be passed to #SBATCH --output")
+    return f'"{value}"' if any(c.isspace() for c in value) else value
 
-    p = argparse.ArgumentParser(prog="megatron-specrl launch", description=__doc__)
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-specrl launch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipe")
     p.add_argument("overrides", nargs="*")
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--nodes", type=int, help="sets cluster.nodes (default: the recipe's)")
+    p.add_argument("--gpus-per-node", type=int, help="sets cluster.gpus_per_node (default: the recipe's)")
     p.add_argument("--cpus-per-node", type=int, default=64)
     p.add_argument("--time", default="24:00:00")
     p.add_argument("--partition")
     p.add_argument("--account")
     p.add_argument("--venv", default=str(Path(sys.prefix)))
+    p.add_argument("--join-timeout-s", type=int, default=600, help="how long nodes may take to join Ray")
+    p.add_argument("--max-requeues", type=int, default=3)
     p.add_argument("--out", help="where to write the sbatch script (default: <output_dir>/launch.sbatch)")
     p.add_argument("--submit", action="store_true", help="run sbatch on the rendered script")
-    args = p.parse_args(argv)
+    return p
+
+
+def launch_main(argv: list[str]) -> int:
+    from megatron_specrl.config import load_config, resolve_recipe
+    from megatron_specrl.plan import build_plan
+
+    args = build_parser().parse_intermixed_args(argv)
     recipe = resolve_recipe(args.recipe)
-    cfg = load_config(recipe, args.overrides)   # fail here, not on the cluster
+    overrides = list(args.overrides)
+    # --nodes / --gpus-per-node are the cluster.* keys, so the plan and the job see the same numbers
+    if args.nodes is not None:
+        overrides.append(f"cluster.nodes={args.nodes}")
+    if args.gpus_per_node is not None:
+        overrides.append(f"cluster.gpus_per_node={args.gpus_per_node}")
+    cfg = load_config(recipe, overrides)
+    plan = build_plan(cfg)                 # raises PlanError before anything is written
     out = Path(args.out or Path(cfg.output_dir) / "launch.sbatch")
     out.parent.mkdir(parents=True, exist_ok=True)
-    script = render(str(recipe), args.nodes, args.gpus_per_node, args.cpus_per_node, args.time, args.partition,
-                    args.account, args.overrides, args.venv, log_dir=str(Path(cfg.output_dir).resolve()))
+    plan_file = out.with_suffix(".plan.txt")
+    script = render(str(Path(recipe).resolve()), cfg.cluster.nodes, cfg.cluster.gpus_per_node, args.cpus_per_node,
+                    args.time, args.partition, args.account, overrides, args.venv,
+                    log_dir=str(Path(cfg.output_dir).resolve()), workdir=os.getcwd(), engine=cfg.rollout.engine,
+                    join_timeout_s=args.join_timeout_s, max_requeues=args.max_requeues, plan_file=str(plan_file))
     out.write_text(script)
+    plan_file.write_text("\n".join(f"{k}: {v}" for k, v in plan.rows()) + "\n")
     print(f"wrote {out}")
     if args.submit:
         return subprocess.call(["sbatch", str(out)])

@@ -39,8 +39,27 @@ def check_hf_config(hf_config) -> None:
     params = getattr(hf_config, "rope_parameters", None) or {}
     scaling = getattr(hf_config, "rope_scaling", None) or {}
     kind = scaling.get("rope_type", scaling.get("type")) or params.get("rope_type", "default")
-    if kind not in (None, "default"):
+    if kind == "llama3":
+        llama3_rope_factor(hf_config)   # raises unless Megatron's fixed Llama 3.1 constants match
+    elif kind not in (None, "default"):
         raise ValueError(f"RoPE scaling {kind!r} is not supported by the converter")
+
+
+# Megatron's RotaryEmbedding applies Llama 3.1's RoPE scaling with these constants fixed; only the
+# factor is a GPTModel argument (megatron/core/models/common/embeddings/rotary_pos_embedding.py).
+MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def llama3_rope_factor(hf_config) -> float | None:
+    """The llama3 RoPE scaling factor (Llama 3.1 / 3.2 / 3.3), None without llama3 scaling; raises when
+    the config's constants differ from the ones Megatron hard-codes."""
+    scaling = dict(getattr(hf_config, "rope_scaling", None) or getattr(hf_config, "rope_parameters", None) or {})
+    if scaling.get("rope_type", scaling.get("type")) != "llama3":
+        return None
+    for key, want in MEGATRON_LLAMA3_ROPE.items():
+        if float(scaling.get(key, want)) != want:
+            raise ValueError(f"llama3 RoPE scaling with {key}={scaling.get(key)}: Megatron fixes it at {want:g}")
+    return float(scaling["factor"])
 
 
 def head_dim(hf_config) -> int:
@@ -152,6 +171,8 @@ def build_gpt_model(hf_config, tp: int = 1, pp: int = 1, dtype: torch.dtype = to
         share_embeddings_and_output_weights=tied,
         position_embedding_type="rope",
         rotary_base=rope_theta(hf_config),
+        rope_scaling=llama3_rope_factor(hf_config) is not None,
+        rope_scaling_factor=llama3_rope_factor(hf_config) or 8.0,
     )
     if role == "critic" and post_process:
         model.output_layer = ValueHead(hf_config.hidden_size, dtype)

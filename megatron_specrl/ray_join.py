@@ -1,0 +1,77 @@
+"""Wait until every node of a `ray start` cluster has joined with its GPUs, or fail with a named error.
+
+The Slurm script `launch` renders starts the head and the workers in the background and then runs
+this module: it polls the head's GCS port, connects, and polls `ray.nodes()` until `--nodes` alive
+nodes each report at least `--gpus-per-node` GPUs. No fixed sleeps: a slow node delays the run only as
+long as it needs, a node that never joins ends the job after `--timeout-s` with the missing count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+import time
+
+
+class ClusterJoinTimeout(RuntimeError):
+    """Not every node joined the Ray cluster in time; the message says how many did."""
+
+
+def _head_reachable(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def ready_nodes(nodes: list[dict], gpus_per_node: int) -> list[dict]:
+    """The alive nodes that report at least gpus_per_node GPUs."""
+    return [n for n in nodes if n.get("Alive") and n.get("Resources", {}).get("GPU", 0) >= gpus_per_node]
+
+
+def wait_for_cluster(address: str, nodes: int, gpus_per_node: int, timeout_s: float, poll_s: float = 1.0) -> list[dict]:
+    """Block until `nodes` nodes with `gpus_per_node` GPUs each are alive in the cluster at `address`."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while not _head_reachable(address):
+        if time.monotonic() > deadline:
+            raise ClusterJoinTimeout(f"--address={address}: the Ray head did not accept connections within "
+                                     f"{timeout_s:g} s")
+        time.sleep(poll_s)
+    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    try:
+        while True:
+            ready = ready_nodes(ray.nodes(), gpus_per_node)
+            if len(ready) >= nodes:
+                return ready
+            if time.monotonic() > deadline:
+                hosts = sorted(n.get("NodeManagerAddress", "?") for n in ready)
+                raise ClusterJoinTimeout(f"--nodes={nodes}: only {len(ready)} node(s) with >= {gpus_per_node} GPUs "
+                                         f"joined the Ray cluster at {address} within {timeout_s:g} s ({hosts})")
+            time.sleep(poll_s)
+    finally:
+        ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m megatron_specrl.ray_join", description=__doc__)
+    p.add_argument("--address", required=True, help="head IP:port")
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    args = p.parse_args(argv)
+    try:
+        ready = wait_for_cluster(args.address, args.nodes, args.gpus_per_node, args.timeout_s)
+    except ClusterJoinTimeout as e:
+        print(f"ray_join: {e}", file=sys.stderr)
+        return 3
+    print(f"ray_join: {len(ready)} node(s) joined with >= {args.gpus_per_node} GPUs each")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""The plan check: the shipped cluster recipes pass it, each broken variant fails with its named
+reason (one line, exit 2) in `train --dry-run` and in `launch` (before a script is written), and the
+memory estimate's parameter, gradient and optimizer bytes equal a real learner's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_specrl.cli import main
+from megatron_specrl.config import load_config
+from megatron_specrl.plan import GB, ModelShape, PlanError, build_plan, load_hf_config, stage_parameters
+
+ROOT = Path(__file__).resolve().parent.parent
+CLUSTER_RECIPES = ["qwen2.5-7b-dapo-1node", "qwen2.5-32b-dapo-4node", "llama-3.1-70b-dapo-8node"]
+MODELS = {"qwen2.5-7b": 7.615616512e9, "qwen2.5-32b": 32.763876352e9, "llama-3.1-70b": 70.553706496e9}
+
+
+@pytest.fixture(autouse=True)
+def _repo_cwd(monkeypatch):
+    monkeypatch.chdir(ROOT)   # the recipes' default model and data paths are relative to the repository
+
+
+@pytest.mark.parametrize("recipe", CLUSTER_RECIPES)
+def test_cluster_recipes_pass_the_dry_run(recipe, capsys):
+    assert main(["train", recipe, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "learner memory / GPU" in out and "engine KV for the batch" in out
+    cfg = load_config(ROOT / "examples" / f"{recipe}.yaml")
+    assert cfg.algorithm.name == "dapo" and cfg.rollout.spec_mode == "exact"
+    assert 0 < cfg.algorithm.overlong_buffer < cfg.rollout.max_new_tokens
+    plan = build_plan(cfg)
+    assert plan.learner.total <= cfg.cluster.gpu_memory_gb * GB
+
+
+@pytest.mark.parametrize("model, params", MODELS.items())
+def test_shipped_model_shapes_have_the_published_sizes(model, params):
+    from megatron_specrl.plan import full_parameters
+    s = ModelShape.from_hf(load_hf_config(f"examples/models/{model}"))
+    assert full_parameters(s) == params
+
+
+BROKEN = [
+    # (recipe, overrides, needle)
+    ("llama-3.1-70b-dapo-8node", ["learner.tp=16"], "learner.tp=16 does not divide num_key_value_heads=8"),
+    ("qwen2.5-32b-dapo-4node", ["learner.tp=3"], "learner.tp=3 does not divide num_attention_heads=40 and "
+                                                 "num_key_value_heads=8"),
+    ("qwen2.5-32b-dapo-4node", ["rollout.engine_tp=5"], "rollout.engine_tp=5 does not divide num_key_value_heads=8"),
+    ("llama-3.1-70b-dapo-8node", ["learner.pp=3"], "learner.pp=3 does not divide num_hidden_layers=80"),
+    ("qwen2.5-32b-dapo-4node", ["learner.dp=2", "cluster.nodes=2"],
+     "cluster.nodes=2: learner.tp x pp x dp = 8 x 2 x 2 = 32 plus rollout.num_engines x engine_tp = 4 x 4 = 16"),
+    ("qwen2.5-7b-dapo-1node", ["learner.tp=1", "learner.dp=5", "trainer.prompts_per_step=40"],
+     "cluster.nodes=1: learner.tp x pp x dp = 1 x 1 x 5 = 5 GPUs, but cluster.nodes x gpus_per_node = 1 x 8 = 8"),
+    ("llama-3.1-70b-dapo-8node", ["learner.pp=1", "learner.dp=4"],
+     "cluster.gpu_memory_gb=80: the learner needs 118.5 GB per GPU"),
+    ("qwen2.5-7b-dapo-1node", ["model.path=/nonexistent/qwen"], "model.path='/nonexistent/qwen': no config.json"),
+    ("qwen2.5-7b-dapo-1node", ["data.source=/nonexistent/train.parquet"],
+     "data.source='/nonexistent/train.parquet': data file not found"),
+]
+
+
+@pytest.mark.parametrize("recipe, overrides, needle", BROKEN, ids=lambda v: v if isinstance(v, str) else None)
+def test_broken_variants_fail_dry_run_and_launch(recipe, overrides, needle, tmp_path, capsys):
+    """One line per failure (a layout can break several rules), the named reason among them."""
+    def failures():
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert err and all(ln.startswith("megatron-specrl: plan error: ") for ln in err), err
+        assert any(needle in ln for ln in err), err
+        return err
+    assert main(["train", recipe, *overrides, "--dry-run"]) == 2
+    dry_run = failures()
+    script = tmp_path / "job.sbatch"
+    assert main(["launch", recipe, *overrides, "--out", str(script)]) == 2
+    assert failures() == dry_run                       # launch refuses exactly what the dry run refuses
+    assert not script.exists() and not script.parent.joinpath("job.plan.txt").exists()
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("", "has no rows"),
+    ('{"prompt": "1+1=", "answer": "2"}\nnot json\n', "line 2 is not valid JSON"),
+    ('{"question": "1+1="}\n', "missing answer field"),
+])
+def test_bad_data_files_fail_the_dry_run(tmp_path, capsys, content, needle):
+    data = tmp_path / "train.jsonl"
+    data.write_text(content)
+    assert main(["train", "qwen2.5-7b-dapo-1node", f"data.source={data}", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"data.source='{data}'" in err[0] and needle in err[0], err
+
+
+def test_too_few_prompts_for_a_step(tmp_path, capsys):
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(8)))
+    assert main(["train", "qwen2.5-7b-dapo-1node", f"data.source={data}", "--dry-run"]) == 2
+    assert "8 prompts, fewer than trainer.prompts_per_step=32" in capsys.readouterr().err
+
+
+def test_flag_anywhere_and_tiny_layouts(capsys):
+    assert main(["train", "tiny-cpu-grpo", "--dry-run", "learner.tp=2"]) == 0
+    assert "tp 2 x pp 1 x dp 1" in capsys.readouterr().out
+
+
+def test_distributed_optimizer_and_recompute_shrink_the_estimate():
+    base = ["learner.distributed_optimizer=false", "learner.recompute=none", "cluster.gpus_per_node=0"]
+    cfg = load_config(ROOT / "examples/qwen2.5-7b-dapo-1node.yaml", base)
+    plain = build_plan(cfg, check_data=False).learner
+    sharded = build_plan(load_config(ROOT / "examples/qwen2.5-7b-dapo-1node.yaml",
+                                     [*base, "learner.distributed_optimizer=true"]), check_data=False).learner
+    full = build_plan(load_config(ROOT / "examples/qwen2.5-7b-dapo-1node.yaml",
+                                  [*base, "learner.recompute=full"]), check_data=False).learner
+    assert plain.optimizer == 2 * plain.weights and sharded.optimizer == plain.optimizer // cfg.learner.dp
+    assert full.activations < plain.activations / 4 and full.static == plain.static
+
+
+def test_convert_checks_the_layout_before_spawning(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "mcore"
+    assert main(["convert", "hf-to-mcore", "--hf", str(tiny_llama), "--out", str(out), "--tp", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--tp=3 does not divide num_attention_heads=4 and num_key_value_heads=2" in err[0]
+    assert not out.exists()
+
+
+# --------------------------------------------------------------------------- estimate vs a real learner
+
+def _measure(rank, world, hf_dir, layouts, ports, out_dir):
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_learner_layouts import complete_batch, make_batch
+
+    from megatron_specrl.config import LearnerConfig
+    from megatron_specrl.learner.worker import LearnerWorker
+    for (tp, pp), port in zip(layouts, ports):
+        w = LearnerWorker(rank, world, "127.0.0.1", port, LearnerConfig(tp=tp, pp=pp, dp=world // (tp * pp),
+                                                                        micro_batch_size=2), seed=1)
+        w.load_hf(hf_dir)
+        batch = make_batch(hf_dir)
+        w.train_step(complete_batch(batch, torch.zeros(batch["input_ids"].shape)))
+        params = [p for p in w.model.parameters()]
+        opt = [t for p in params for k, t in w.optimizer.state[p].items() if k in ("exp_avg", "exp_avg_sq")]
+        torch.save({"stage": w.pp_rank, "numel": sum(p.numel() for p in params),
+                    "weights": sum(p.numel() * p.element_size() for p in params),
+                    "grads": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+                    "optimizer": sum(t.numel() * t.element_size() for t in opt)},
+                   f"{out_dir}/tp{tp}pp{pp}-rank{rank}.pt")
+        w.shutdown()
+
+
+@pytest.mark.slow
+def test_memory_estimate_matches_a_real_learner(tiny_llama, tmp_path):
+    """Parameters, gradient and AdamW bytes of every rank at TP2 and PP2 equal the estimate exactly."""
+    import torch.multiprocessing as mp
+
+    from megatron_specrl.learner.model_provider import padded_vocab_size
+    from megatron_specrl.ports import free_port
+    layouts = [(2, 1), (1, 2)]
+    mp.spawn(_measure, args=(2, str(tiny_llama), layouts, [free_port("127.0.0.1") for _ in layouts], str(tmp_path)),
+             nprocs=2, join=True)
+    s = ModelShape.from_hf(load_hf_config(str(tiny_llama)))
+    for tp, pp in layouts:
+        cfg = load_config(None, [f"model.path={tiny_llama}", f"learner.tp={tp}", f"learner.pp={pp}",
+                                 "learner.micro_batch_size=2"])
+        plan = build_plan(cfg, check_data=False)
+        for rank in range(2):
+            m = torch.load(tmp_path / f"tp{tp}pp{pp}-rank{rank}.pt")
+            assert m["numel"] == stage_parameters(s, tp, pp, m["stage"], padded_vocab_size(s.vocab, tp)), (tp, pp, rank)
+            assert m["weights"] == m["grads"] == 4 * m["numel"] and m["optimizer"] == 8 * m["numel"]
+        heaviest = max(torch.load(tmp_path / f"tp{tp}pp{pp}-rank{r}.pt")["numel"] for r in range(2))
+        assert plan.learner.params == heaviest
+        assert (plan.learner.weights, plan.learner.grads, plan.learner.optimizer) == \
+            (4 * heaviest, 4 * heaviest, 8 * heaviest)
