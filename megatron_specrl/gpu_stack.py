@@ -2,7 +2,7 @@
 a `launch` job run before training, so a broken or mismatched install fails in seconds, named.
 
 Checks that torch, megatron-core, vLLM (or SGLang), transformer-engine and Ray import, that their
-versions are the pinned ones (docker/constraints-*.txt), and that CUDA sees the node's GPUs.
+versions are the pinned ones (docker/constraints-gpu.txt), and that CUDA sees the node's GPUs.
 `--gpus 0` checks a CPU node: imports only, no pins (CPU wheels carry other versions), no CUDA.
 """
 
@@ -14,8 +14,8 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-CONSTRAINTS = {"vllm": Path(__file__).resolve().parent.parent / "docker" / "constraints-gpu.txt",
-               "sglang": Path(__file__).resolve().parent.parent / "docker" / "constraints-sglang.txt"}
+# One pinned set (the vLLM image); SGLang has no pin there (docker/constraints-gpu.txt says why).
+CONSTRAINTS = Path(__file__).resolve().parent.parent / "docker" / "constraints-gpu.txt"
 
 # (distribution, import name, needed on GPU nodes only)
 STACK = {
@@ -50,7 +50,7 @@ def _installed_version(dist: str) -> str | None:
 
 def check_stack(engine: str = "vllm", gpus: int = 0) -> tuple[list[str], list[str]]:
     """(report lines, failures): one failure line per missing import, wrong version or missing GPU."""
-    pins = read_pins(CONSTRAINTS[engine]) if gpus > 0 else {}
+    pins = read_pins(CONSTRAINTS) if gpus > 0 else {}
     report, failures = [], []
     for dist, module, gpu_only in STACK[engine]:
         if gpu_only and gpus == 0:
@@ -64,7 +64,7 @@ def check_stack(engine: str = "vllm", gpus: int = 0) -> tuple[list[str], list[st
         report.append(f"{dist}=={version}")
         want = pins.get(dist)
         if want and version.split("+")[0] != want:
-            failures.append(f"{dist}: version {version} installed, {CONSTRAINTS[engine].name} pins {want}")
+            failures.append(f"{dist}: version {version} installed, {CONSTRAINTS.name} pins {want}")
     if gpus > 0:
         import torch
         found = torch.cuda.device_count() if torch.cuda.is_available() else 0

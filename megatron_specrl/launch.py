@@ -126,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--partition")
     p.add_argument("--account")
     p.add_argument("--venv", default=str(Path(sys.prefix)))
+    p.add_argument("--ray-port", type=int, default=6379, help="the Ray head's GCS port")
     p.add_argument("--join-timeout-s", type=int, default=600, help="how long nodes may take to join Ray")
     p.add_argument("--max-requeues", type=int, default=3)
     p.add_argument("--out", help="where to write the sbatch script (default: <output_dir>/launch.sbatch)")
@@ -153,7 +154,7 @@ def launch_main(argv: list[str]) -> int:
     script = render(str(Path(recipe).resolve()), cfg.cluster.nodes, cfg.cluster.gpus_per_node, args.cpus_per_node,
                     args.time, args.partition, args.account, overrides, args.venv,
                     log_dir=str(Path(cfg.output_dir).resolve()), workdir=os.getcwd(), engine=cfg.rollout.engine,
-                    join_timeout_s=args.join_timeout_s, max_requeues=args.max_requeues, plan_file=str(plan_file))
+                    ray_port=args.ray_port, join_timeout_s=args.join_timeout_s, max_requeues=args.max_requeues, plan_file=str(plan_file))
     out.write_text(script)
     plan_file.write_text("\n".join(f"{k}: {v}" for k, v in plan.rows()) + "\n")
     print(f"wrote {out}")
