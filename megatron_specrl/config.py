@@ -113,6 +113,10 @@ class RolloutConfig(_Strict):
     draft_min_prob: float = Field(0.1, ge=0, le=1)       # stop a draft where its path frequency drops below
     draft_token_budget: int = Field(2048, ge=1)          # about how many tokens one engine step verifies
     draft_max_nodes: int = Field(4_000_000, ge=1000)     # tree memory bound (least recently used prompts go first)
+    # Run-ahead (SRT): up to this many requests for the next step's prompts join the tail of each
+    # generation (when a quarter of the batch or less still runs) and are aborted when it ends;
+    # their tokens only feed the draft trees. 0: off. Needs draft=tree.
+    runahead: int = Field(0, ge=0)
 
     @field_validator("spec_mode", mode="before")
     @classmethod
@@ -280,6 +284,9 @@ class RunConfig(_Strict):
         if r.spec_mode == "coupled" and r.engine != "vllm":
             raise ValueError(f"rollout.spec_mode=coupled with rollout.engine={r.engine}: position-keyed sampling "
                              "is built into the vLLM engine only; use rollout.engine=vllm or another spec_mode")
+        if r.runahead and r.draft != "tree":
+            raise ValueError(f"rollout.runahead={r.runahead} with rollout.draft={r.draft}: run-ahead tokens only "
+                             "feed draft trees; set rollout.draft=tree or rollout.runahead=0")
         if r.draft == "tree" and r.engine != "vllm":
             raise ValueError(f"rollout.draft=tree with rollout.engine={r.engine}: tree drafting is built into "
                              "the vLLM engine only; use rollout.engine=vllm or rollout.draft=none")

@@ -247,3 +247,21 @@ def test_wrappers_forward_the_verification_capability():
     with pytest.raises(NotImplementedError, match="cannot verify"):
         SpeculativeRollout(EngineRouter([vllm, sgl]), TrajectoryStore(), mode="exact", lenience=1.0,
                            sampling=SamplingSettings(top_p=0.9), max_new_tokens=4, seed=0)
+
+
+def test_runahead_requests_go_to_the_engine_only():
+    """Up to `runahead` requests for the next step's prompts (sample 0 of each, then sample 1)
+    join the generation batch, flagged; their results are neither samples nor stored."""
+    engine = ScriptedEngine(lambda ids: [SURE] * len(ids))
+    store = TrajectoryStore()
+    roll = SpeculativeRollout(engine, store, mode="exact", lenience=1.0, sampling=SamplingSettings(),
+                              max_new_tokens=8, seed=0, runahead=3)
+    samples, m = roll.run([("p0", [5, 6])], 2, 1, step=0, next_prompts=[("n0", [7]), ("n1", [8, 9])])
+    ahead = [r for r in engine.generate_requests if r.runahead]
+    assert [(r.draft_key, r.prompt_ids) for r in ahead] == [("n0", [7]), ("n1", [8, 9]), ("n0", [7])]
+    assert len({r.seed for r in ahead}) == 3 and all(r.response_start == len(r.prompt_ids) for r in ahead)
+    assert [s.prompt_id for s in samples] == ["p0", "p0"] and len(store) == 2
+    assert m["runahead/requests"] == 3
+    engine.generate_requests.clear()
+    roll.run([("p0", [5, 6])], 2, 1, step=1)            # no next prompts: nothing runs ahead
+    assert not any(r.runahead for r in engine.generate_requests)

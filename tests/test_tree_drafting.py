@@ -150,3 +150,32 @@ def test_proposer_refuses_unpatched_vllm_call():
     from megatron_specrl.engines.tree_proposer import TreeProposer
     with pytest.raises(RuntimeError, match="patch"):
         TreeProposer.propose(object())
+
+
+def test_runahead_joins_the_tail_feeds_its_tree_and_is_aborted(engine):
+    """Run-ahead requests (a later step's prompts) start only once a quarter of the batch or less
+    still runs, stop when the last real request ends, and change no real request's tokens (greedy);
+    their tokens go into their own prompt's tree and are counted apart."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 263) for _ in range(8)] for _ in range(8)]
+    greedy = SamplingSettings(temperature=0.0, need_logprobs=False)
+    real = [GenerateRequest(p, 6 + 8 * i, draft_key=f"ra-real{i}", response_start=len(p)) for i, p in enumerate(prompts)]
+    ahead = [GenerateRequest(p, 60, draft_key=f"ra-next{i}", response_start=len(p), runahead=True)
+             for i, p in enumerate(reversed(prompts))]
+    plain = engine.generate([GenerateRequest(r.prompt_ids, r.max_new_tokens) for r in real], greedy, 0)
+    engine.draft_stats()
+    keys_before = engine.draft_stats()["keys"]
+    out = engine.generate(real[:4] + ahead + real[4:], greedy, 0)
+    stats = engine.draft_stats()
+    got_real, got_ahead = out[:4] + out[12:], out[4:12]
+    assert [r.token_ids for r in got_real] == [r.token_ids for r in plain]
+    # the real requests end after at most 62 tokens and the tail starts when 2 of 8 still run, so
+    # run-ahead requests of 60 tokens are cut short (aborted), with what they produced in the tree
+    assert sum(r.finish_reason == "abort" for r in got_ahead) >= 4
+    assert 0 < stats["runahead_tokens"] < 0.5 * 8 * 60
+    assert stats["keys"] == keys_before + 16            # 8 real and 8 run-ahead prompt trees
+    # run-ahead tokens are not counted as this batch's (the counters may overshoot by a drafted token
+    # per request that vLLM cuts at max_tokens)
+    assert abs(stats["generated_tokens"] - sum(len(r.token_ids) for r in got_real)) <= 8 < stats["runahead_tokens"]
+    with pytest.raises(ValueError, match="run-ahead request needs tree drafting"):
+        engine.generate([GenerateRequest(prompts[0], 4, runahead=True)], greedy, 0)

@@ -65,13 +65,19 @@ class GenerateRequest:
     # that starts inside the response draws what a generation from the prompt would
     # (megatron_specrl.rollout.coupled). Engines with `samples_coupled` only; `seed` is then unused.
     coupled_seed: int | None = None
+    # Run-ahead (rollout.runahead, with tree drafting): a request for a *later* step's prompt that
+    # the engine starts only in the tail of this batch, when few other requests still run, and
+    # aborts when they have all finished. Its tokens only feed that prompt's draft tree; its result
+    # (finish_reason "abort", the tokens it got) is never training data. Engines without tree
+    # drafting refuse it.
+    runahead: bool = False
 
 
 @dataclass
 class GenerateResult:
     token_ids: list[int]
     logprobs: list[float]          # processed log-prob of each generated token under the serving weights
-    finish_reason: str             # "stop" (EOS / stop token) or "length"
+    finish_reason: str             # "stop" (EOS / stop token), "length", or "abort" (run-ahead)
     num_cached_tokens: int = 0     # prompt tokens served from the prefix cache
     weight_version: int = -1
 

@@ -34,13 +34,15 @@ from megatron_specrl.rollout.draft_tree import DraftTrees
 
 DRAFT_KEY = "specrl_draft_key"
 RESPONSE_START = "specrl_response_start"
+RUNAHEAD = "specrl_runahead"          # a run-ahead request: its tokens feed the tree, counted apart
 SETTINGS_ENV = "SPECRL_TREE_PROPOSER"
 PROPOSER_CLASS = "megatron_specrl.engines.tree_proposer.TreeProposer"
 
 DEFAULTS = {"max_depth": 40, "max_match": 16, "max_nodes": 4_000_000, "min_prob": 0.1,
             "token_budget": 2048}
 
-_COUNTERS = ("draft_tokens", "accepted_tokens", "generated_tokens", "request_steps", "engine_steps")
+_COUNTERS = ("draft_tokens", "accepted_tokens", "generated_tokens", "request_steps", "engine_steps",
+             "runahead_tokens")
 
 
 class TreeProposer:
@@ -54,8 +56,8 @@ class TreeProposer:
         self.min_prob, self.token_budget = float(s["min_prob"]), int(s["token_budget"])
         self.trees = DraftTrees(max_depth=int(s["max_depth"]), max_match=int(s["max_match"]),
                                 max_nodes=int(s["max_nodes"]))
-        # request id -> [response start, tokens of the response already in the tree, last draft length];
-        # None for requests that did not opt in
+        # request id -> [response start, tokens of the response already in the tree, last draft length,
+        # run-ahead (0/1)]; None for requests that did not opt in
         self._live: dict[str, list[int] | None] = {}
         self.counters = dict.fromkeys(_COUNTERS, 0)
 
@@ -93,11 +95,15 @@ class TreeProposer:
             if live is None or not sampled:     # not ours, or a partial prefill
                 drafts.append([])
                 continue
-            drafting = True
-            start, consumed, last_draft = live
+            start, consumed, last_draft, runahead = live
+            drafting = drafting or not runahead
             end = int(num_tokens[i])
             new = token_ids[i, start + consumed:end].tolist()
-            if new:
+            if new and runahead:   # feeds the tree; kept out of this rollout's counters
+                self.trees.extend(req_id, new)
+                live[1] = end - start
+                c["runahead_tokens"] += len(sampled)
+            elif new:
                 self.trees.extend(req_id, new)
                 live[1] = end - start
                 c["generated_tokens"] += len(sampled)
@@ -125,7 +131,7 @@ class TreeProposer:
         prompt = state.prompt_token_ids
         start = int(extra.get(RESPONSE_START, len(prompt)))
         self.trees.start(req_id, str(key), prompt[start:])
-        live = self._live[req_id] = [start, len(prompt) - start, 0]
+        live = self._live[req_id] = [start, len(prompt) - start, 0, int(bool(extra.get(RUNAHEAD)))]
         return live
 
     # -- driver-side calls (through collective_rpc) -------------------------------------

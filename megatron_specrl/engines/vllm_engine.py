@@ -30,7 +30,7 @@ import torch
 
 from megatron_specrl.engines.logs import attach_log_file, detach_log_file, reattach_log_file, tail_lines
 from megatron_specrl.engines.tree_proposer import (
-    DRAFT_KEY, PROPOSER_CLASS, RESPONSE_START, SETTINGS_ENV, in_worker, settings_env,
+    DRAFT_KEY, PROPOSER_CLASS, RESPONSE_START, RUNAHEAD, SETTINGS_ENV, in_worker, settings_env,
 )
 from megatron_specrl.engines.protocol import (
     EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest,
@@ -191,8 +191,13 @@ class VLLMEngine:
             raise NotImplementedError("the vLLM engine has no ban-first-token processor: the exact rule takes "
                                       "its resampled token from score()'s replacements")
         extra = {}
+        if req.runahead and (self.draft != "tree" or req.draft_key is None):
+            raise ValueError("a run-ahead request needs tree drafting (rollout.draft=tree) and a draft_key: "
+                             "its tokens are only for the prompt's draft tree")
         if req.draft_key is not None and self.draft == "tree":
             extra.update({DRAFT_KEY: req.draft_key, RESPONSE_START: req.response_start})
+            if req.runahead:
+                extra[RUNAHEAD] = True
         seed = req.seed
         if req.coupled_seed is not None:
             self._check_coupled(s)
@@ -220,19 +225,72 @@ class VLLMEngine:
             self._check_unchanged(weight_version)
             params = [self._sampling_params(r, sampling) for r in requests]
             prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
-            outs = self._run(lambda: self.llm.generate(prompts, params, use_tqdm=False))
+            if any(r.runahead for r in requests):
+                outs = self._run(lambda: self._generate_with_runahead(
+                    prompts, params, [r.runahead for r in requests]))
+            else:
+                outs = self._run(lambda: self.llm.generate(prompts, params, use_tqdm=False))
             self._check_unchanged(weight_version)
         results = []
         for out in outs:
+            if out is None:    # a run-ahead request aborted before its first token
+                results.append(GenerateResult([], [], "abort", 0, weight_version))
+                continue
             comp = out.outputs[0]
             toks = list(comp.token_ids)
             lps = token_logprobs(comp.logprobs, 0, toks) if comp.logprobs is not None else []
             if len(lps) != len(toks):
                 raise EngineError(f"vLLM returned {len(lps)} log-probs for {len(toks)} tokens", self.name)
             results.append(GenerateResult(
-                token_ids=toks, logprobs=lps, finish_reason="length" if comp.finish_reason == "length" else "stop",
+                token_ids=toks, logprobs=lps,
+                finish_reason=comp.finish_reason if comp.finish_reason in ("length", "abort") else "stop",
                 num_cached_tokens=int(out.num_cached_tokens or 0), weight_version=weight_version))
         return results
+
+    # run-ahead requests start once this fraction of the batch's other requests (or fewer) still run
+    RUNAHEAD_TAIL = 0.25
+
+    def _generate_with_runahead(self, prompts: list, params: list, runahead: list[bool]) -> list:
+        """`LLM.generate` written out as vLLM's engine loop, so that run-ahead requests can join when
+        the batch reaches its tail (at most RUNAHEAD_TAIL of the other requests unfinished: the
+        engine is under-used and a step costs about the same with more requests) and be aborted as
+        soon as the last other request finishes. Outputs in input order; None for a run-ahead
+        request that produced nothing."""
+        import uuid
+
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        tag = uuid.uuid4().hex[:8]
+
+        def add(i: int) -> str:
+            """Queue request i under our own id (outputs and aborts use it; vLLM's internal id differs)."""
+            params[i].output_kind = RequestOutputKind.FINAL_ONLY   # as LLM.generate sets it
+            engine.add_request(f"specrl-{tag}-{i}", prompts[i], params[i])
+            return f"specrl-{tag}-{i}"
+
+        index = {add(i): i for i, ra in enumerate(runahead) if not ra}
+        pending, waiting = set(index), [i for i, ra in enumerate(runahead) if ra]
+        tail = max(1, int(self.RUNAHEAD_TAIL * len(pending)))
+        latest: dict[int, object] = {}
+        started: list[str] = []
+        while pending:
+            if waiting and len(pending) <= tail:
+                for i in waiting:
+                    rid = add(i)
+                    index[rid] = i
+                    started.append(rid)
+                waiting = []
+            for out in engine.step():
+                latest[index[out.request_id]] = out
+                if out.finished:
+                    pending.discard(out.request_id)
+        live = [rid for rid in started if not (latest.get(index[rid]) and latest[index[rid]].finished)]
+        if live:
+            engine.abort_request(live)
+        while engine.has_unfinished_requests():   # let the engine core drop the aborted requests
+            engine.step()
+        return [latest.get(i) for i in range(len(prompts))]
 
     def score(self, requests: list[ScoreRequest], sampling: SamplingSettings,
               weight_version: int) -> list[ScoreResult]:

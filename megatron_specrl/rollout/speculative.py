@@ -87,12 +87,14 @@ def tree_metrics(engine) -> dict[str, float]:
             "tree/accept_rate": accepted / max(drafted, 1.0),
             "tree/tokens_per_step": stats["generated_tokens"] / max(stats["request_steps"], 1.0),
             "tree/generated_tokens": stats["generated_tokens"], "tree/request_steps": stats["request_steps"],
-            "tree/engine_steps": stats["engine_steps"]}
+            "tree/engine_steps": stats["engine_steps"],
+            "runahead/tokens": stats.get("runahead_tokens", 0.0)}
 
 
 class SpeculativeRollout:
     def __init__(self, engine: RolloutEngine, store: TrajectoryStore, *, mode: str, lenience: float,
-                 sampling: SamplingSettings, max_new_tokens: int, seed: int, coupled_refresh: float = 0.0):
+                 sampling: SamplingSettings, max_new_tokens: int, seed: int, coupled_refresh: float = 0.0,
+                 runahead: int = 0):
         if mode not in MODES:
             raise ValueError(f"rollout.spec_mode={mode!r} is not one of {MODES}")
         if mode == "coupled" and not samples_coupled(engine):
@@ -112,6 +114,7 @@ class SpeculativeRollout:
         self.mode, self.lenience = mode, lenience
         self.sampling, self.max_new_tokens, self.seed = sampling, max_new_tokens, seed
         self.coupled_refresh = coupled_refresh
+        self.runahead = runahead   # most run-ahead requests per rollout (0: off)
 
     def _noise_seed(self, prompt_id: str, k: int, draft: Trajectory | None, step) -> tuple[int, bool]:
         """(noise seed, re-drawn?) of a (prompt, sample) under spec_mode=coupled: the draft's seed, so
@@ -123,6 +126,17 @@ class SpeculativeRollout:
         if draft is None or draft.noise_seed is None:
             return stable_seed(self.seed, "coupled", prompt_id, k), False
         return stable_seed(self.seed, "coupled", prompt_id, k, step), True
+
+    def _runahead_requests(self, next_prompts, n_samples: int, step) -> list[GenerateRequest]:
+        """Sample 0 of every next prompt, then sample 1, ... up to `runahead` requests."""
+        out = []
+        for k in range(n_samples):
+            for pid, ids in next_prompts:
+                if len(out) >= self.runahead:
+                    return out
+                out.append(GenerateRequest(list(ids), self.max_new_tokens, draft_key=pid, response_start=len(ids),
+                                           seed=stable_seed(self.seed, step, "runahead", pid, k), runahead=True))
+        return out
 
     def _plan(self, prompt_id: str, k: int, prompt_ids: list[int], step) -> _Plan:
         draft = self.store.get(prompt_id, k) if self.mode != "off" else None
@@ -137,9 +151,11 @@ class SpeculativeRollout:
         return plan
 
     def run(self, prompts: list[tuple[str, list[int]]], n_samples: int, weight_version: int,
-            step: int | str) -> tuple[list[RolloutSample], dict[str, float]]:
+            step: int | str, next_prompts: list[tuple[str, list[int]]] = ()) -> tuple[list[RolloutSample], dict[str, float]]:
         """`step` only seeds the randomness (acceptance uniforms, sampling seeds), so a resumed
-        run makes the same draws."""
+        run makes the same draws. `next_prompts` (the next step's, when known) get up to
+        `runahead` run-ahead requests: sampled in the tail of this step's generation only to feed
+        their draft trees (GenerateRequest.runahead), never part of the samples or the store."""
         t0 = time.perf_counter()
         plans = [self._plan(pid, k, ids, step) for pid, ids in prompts for k in range(n_samples)]
 
@@ -199,8 +215,10 @@ class SpeculativeRollout:
                             draft_key=p.prompt_id, response_start=len(p.prompt_ids), coupled_seed=p.noise_seed)
             for p in to_extend
         ]
+        ahead = self._runahead_requests(next_prompts, n_samples, step) if requests else []
         t_extend = time.perf_counter()
-        results = self.engine.generate(requests, self.sampling, weight_version) if requests else []
+        results = self.engine.generate(requests + ahead, self.sampling, weight_version) if requests else []
+        results = results[:len(requests)]
         extend_s = time.perf_counter() - t_extend
         by_plan = {id(p): r for p, r in zip(to_extend, results)}
 
@@ -224,6 +242,7 @@ class SpeculativeRollout:
             "spec/verified_tokens": float(sum(len(p.draft_ids) for p in to_verify)),
             "spec/accepted_tokens": float(accepted),
             "spec/generated_tokens": float(sum(len(r.token_ids) for r in results)),
+            "runahead/requests": float(len(ahead)),
             "spec/replaced_tokens": float(replaced),   # exact: first new tokens drawn by the verification
             "spec/nonfinite_logprobs": float(nonfinite),   # NaN / +inf from the engine (never accepted)
             "spec/reuse_ratio": accepted / max(response_tokens, 1),
