@@ -35,14 +35,22 @@ MODES = ("off", "exact", "lenient", "coupled", "tree", "exact+tree", "lenient+tr
 STEADY_FROM_EPOCH = 3
 
 
+RUNAHEAD_REQUESTS = 64   # the `+runahead` modes: run-ahead requests per rollout
+
+
 def mode_overrides(mode: str) -> list[str]:
-    """`exact+tree` -> spec_mode=exact, draft=tree; `tree` alone is plain generation with tree drafts."""
-    spec, _, draft = mode.partition("+")
+    """`exact+tree` -> spec_mode=exact, draft=tree; `tree` alone is plain generation with tree drafts;
+    `+runahead` (with tree drafting) adds RUNAHEAD_REQUESTS run-ahead requests per rollout, so a
+    mode with and without it measures run-ahead's gain on its own. Not in the default list."""
+    spec, *extras = mode.split("+")
     if spec == "tree":
-        spec, draft = "off", "tree"
-    if spec not in ("off", "exact", "lenient", "coupled") or draft not in ("", "tree"):
-        raise SystemExit(f"unknown bench mode {mode!r}; modes: {', '.join(MODES)}")
-    return [f"rollout.spec_mode={spec}", f"rollout.draft={draft or 'none'}"]
+        spec, extras = "off", ["tree", *extras]
+    known = spec in ("off", "exact", "lenient", "coupled") and extras in ([], ["tree"], ["tree", "runahead"])
+    if not known:
+        raise SystemExit(f"unknown bench mode {mode!r}; modes: {', '.join(MODES)}, and any +tree mode with "
+                         "+runahead")
+    runahead = RUNAHEAD_REQUESTS if "runahead" in extras else 0
+    return [f"rollout.spec_mode={spec}", f"rollout.draft={'tree' if extras else 'none'}", f"rollout.runahead={runahead}"]
 
 
 def _parse(argv):

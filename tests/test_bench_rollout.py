@@ -43,12 +43,15 @@ def test_summary_counts_only_steady_epochs():
 
 
 def test_modes_and_seed_spread():
-    assert mode_overrides("exact+tree") == ["rollout.spec_mode=exact", "rollout.draft=tree"]
-    assert mode_overrides("tree") == ["rollout.spec_mode=off", "rollout.draft=tree"]
-    assert mode_overrides("lenient") == ["rollout.spec_mode=lenient", "rollout.draft=none"]
-    assert mode_overrides("coupled+tree") == ["rollout.spec_mode=coupled", "rollout.draft=tree"]
-    with pytest.raises(SystemExit, match="unknown bench mode"):
-        mode_overrides("exact+ngram")
+    assert mode_overrides("exact+tree") == ["rollout.spec_mode=exact", "rollout.draft=tree", "rollout.runahead=0"]
+    assert mode_overrides("tree") == ["rollout.spec_mode=off", "rollout.draft=tree", "rollout.runahead=0"]
+    assert mode_overrides("lenient") == ["rollout.spec_mode=lenient", "rollout.draft=none", "rollout.runahead=0"]
+    assert mode_overrides("coupled+tree") == ["rollout.spec_mode=coupled", "rollout.draft=tree", "rollout.runahead=0"]
+    assert mode_overrides("tree+runahead")[1:] == ["rollout.draft=tree", "rollout.runahead=64"]
+    assert mode_overrides("coupled+tree+runahead")[0] == "rollout.spec_mode=coupled"
+    for bad in ("exact+ngram", "exact+runahead", "coupled+runahead+tree"):
+        with pytest.raises(SystemExit, match="unknown bench mode"):
+            mode_overrides(bad)
     sp = spread([{"speedup_x": 2.0, "only_one": 1.0}, {"speedup_x": 3.0}])
     assert sp == {"speedup_x": {"mean": 2.5, "min": 2.0, "max": 3.0}}
 
