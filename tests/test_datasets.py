@@ -150,6 +150,11 @@ def test_loader_state_round_trip_gives_identical_order():
     rest = [[r.id for r in resumed.next_batch()] for _ in range(5)]
     assert first + rest == full
 
+    peeker = PromptLoader(recs, batch_size=4, seed=11)
+    for expected in full:                                      # peeking (also across an epoch) takes nothing
+        assert [r.id for r in peeker.peek_batch()] == expected
+        assert [r.id for r in peeker.next_batch()] == expected
+
     assert [r.id for r in PromptLoader(recs, 10, seed=0, shuffle=False).next_batch()] == [str(i) for i in range(10)]
     with pytest.raises(ValueError, match="num_records"):
         PromptLoader(recs[:5], batch_size=4, seed=11).load_state_dict(state)

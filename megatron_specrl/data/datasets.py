@@ -362,6 +362,14 @@ class PromptLoader:
             self._position += 1
         return batch
 
+    def peek_batch(self) -> list[PromptRecord]:
+        """The batch `next_batch` will return next, without taking it (run-ahead drafting)."""
+        state = (self._epoch, self._position, self._order)
+        try:
+            return self.next_batch()
+        finally:
+            self._epoch, self._position, self._order = state
+
     def state_dict(self) -> dict:
         return {"epoch": self._epoch, "position": self._position, "seed": self.seed,
                 "shuffle": self.shuffle, "num_records": len(self.records)}
