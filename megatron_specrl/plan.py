@@ -152,13 +152,17 @@ class LearnerMemory:
 
 
 def activation_elements_per_token_layer(s: ModelShape, tp: int, seq_len: int, flash: bool) -> int:
-    """Elements one layer saves for backward per token: norm inputs, QKV/MLP inputs, q/k/v, context,
-    SwiGLU's two halves and its output; the attention scores (s per head) unless flash attention."""
-    n = 4 * s.hidden                                           # 2 norm inputs + QKV and fc1 inputs
-    n += (2 * s.heads + 2 * s.kv_heads) * s.head_dim // tp     # q, k, v, context (the proj input)
-    n += 3 * s.ffn // tp                                       # gate, up, silu(gate) * up
+    """Elements one layer saves for backward per token, counted on Megatron's local (unfused) layer spec
+    with saved-tensor hooks (tests/test_plan.py): the two norms' inputs and outputs; q after RoPE, q, k
+    and v expanded to all heads for the batched matmuls (GQA included), the context and the projection
+    input; SwiGLU's fc1 output (gate and up) and three ffn-wide intermediates; the attention scores (s
+    per head) unless flash attention keeps none. TransformerEngine's fused layers save less, so on GPUs
+    this errs high."""
+    n = 4 * s.hidden                                  # norm inputs and outputs
+    n += 7 * s.heads * s.head_dim // tp               # q (roped), q/k/v for bmm, context, proj input, ...
+    n += 5 * s.ffn // tp                              # fc1 output (2 ffn) + 3 ffn-wide SwiGLU tensors
     if not flash:
-        n += s.heads * seq_len // tp                           # softmax probabilities
+        n += s.heads * seq_len // tp                  # softmax probabilities
     return n
 
 
@@ -220,8 +224,12 @@ def batch_arithmetic(cfg: RunConfig) -> dict[str, int]:
     le = cfg.learner
     rows = cfg.trainer.prompts_per_step * cfg.rollout.n_samples
     per_dp = rows // (le.dp * le.mini_batches)
-    return {"rows": rows, "rows_per_dp_minibatch": per_dp,
-            "microbatches": max(1, math.ceil(per_dp / le.micro_batch_size)),
+    if le.max_tokens_per_microbatch:   # dynamic batching: at full length, as many as the tokens need
+        seq = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+        microbatches = math.ceil(per_dp * seq / le.max_tokens_per_microbatch)
+    else:
+        microbatches = math.ceil(per_dp / le.micro_batch_size)
+    return {"rows": rows, "rows_per_dp_minibatch": per_dp, "microbatches": max(1, microbatches),
             "optimizer_steps": le.ppo_epochs * le.mini_batches}
 
 
@@ -348,10 +356,10 @@ class Plan:
         learner_gpus, engine_gpus = gpus_needed(cfg)
         gpu = f"{c.nodes} x {c.gpus_per_node} = {c.nodes * c.gpus_per_node} ({c.gpu_memory_gb:g} GB)" \
             if c.gpus_per_node else f"{c.nodes} node(s), CPU"
-        gb = lambda b: f"{b / GB:.1f} GB"  # noqa: E731
+        gb = lambda b: f"{b / GB:.1f} GB" if b >= GB / 10 else f"{b / 2**20:.2f} MiB"  # noqa: E731
         return [
             ("model", f"{cfg.model.path} ({s.model_type}: {s.layers} layers, hidden {s.hidden}, heads {s.heads}/"
-                      f"{s.kv_heads} kv, ffn {s.ffn}, {full_parameters(s) / 1e9:.2f} B params)"),
+                      f"{s.kv_heads} kv, ffn {s.ffn}, {full_parameters(s):,} params)"),
             ("vocab", f"{s.vocab} -> {self.padded_vocab} padded (multiple of 128 x tp)"),
             ("cluster", gpu),
             ("learner", f"tp {le.tp} x pp {le.pp} x dp {le.dp} = {learner_gpus} GPUs"),
@@ -363,7 +371,7 @@ class Plan:
             ("lengths", f"prompt {cfg.data.max_prompt_len} + response {r.max_new_tokens}"
                         + (f" (overlong buffer {cfg.algorithm.overlong_buffer})" if cfg.algorithm.name == "dapo" else "")
                         + f", max_model_len {r.max_model_len}"),
-            ("learner params / GPU", f"{self.learner.params / 1e9:.3f} B (heaviest stage)"),
+            ("learner params / GPU", f"{self.learner.params:,} (heaviest stage)"),
             ("learner memory / GPU", f"weights {gb(self.learner.weights)} + grads {gb(self.learner.grads)} + optimizer "
                                      f"{gb(self.learner.optimizer)}"
                                      + (" (distributed)" if le.distributed_optimizer else "")
