@@ -21,45 +21,42 @@ vLLM's rejection sampler verifies the drafts: a point-mass draft x is accepted w
 p(x) under the request's processed distribution, and a rejection samples p with x removed, so
 generation stays an exact sample of the policy; every accepted token comes back with its log-prob.
 
+The bookkeeping (per-request state, draft length rules, counters) is engine-independent and lives in
+engines/tree_drafter.py, shared with SGLang's NGRAM worker patch; this class only reads vLLM's batch.
+
 Settings come from the environment variable SPECRL_TREE_PROPOSER (JSON, set by VLLMEngine
 before it builds the LLM, so multiprocess workers inherit it).
 """
 
 from __future__ import annotations
 
-import json
 import os
 
-from megatron_specrl.rollout.draft_tree import DraftTrees
+from megatron_specrl.engines.tree_drafter import (  # noqa: F401  (the names engines and patches import from here)
+    DEFAULTS, DRAFT_KEY, RESPONSE_START, RUNAHEAD, TreeDrafter, opts_from_params, read_settings, settings_env,
+)
 
-DRAFT_KEY = "specrl_draft_key"
-RESPONSE_START = "specrl_response_start"
-RUNAHEAD = "specrl_runahead"          # a run-ahead request: its tokens feed the tree, counted apart
 SETTINGS_ENV = "SPECRL_TREE_PROPOSER"
 PROPOSER_CLASS = "megatron_specrl.engines.tree_proposer.TreeProposer"
 
-DEFAULTS = {"max_depth": 40, "max_match": 16, "max_nodes": 4_000_000, "min_prob": 0.1,
-            "token_budget": 2048}
-
-_COUNTERS = ("draft_tokens", "accepted_tokens", "generated_tokens", "request_steps", "engine_steps",
-             "runahead_tokens")
-
 
 class TreeProposer:
+    """vLLM's side only: reads the input batch and hands each request to the shared TreeDrafter."""
+
     specrl_batch_proposer = True   # the patch calls propose_batch with the input batch
 
     def __init__(self, vllm_config):
         spec = vllm_config.speculative_config
-        self.max_k = int(spec.num_speculative_tokens)
-        self.max_model_len = int(vllm_config.model_config.max_model_len)
-        s = dict(DEFAULTS, **json.loads(os.environ.get(SETTINGS_ENV) or "{}"))
-        self.min_prob, self.token_budget = float(s["min_prob"]), int(s["token_budget"])
-        self.trees = DraftTrees(max_depth=int(s["max_depth"]), max_match=int(s["max_match"]),
-                                max_nodes=int(s["max_nodes"]))
-        # request id -> [response start, tokens of the response already in the tree, last draft length,
-        # run-ahead (0/1)]; None for requests that did not opt in
-        self._live: dict[str, list[int] | None] = {}
-        self.counters = dict.fromkeys(_COUNTERS, 0)
+        self.drafter = TreeDrafter(int(spec.num_speculative_tokens), int(vllm_config.model_config.max_model_len),
+                                   read_settings(os.environ.get(SETTINGS_ENV)))
+
+    @property
+    def trees(self):
+        return self.drafter.trees
+
+    @property
+    def max_k(self) -> int:
+        return self.drafter.max_k
 
     def load_model(self, *args, **kwargs) -> None:   # no draft model
         pass
@@ -69,95 +66,42 @@ class TreeProposer:
         raise RuntimeError("TreeProposer needs patches/vllm_0_32_0_tree_proposer.py applied in this process")
 
     def draft_len(self, running: int) -> int:
-        return max(0, min(self.max_k, self.token_budget // max(running, 1) - 1))
+        return self.drafter.draft_len(running)
 
     def draft_min_prob(self, running: int) -> float:
-        """min_prob while full drafts for every running request would fill the step's budget, less
-        as the batch empties: in the tail a longer, less likely draft costs almost nothing and can
-        only add accepted tokens."""
-        fill = min(1.0, running * (self.max_k + 1) / self.token_budget)
-        return self.min_prob * fill
+        return self.drafter.draft_min_prob(running)
 
     def propose_batch(self, input_batch, requests, sampled_token_ids: list[list[int]]) -> list[list[int]]:
-        k_max = self.draft_len(len(sampled_token_ids))
-        min_prob = self.draft_min_prob(len(sampled_token_ids))
-        c = self.counters
-        drafting = False   # engine steps count only when a request of ours runs (not eval, not others)
+        d = self.drafter
+        d.begin_step(len(sampled_token_ids))
         token_ids, num_tokens = input_batch.token_ids_cpu, input_batch.num_tokens_no_spec
         drafts: list[list[int]] = []
-        seen = set()
         for i, sampled in enumerate(sampled_token_ids):
             req_id = input_batch.req_ids[i]
-            seen.add(req_id)
-            live = self._live.get(req_id, 0)
-            if live == 0:
-                live = self._start(req_id, requests.get(req_id))
-            if live is None or not sampled:     # not ours, or a partial prefill
-                drafts.append([])
-                continue
-            start, consumed, last_draft, runahead = live
-            drafting = drafting or not runahead
-            end = int(num_tokens[i])
-            new = token_ids[i, start + consumed:end].tolist()
-            if new and runahead:   # feeds the tree; kept out of this rollout's counters
-                self.trees.extend(req_id, new)
-                live[1] = end - start
-                c["runahead_tokens"] += len(sampled)
-            elif new:
-                self.trees.extend(req_id, new)
-                live[1] = end - start
-                c["generated_tokens"] += len(sampled)
-                c["request_steps"] += 1
-                if last_draft:
-                    c["accepted_tokens"] += min(len(sampled) - 1, last_draft)
-            k = min(k_max, self.max_model_len - end - 1)
-            draft = self.trees.propose(req_id, k, min_prob) if k > 0 else []
-            live[2] = len(draft)
-            c["draft_tokens"] += len(draft)
-            drafts.append(draft)
-        c["engine_steps"] += drafting
-        for req_id in [r for r in self._live if r not in seen]:
-            if self._live.pop(req_id) is not None:
-                self.trees.finish(req_id)
+            draft = d.request(req_id, lambda: self._opts(requests.get(req_id)),
+                              lambda a, b: token_ids[i, a:b].tolist(), int(num_tokens[i]), len(sampled))
+            drafts.append(draft or [])
+        d.end_step()
         return drafts
 
-    def _start(self, req_id: str, state) -> list[int] | None:
+    @staticmethod
+    def _opts(state):
         params = getattr(state, "sampling_params", None)
-        extra = (params.extra_args or {}) if params is not None else {}
-        key = extra.get(DRAFT_KEY)
-        if key is None or state.prompt_token_ids is None:
-            self._live[req_id] = None
+        prompt = getattr(state, "prompt_token_ids", None)
+        if params is None or prompt is None:
             return None
-        prompt = state.prompt_token_ids
-        start = int(extra.get(RESPONSE_START, len(prompt)))
-        self.trees.start(req_id, str(key), prompt[start:])
-        live = self._live[req_id] = [start, len(prompt) - start, 0, int(bool(extra.get(RUNAHEAD)))]
-        return live
+        return opts_from_params(params.extra_args, len(prompt))
 
     # -- driver-side calls (through collective_rpc) -------------------------------------
     def take_stats(self) -> dict[str, float]:
         """Counters since the last call, and the trees' size now."""
-        out = {k: float(v) for k, v in self.counters.items()}
-        self.counters = dict.fromkeys(_COUNTERS, 0)
-        st = self.trees.stats()
-        out["nodes"] = float(st["nodes"])
-        out["memory_mb"] = st["memory_bytes"] / 2**20
-        out["keys"] = float(st["keys"])
-        return out
+        return self.drafter.take_stats()
 
     def state_dict(self) -> dict:
-        return self.trees.state_dict()
+        return self.drafter.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.trees = DraftTrees.from_state_dict(state)
-        self._live.clear()
-
-
-def settings_env(**overrides) -> str:
-    unknown = set(overrides) - set(DEFAULTS)
-    if unknown:
-        raise ValueError(f"unknown tree proposer settings {sorted(unknown)}; known: {sorted(DEFAULTS)}")
-    return json.dumps(dict(DEFAULTS, **overrides))
+        self.drafter.load_state_dict(state)
 
 
 def in_worker(worker, method: str, *args):

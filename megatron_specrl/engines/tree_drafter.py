@@ -1,0 +1,167 @@
+"""Engine-independent side of tree drafting: which requests draft from which prompt's tree, what each
+step adds to the trees, how long a draft may be, and the counters. vLLM's proposer
+(engines/tree_proposer.py) and SGLang's NGRAM worker patch (patches/sglang_0_5_23_tree_proposer.py)
+both drive one `TreeDrafter` once per engine step and only translate their engine's batch to it.
+
+Per engine step:
+    drafter.begin_step(running)                     # draft length and cut-off for this batch size
+    for each running request:
+        draft = drafter.request(req_id, opts, seq, end, gained)
+    drafter.end_step()                              # requests not seen this step have ended
+
+- `opts()` is read once per request (the first step it is seen): RequestOpts(key, response_start,
+  prompt_len, runahead), or None for a request that did not opt in (no draft key): never drafted,
+  never counted;
+- `seq(a, b)` returns the request's tokens [a, b) (prompt + output so far), `end` their number now;
+- the tokens a request gained since the last step (accepted draft tokens + the bonus or recovered
+  token) extend its sequence in its prompt's tree at once, so sibling samples of one step draft from
+  each other in flight; the tree keeps them after the request ends (later epochs);
+- the draft is the tree's proposal from the longest suffix of the response, up to K tokens, where K
+  shrinks as more requests run (a step verifies about `token_budget` tokens) and the path-probability
+  cut-off `min_prob` relaxes as the batch empties (DAS and FastGRPO size drafts the same way).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from megatron_specrl.rollout.draft_tree import DraftTrees
+
+DRAFT_KEY = "specrl_draft_key"
+RESPONSE_START = "specrl_response_start"
+RUNAHEAD = "specrl_runahead"          # a run-ahead request: its tokens feed the tree, counted apart
+
+DEFAULTS = {"max_depth": 40, "max_match": 16, "max_nodes": 4_000_000, "min_prob": 0.1,
+            "token_budget": 2048}
+
+COUNTERS = ("draft_tokens", "accepted_tokens", "generated_tokens", "request_steps", "engine_steps",
+            "runahead_tokens")
+
+
+def settings_env(**overrides) -> str:
+    unknown = set(overrides) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown tree proposer settings {sorted(unknown)}; known: {sorted(DEFAULTS)}")
+    return json.dumps(dict(DEFAULTS, **overrides))
+
+
+def read_settings(text: str | None) -> dict:
+    return dict(DEFAULTS, **json.loads(text or "{}"))
+
+
+@dataclass(frozen=True)
+class RequestOpts:
+    key: str               # the prompt's tree
+    response_start: int    # the response starts at this position (an extension's prompt ends with its prefix)
+    prompt_len: int        # tokens that were in the request when it arrived
+    runahead: bool = False
+
+
+def opts_from_params(params: dict | None, prompt_len: int) -> RequestOpts | None:
+    """The opt-in dict both engines carry per request (vLLM extra_args, SGLang custom_params)."""
+    key = (params or {}).get(DRAFT_KEY)
+    if key is None:
+        return None
+    start = int(params.get(RESPONSE_START, prompt_len))
+    if not 0 <= start <= prompt_len:
+        raise ValueError(f"{RESPONSE_START}={start} outside the prompt (length {prompt_len})")
+    return RequestOpts(str(key), start, int(prompt_len), bool(params.get(RUNAHEAD)))
+
+
+class TreeDrafter:
+    def __init__(self, max_k: int, max_model_len: int, settings: dict | None = None):
+        s = dict(DEFAULTS, **(settings or {}))
+        self.max_k, self.max_model_len = int(max_k), int(max_model_len)
+        self.min_prob, self.token_budget = float(s["min_prob"]), int(s["token_budget"])
+        self.trees = DraftTrees(max_depth=int(s["max_depth"]), max_match=int(s["max_match"]),
+                                max_nodes=int(s["max_nodes"]))
+        # request id -> [response start, tokens of the response already in the tree, last draft length,
+        # run-ahead (0/1)]; None for requests that did not opt in
+        self._live: dict[str, list[int] | None] = {}
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self._k_max, self._step_min_prob, self._seen, self._drafting = 0, 0.0, set(), False
+
+    # -- draft length rules ----------------------------------------------------------------
+    def draft_len(self, running: int) -> int:
+        return max(0, min(self.max_k, self.token_budget // max(running, 1) - 1))
+
+    def draft_min_prob(self, running: int) -> float:
+        """min_prob while full drafts for every running request would fill the step's budget, less
+        as the batch empties: in the tail a longer, less likely draft costs almost nothing and can
+        only add accepted tokens."""
+        fill = min(1.0, running * (self.max_k + 1) / self.token_budget)
+        return self.min_prob * fill
+
+    # -- one engine step ---------------------------------------------------------------------
+    def begin_step(self, running: int) -> None:
+        self._k_max, self._step_min_prob = self.draft_len(running), self.draft_min_prob(running)
+        self._seen, self._drafting = set(), False
+
+    def request(self, req_id: str, opts: Callable[[], RequestOpts | None],
+                seq: Callable[[int, int], Sequence[int]], end: int, gained: int | None = None) -> list[int] | None:
+        """The draft for this request this step ([] for none); None when the request is not ours.
+        `gained`: tokens the engine sampled for it this step if it knows (0: a partial prefill,
+        nothing to do); by default the tokens past what the tree already holds."""
+        self._seen.add(req_id)
+        live = self._live.get(req_id, 0)
+        if live == 0:
+            live = self._start(req_id, opts(), seq)
+        if live is None:
+            return None
+        if gained == 0:
+            return []
+        start, consumed, last_draft, runahead = live
+        self._drafting = self._drafting or not runahead
+        new = list(seq(start + consumed, end))
+        n = len(new) if gained is None else gained
+        c = self.counters
+        if new:
+            self.trees.extend(req_id, new)
+            live[1] = end - start
+            if runahead:       # feeds the tree; kept out of this rollout's counters
+                c["runahead_tokens"] += n
+            else:
+                c["generated_tokens"] += n
+                c["request_steps"] += 1
+                if last_draft:
+                    c["accepted_tokens"] += max(0, min(n - 1, last_draft))
+        k = min(self._k_max, self.max_model_len - end - 1)
+        draft = self.trees.propose(req_id, k, self._step_min_prob) if k > 0 else []
+        live[2] = len(draft)
+        c["draft_tokens"] += len(draft)
+        return draft
+
+    def end_step(self) -> None:
+        self.counters["engine_steps"] += self._drafting   # only steps where a request of ours ran
+        for req_id in [r for r in self._live if r not in self._seen]:
+            if self._live.pop(req_id) is not None:
+                self.trees.finish(req_id)
+
+    def _start(self, req_id: str, opts: RequestOpts | None, seq) -> list[int] | None:
+        if opts is None:
+            self._live[req_id] = None
+            return None
+        self.trees.start(req_id, opts.key, list(seq(opts.response_start, opts.prompt_len)))
+        live = self._live[req_id] = [opts.response_start, opts.prompt_len - opts.response_start, 0,
+                                     int(opts.runahead)]
+        return live
+
+    # -- driver-side calls -------------------------------------------------------------------
+    def take_stats(self) -> dict[str, float]:
+        """Counters since the last call, and the trees' size now."""
+        out = {k: float(v) for k, v in self.counters.items()}
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        st = self.trees.stats()
+        out["nodes"] = float(st["nodes"])
+        out["memory_mb"] = st["memory_bytes"] / 2**20
+        out["keys"] = float(st["keys"])
+        return out
+
+    def state_dict(self) -> dict:
+        return self.trees.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.trees = DraftTrees.from_state_dict(state)
+        self._live.clear()
