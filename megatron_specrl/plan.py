@@ -273,6 +273,9 @@ def _layout(cfg: RunConfig) -> list[str]:
                    f"data-parallel rank ({ba['rows_per_dp_minibatch']} rows), fewer than learner.pp={le.pp}: the "
                    "pipeline never fills; lower micro_batch_size")
     if c.gpus_per_node == 0:
+        if le.recompute != "none":
+            out.append(f"learner.recompute={le.recompute} with cluster.gpus_per_node=0: Megatron's activation "
+                       "recompute needs CUDA (it saves CUDA RNG states); use learner.recompute=none on CPU")
         return out      # a CPU run: Ray places ranks and engines on cores
     have = c.nodes * c.gpus_per_node
     learner, engines = gpus_needed(cfg)

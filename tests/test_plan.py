@@ -104,7 +104,7 @@ def test_flag_anywhere_and_tiny_layouts(capsys):
 
 
 def test_distributed_optimizer_and_recompute_shrink_the_estimate():
-    base = ["learner.distributed_optimizer=false", "learner.recompute=none", "cluster.gpus_per_node=0"]
+    base = ["learner.distributed_optimizer=false", "learner.recompute=none", "cluster.gpu_memory_gb=10000"]
     cfg = load_config(ROOT / "examples/qwen2.5-7b-dapo-1node.yaml", base)
     plain = build_plan(cfg, check_data=False).learner
     sharded = build_plan(load_config(ROOT / "examples/qwen2.5-7b-dapo-1node.yaml",
@@ -113,6 +113,25 @@ def test_distributed_optimizer_and_recompute_shrink_the_estimate():
                                   [*base, "learner.recompute=full"]), check_data=False).learner
     assert plain.optimizer == 2 * plain.weights and sharded.optimizer == plain.optimizer // cfg.learner.dp
     assert full.activations < plain.activations / 4 and full.static == plain.static
+
+
+def test_recompute_is_a_gpu_setting(capsys):
+    """Megatron's activation checkpointing saves CUDA RNG states: a CPU run with recompute is refused by the
+    plan, the model builder refuses it without CUDA, and on GPUs each mode maps onto settings Megatron's
+    TransformerConfig accepts."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_specrl.learner.model_provider import RECOMPUTE, transformer_config_from_hf
+    assert main(["train", "tiny-cpu-grpo", "learner.recompute=full", "--dry-run"]) == 2
+    assert "learner.recompute=full with cluster.gpus_per_node=0" in capsys.readouterr().err
+    hf = load_hf_config("tiny-llama")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="learner.recompute=selective needs CUDA"):
+            transformer_config_from_hf(hf, recompute="selective")
+    for mode, settings in RECOMPUTE.items():
+        cfg = TransformerConfig(num_layers=2, hidden_size=128, num_attention_heads=4, use_cpu_initialization=True,
+                                **settings)
+        assert cfg.recompute_granularity == (None if mode == "none" else mode)
 
 
 def test_convert_checks_the_layout_before_spawning(tiny_llama, tmp_path, capsys):

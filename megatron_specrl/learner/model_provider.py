@@ -66,13 +66,26 @@ def head_dim(hf_config) -> int:
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
+# learner.recompute -> Megatron's activation recomputation settings: selective recomputes the attention
+# core, full recomputes each layer from its input in the backward pass. GPU only: Megatron's checkpoint
+# saves and restores CUDA RNG states, which a CPU build of torch does not have.
+RECOMPUTE = {
+    "none": {},
+    "selective": {"recompute_granularity": "selective"},
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+}
+
+
 def transformer_config_from_hf(hf_config, tp: int = 1, pp: int = 1, dtype: torch.dtype = torch.float32,
-                               use_cpu: bool | None = None):
+                               use_cpu: bool | None = None, recompute: str = "none"):
     """TransformerConfig equivalent to the HF model (RMSNorm, SwiGLU, GQA, RoPE, no linear bias)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_hf_config(hf_config)
     cpu = (not torch.cuda.is_available()) if use_cpu is None else use_cpu
+    if recompute != "none" and not torch.cuda.is_available():
+        raise ValueError(f"learner.recompute={recompute} needs CUDA: Megatron's activation checkpointing "
+                         "saves CUDA RNG states; use learner.recompute=none on CPU")
     return TransformerConfig(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
@@ -108,6 +121,7 @@ def transformer_config_from_hf(hf_config, tp: int = 1, pp: int = 1, dtype: torch
         batch_p2p_comm=True,
         batch_p2p_sync=not cpu,  # the sync is torch.cuda.synchronize()
         deallocate_pipeline_outputs=False,
+        **RECOMPUTE[recompute],
     )
 
 
@@ -144,14 +158,15 @@ ROLES = ("policy", "critic", "reference")   # reference: a frozen policy (the KL
 
 def build_gpt_model(hf_config, tp: int = 1, pp: int = 1, dtype: torch.dtype = torch.float32,
                     pre_process: bool | None = None, post_process: bool | None = None,
-                    role: str = "policy", vocab_divisible_by: int = 128, use_te: bool | None = None):
+                    role: str = "policy", vocab_divisible_by: int = 128, use_te: bool | None = None,
+                    recompute: str = "none"):
     """GPTModel for this rank's pipeline stage (parallel_state must be initialised)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
     from megatron_specrl.learner.parallel import apply_cpu_patches
     apply_cpu_patches()
-    config = transformer_config_from_hf(hf_config, tp, pp, dtype)
+    config = transformer_config_from_hf(hf_config, tp, pp, dtype, recompute=recompute)
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage()
     if post_process is None:

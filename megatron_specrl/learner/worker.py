@@ -121,7 +121,8 @@ class LearnerWorker:
         self.hf_dir = Path(hf_dir)
         self.hf_config = AutoConfig.from_pretrained(str(hf_dir))
         torch.manual_seed(self.seed)
-        self.model = build_gpt_model(self.hf_config, s.tp, s.pp, role=self.role).to(self.device)
+        self.model = build_gpt_model(self.hf_config, s.tp, s.pp, role=self.role,
+                                     recompute=s.recompute).to(self.device)
         if self.frozen:
             self.model.requires_grad_(False)
             self.model.eval()
