@@ -63,7 +63,7 @@ class ModelShape:
     max_positions: int
 
     @classmethod
-    def from_hf(cls, hf) -> "ModelShape":
+    def from_hf(cls, hf) -> ModelShape:
         from megatron_specrl.learner.model_provider import head_dim, qkv_bias
         return cls(model_type=hf.model_type, hidden=hf.hidden_size, layers=hf.num_hidden_layers,
                    heads=hf.num_attention_heads, kv_heads=hf.num_key_value_heads or hf.num_attention_heads,
@@ -359,7 +359,7 @@ class Plan:
         learner_gpus, engine_gpus = gpus_needed(cfg)
         gpu = f"{c.nodes} x {c.gpus_per_node} = {c.nodes * c.gpus_per_node} ({c.gpu_memory_gb:g} GB)" \
             if c.gpus_per_node else f"{c.nodes} node(s), CPU"
-        gb = lambda b: f"{b / GB:.1f} GB" if b >= GB / 10 else f"{b / 2**20:.2f} MiB"  # noqa: E731
+        gb = lambda b: f"{b / GB:.1f} GB" if b >= GB / 10 else f"{b / 2**20:.2f} MiB"
         return [
             ("model", f"{cfg.model.path} ({s.model_type}: {s.layers} layers, hidden {s.hidden}, heads {s.heads}/"
                       f"{s.kv_heads} kv, ffn {s.ffn}, {full_parameters(s):,} params)"),

@@ -3,8 +3,8 @@ logic and training run for real on a two-"node" Ray cluster on this machine (fak
 
 import json
 import os
-import signal
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap

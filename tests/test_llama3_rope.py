@@ -10,7 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_learner_layouts import B, _run, make_batch  # noqa: E402
+from test_learner_layouts import B, _run, make_batch
 
 LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192, "rope_type": "llama3"}
@@ -43,7 +43,9 @@ def test_llama3_rope_scaling_matches_hf(tiny_llama, tmp_path):
 
 
 def test_megatron_rotary_frequencies_equal_hf_llama3():
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import (
+        RotaryEmbedding,
+    )
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     cfg = AutoConfig.for_model("llama", hidden_size=128, num_attention_heads=4, max_position_embeddings=16384,
@@ -59,7 +61,10 @@ def test_megatron_rotary_frequencies_equal_hf_llama3():
 def test_llama3_constants_megatron_does_not_take_are_refused():
     from transformers import AutoConfig
 
-    from megatron_specrl.learner.model_provider import check_hf_config, llama3_rope_factor
+    from megatron_specrl.learner.model_provider import (
+        check_hf_config,
+        llama3_rope_factor,
+    )
     cfg = AutoConfig.for_model("llama", rope_scaling=dict(LLAMA3))
     assert llama3_rope_factor(cfg) == 8.0
     check_hf_config(cfg)

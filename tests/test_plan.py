@@ -12,7 +12,13 @@ import torch
 
 from megatron_specrl.cli import main
 from megatron_specrl.config import load_config
-from megatron_specrl.plan import GB, ModelShape, PlanError, build_plan, load_hf_config, stage_parameters
+from megatron_specrl.plan import (
+    GB,
+    ModelShape,
+    build_plan,
+    load_hf_config,
+    stage_parameters,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER_RECIPES = ["qwen2.5-7b-dapo-1node", "qwen2.5-32b-dapo-4node", "llama-3.1-70b-dapo-8node"]
@@ -121,7 +127,10 @@ def test_recompute_is_a_gpu_setting(capsys):
     TransformerConfig accepts."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_specrl.learner.model_provider import RECOMPUTE, transformer_config_from_hf
+    from megatron_specrl.learner.model_provider import (
+        RECOMPUTE,
+        transformer_config_from_hf,
+    )
     assert main(["train", "tiny-cpu-grpo", "learner.recompute=full", "--dry-run"]) == 2
     assert "learner.recompute=full with cluster.gpus_per_node=0" in capsys.readouterr().err
     hf = load_hf_config("tiny-llama")
@@ -160,7 +169,7 @@ def _measure(rank, world, hf_dir, layouts, ports, out_dir):
         param_storages = {p.untyped_storage().data_ptr() for p in params}
         saved = {}
 
-        def pack(t):   # every tensor autograd keeps for backward, weights excluded, each storage once
+        def pack(t, saved=saved, param_storages=param_storages):   # what autograd keeps, weights excluded
             if t.untyped_storage().data_ptr() not in param_storages:
                 saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
