@@ -381,12 +381,21 @@ class Plan:
                                      + f" + activations {gb(self.learner.activations)} (recompute {le.recompute}, "
                                      f"{self.learner.tokens_per_microbatch} tokens x "
                                      f"{self.learner.microbatches_in_flight} in flight) = {gb(self.learner.total)}"),
+            *self._engine_rows(gb),
+            ("data", cfg.data.source + (f" (eval {cfg.data.eval_source})" if cfg.data.eval_source else "")),
+        ]
+
+    def _engine_rows(self, gb) -> list[tuple[str, str]]:
+        r = self.cfg.rollout
+        if self.cfg.cluster.gpus_per_node == 0:
+            return [("engine memory", f"CPU run: rollout.kv_cache_gb={r.kv_cache_gb:g} GB of KV cache per engine, "
+                                      f"weights {gb(self.engine.weights)} ({r.engine_dtype})")]
+        return [
             ("engine memory / GPU", f"weights {gb(self.engine.weights)} ({r.engine_dtype}) of vLLM's "
                                     f"{gb(self.engine.budget)}; KV {self.engine.kv_per_token / 1024:.0f} KiB/token"),
             ("engine KV for the batch", f"{self.engine.sequences_per_engine} sequences need "
                                         f"{gb(self.engine.kv_batch)}; {gb(max(0, self.engine.kv_space))} holds "
                                         f"{self.engine.concurrent_sequences} at full length"),
-            ("data", cfg.data.source + (f" (eval {cfg.data.eval_source})" if cfg.data.eval_source else "")),
         ]
 
     def table(self):

@@ -42,7 +42,13 @@ def wait_for_cluster(address: str, nodes: int, gpus_per_node: int, timeout_s: fl
             raise ClusterJoinTimeout(f"--address={address}: the Ray head did not accept connections within "
                                      f"{timeout_s:g} s")
         time.sleep(poll_s)
-    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    try:
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    except Exception as e:  # ConnectionError, or Ray's AuthenticationError when the token is not shared
+        raise ClusterJoinTimeout(f"--address={address}: cannot connect to the Ray head "
+                                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); with Ray's "
+                                 "token authentication every node needs the head's token (~/.ray/auth_token on a "
+                                 "shared home, or RAY_AUTH_TOKEN_PATH)") from None
     try:
         while True:
             ready = ready_nodes(ray.nodes(), gpus_per_node)

@@ -151,3 +151,13 @@ def _kill_group(pgid: int) -> None:
             except ProcessLookupError:
                 return
             time.sleep(0.5)
+
+
+def test_ray_join_counts_alive_nodes_with_their_gpus_and_names_a_missing_head():
+    from megatron_specrl.ray_join import ClusterJoinTimeout, ready_nodes, wait_for_cluster
+    nodes = [{"Alive": True, "Resources": {"GPU": 8.0}}, {"Alive": False, "Resources": {"GPU": 8.0}},
+             {"Alive": True, "Resources": {"GPU": 4.0}}, {"Alive": True, "Resources": {"CPU": 64.0}}]
+    assert len(ready_nodes(nodes, 8)) == 1 and len(ready_nodes(nodes, 4)) == 2 and len(ready_nodes(nodes, 0)) == 3
+    address = f"127.0.0.1:{free_port('127.0.0.1')}"
+    with pytest.raises(ClusterJoinTimeout, match="the Ray head did not accept connections within 1 s"):
+        wait_for_cluster(address, nodes=2, gpus_per_node=8, timeout_s=1, poll_s=0.2)
