@@ -46,5 +46,7 @@ setup(
         # vLLM runs this hook in every process of the environment; it patches only processes whose
         # environment our engine marked (patches/vllm_engine_patches.py).
         "vllm.general_plugins": ["specrl_patches=patches.vllm_engine_patches:plugin"],
+        # SGLang's counterpart, run at the start of each scheduler process (patches/sglang_engine_patches.py).
+        "sglang.srt.plugins": ["specrl_patches=patches.sglang_engine_patches:plugin"],
     },
 )

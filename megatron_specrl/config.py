@@ -287,9 +287,10 @@ class RunConfig(_Strict):
         if r.runahead and r.draft != "tree":
             raise ValueError(f"rollout.runahead={r.runahead} with rollout.draft={r.draft}: run-ahead tokens only "
                              "feed draft trees; set rollout.draft=tree or rollout.runahead=0")
-        if r.draft == "tree" and r.engine != "vllm":
-            raise ValueError(f"rollout.draft=tree with rollout.engine={r.engine}: tree drafting is built into "
-                             "the vLLM engine only; use rollout.engine=vllm or rollout.draft=none")
+        if r.draft == "tree" and r.engine != "vllm" and r.runahead:
+            raise ValueError(f"rollout.runahead={r.runahead} with rollout.engine={r.engine}: run-ahead requests are "
+                             "built into the vLLM engine only (SGLang drafts from the trees without them); use "
+                             "rollout.engine=vllm or rollout.runahead=0")
         if le.recompute_old_logprobs is None:
             le.recompute_old_logprobs = r.engine_dtype == "bfloat16" or truncated
         elif not le.recompute_old_logprobs and r.engine_dtype == "bfloat16":

@@ -165,15 +165,22 @@ def test_reward_name_from_the_cli(tmp_path, monkeypatch, capsys):
     assert "name: gsm8k_strict" in capsys.readouterr().out
 
 
-def test_tree_drafting_keys_reach_the_vllm_engine_and_sglang_is_refused():
+def test_tree_drafting_keys_reach_both_engines_and_sglang_refuses_runahead():
     from megatron_specrl.engines.factory import engine_kwargs
     cfg = load_config(ROOT / "examples/tiny-cpu-grpo.yaml",
                       ["rollout.draft=tree", "rollout.draft_tokens=12", "rollout.draft_min_prob=0.2"])
     _, kwargs = engine_kwargs(cfg.rollout, "m", "logs", 0, 0)
     assert kwargs["draft"] == "tree" and kwargs["draft_tokens"] == 12
     assert kwargs["draft_settings"]["min_prob"] == 0.2
-    with pytest.raises(ConfigError, match="rollout.draft=tree with rollout.engine=sglang"):
-        load_config(ROOT / "examples/tiny-cpu-grpo.yaml", ["rollout.draft=tree", "rollout.engine=sglang"])
+    cfg = load_config(ROOT / "examples/tiny-cpu-grpo.yaml",
+                      ["rollout.draft=tree", "rollout.engine=sglang", "rollout.draft_tokens=6",
+                       "rollout.draft_token_budget=512"])
+    cls, kwargs = engine_kwargs(cfg.rollout, "m", "logs", 0, 0)
+    assert cls.__name__ == "SGLangEngine" and kwargs["draft"] == "tree" and kwargs["draft_tokens"] == 6
+    assert kwargs["draft_settings"]["token_budget"] == 512
+    with pytest.raises(ConfigError, match="rollout.runahead=2 with rollout.engine=sglang"):
+        load_config(ROOT / "examples/tiny-cpu-grpo.yaml",
+                    ["rollout.draft=tree", "rollout.engine=sglang", "rollout.runahead=2"])
     with pytest.raises(ConfigError, match="rollout.draft"):
         load_config(ROOT / "examples/tiny-cpu-grpo.yaml", ["rollout.draft=ngram"])
 

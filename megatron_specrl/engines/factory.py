@@ -21,6 +21,9 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, log_dir: str | Path, inde
     common = dict(model_path=str(model_path), name=f"{cfg.engine}-{index}", seed=seed + index,
                   max_model_len=cfg.max_model_len, tensor_parallel_size=cfg.engine_tp, dtype=cfg.engine_dtype,
                   gpu_memory_utilization=cfg.gpu_memory_utilization, log_dir=str(log_dir))
+    draft = dict(draft=cfg.draft, draft_tokens=cfg.draft_tokens,
+                 draft_settings={"min_prob": cfg.draft_min_prob, "token_budget": cfg.draft_token_budget,
+                                 "max_nodes": cfg.draft_max_nodes})
     if cfg.engine == "vllm":
         from megatron_specrl.engines.vllm_engine import VLLMEngine
         # Generated tokens report processed log-probs (after temperature, top-k and top-p), the
@@ -28,12 +31,9 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, log_dir: str | Path, inde
         mode = "processed_logprobs"
         # Sleep mode lets colocated engines hand their GPU memory to the learner during training.
         sleep = {"enable_sleep_mode": True} if cfg.colocate and torch.cuda.is_available() else {}
-        draft = dict(draft=cfg.draft, draft_tokens=cfg.draft_tokens,
-                     draft_settings={"min_prob": cfg.draft_min_prob, "token_budget": cfg.draft_token_budget,
-                                     "max_nodes": cfg.draft_max_nodes})
         return VLLMEngine, dict(common, kv_cache_gb=cfg.kv_cache_gb, logprobs_mode=mode, **sleep, **draft)
     from megatron_specrl.engines.sglang_engine import SGLangEngine
-    return SGLangEngine, common
+    return SGLangEngine, dict(common, **draft)
 
 
 def make_engine(rollout_cfg: RolloutConfig, model_path: str, log_dir: str | Path, use_ray: bool,

@@ -16,12 +16,20 @@ Semantics (read from sglang 0.5.23):
   ban_first_token request is re-scored (one cached prefill) to report its unbanned log-prob.
 - Weights: `update_weights_from_tensor(named_tensors, load_format, flush_cache=False)` per
   bucket, then one `flush_cache()` (radix cache) before the version is bumped.
+- Tree drafting (draft="tree", rollout.draft=tree): speculative decoding with SGLang's NGRAM
+  worker drafting from our per-prompt trees (patches/sglang_0_5_23_tree_proposer.py, which says
+  how our chain drafts map onto SGLang's tree verify). A request opts in with
+  `custom_params = {DRAFT_KEY: prompt id, RESPONSE_START: n}`; the server runs with
+  `tree_server_args(draft_tokens)` and, in its environment, the patch settings (`tree_server_env`);
+  counters and the trees travel through `Engine.collective_rpc` (in-process engine only: SGLang's
+  HTTP server has no route for it). Run-ahead requests are vLLM-only.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -32,6 +40,7 @@ from megatron_specrl.engines.protocol import (
     ScoreResult, WeightVersionMismatch, check_version,
 )
 from megatron_specrl.engines.logs import attach_log_file, detach_log_file, tail_lines
+from megatron_specrl.engines.tree_drafter import DRAFT_KEY, RESPONSE_START, settings_env
 
 BAN_PARAM = "specrl_ban_first_token"
 
@@ -52,20 +61,62 @@ def ban_processor_str() -> str:
     return BanFirstToken.to_str()
 
 
+# -- tree drafting: server arguments and environment -------------------------------------
+def tree_server_args(draft_tokens: int) -> dict:
+    """sglang.Engine / launch_server arguments for draft="tree": the NGRAM worker with one verify root
+    and `draft_tokens` draft nodes per request, drafting chains (BFS breadth 1, so top-k 1, which
+    also keeps paged attention backends allowed), exact acceptance (thresholds 1: accept a draft
+    token with its target probability), and a token-sized n-gram corpus (the patch never uses it;
+    SGLang preallocates `capacity` trie nodes)."""
+    if draft_tokens < 1:
+        raise ValueError(f"draft_tokens must be at least 1, got {draft_tokens}")
+    return {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": int(draft_tokens) + 1,
+            "speculative_ngram_min_bfs_breadth": 1, "speculative_ngram_max_bfs_breadth": 1,
+            "speculative_accept_threshold_single": 1.0, "speculative_accept_threshold_acc": 1.0,
+            "speculative_ngram_capacity": 1024}
+
+
+def tree_server_env(draft_settings: dict | None = None) -> dict[str, str]:
+    """Environment SGLang's scheduler processes need for the tree patch (they inherit it)."""
+    from patches.sglang_0_5_23_tree_proposer import SETTINGS_ENV
+    from patches.sglang_engine_patches import ENV
+    return {SETTINGS_ENV: settings_env(**(draft_settings or {})), ENV: "1"}
+
+
+PLUGIN_GROUP, PLUGIN_NAME = "sglang.srt.plugins", "specrl_patches"
+
+
+def check_plugin_installed() -> None:
+    """SGLang's scheduler processes take the tree patch only through our plugin entry point: without
+    it the NGRAM worker would silently draft from its own n-gram corpus instead of our trees."""
+    from importlib.metadata import entry_points
+    if not any(ep.name == PLUGIN_NAME for ep in entry_points(group=PLUGIN_GROUP)):
+        raise EngineError(f"the {PLUGIN_GROUP} entry point {PLUGIN_NAME} is not installed (setup.py declares "
+                          "it): reinstall the project (pip install -e .) before draft='tree' with SGLang", "sglang")
+
+
 # -- pure request / response functions -------------------------------------------------
 def build_generate_payload(requests: list[GenerateRequest], sampling: SamplingSettings,
-                           ban_processor: str | None = None) -> dict:
-    """kwargs for `Engine.generate` (and the JSON body of POST /generate)."""
+                           ban_processor: str | None = None, draft: str = "none") -> dict:
+    """kwargs for `Engine.generate` (and the JSON body of POST /generate). With draft="tree",
+    requests with a draft key carry it and their response start in custom_params."""
     params, procs = [], []
     for r in requests:
         p: dict[str, Any] = {"max_new_tokens": r.max_new_tokens, "temperature": sampling.temperature,
                              "top_p": sampling.top_p, "top_k": sampling.top_k}
         if r.seed is not None:
             p["sampling_seed"] = int(r.seed)
+        if r.runahead:
+            raise NotImplementedError("run-ahead requests need the vLLM engine (rollout.runahead=0 with SGLang)")
+        custom: dict[str, Any] = {}
         if r.ban_first_token is not None:
             if ban_processor is None:
                 raise ValueError("ban_first_token needs the custom logit processor string")
-            p["custom_params"] = {BAN_PARAM: int(r.ban_first_token)}
+            custom[BAN_PARAM] = int(r.ban_first_token)
+        if r.draft_key is not None and draft == "tree":
+            custom.update({DRAFT_KEY: str(r.draft_key), RESPONSE_START: int(r.response_start)})
+        if custom:
+            p["custom_params"] = custom
         params.append(p)
         procs.append(ban_processor if r.ban_first_token is not None else None)
     payload = {"input_ids": [list(r.prompt_ids) for r in requests], "sampling_params": params,
@@ -152,7 +203,11 @@ class _SGLangBase:
 
     verifies_processed_distribution = False   # score(): temperature 1, no top-k / top-p, no replacements
 
-    def __init__(self, name: str, log_dir: str | Path | None, use_ban_processor: bool = True):
+    def __init__(self, name: str, log_dir: str | Path | None, use_ban_processor: bool = True,
+                 draft: str = "none"):
+        if draft not in ("none", "tree"):
+            raise ValueError(f"draft must be 'none' or 'tree', got {draft!r}")
+        self.draft = draft
         self.name = name
         self.log_path = Path(log_dir or "logs/engines") / f"{name}.log"
         self._log_handler = attach_log_file(self.log_path)
@@ -165,6 +220,9 @@ class _SGLangBase:
     def _load_tensors(self, named: list[tuple[str, torch.Tensor]]) -> Any: raise NotImplementedError
     def _flush(self) -> Any: raise NotImplementedError
     def _set_server_version(self, version: int) -> None: pass
+    def _tree_rpc(self, call: str, path: str) -> None:
+        raise NotImplementedError(f"engine {self.name}: SGLang's HTTP server has no collective_rpc route; the "
+                                  "draft trees' counters and state are reachable from the in-process engine only")
 
     @property
     def weight_version(self) -> int:
@@ -189,7 +247,7 @@ class _SGLangBase:
         if not requests:
             return []
         self._check(weight_version)
-        outs = self._call(build_generate_payload(requests, sampling, self._ban_proc))
+        outs = self._call(build_generate_payload(requests, sampling, self._ban_proc, self.draft))
         results = parse_generate_response(outs, requests, weight_version, self._meta_version())
         banned = [i for i, r in enumerate(requests) if r.ban_first_token is not None and results[i].token_ids]
         if banned:  # report the first token's log-prob under the unbanned policy
@@ -236,6 +294,41 @@ class _SGLangBase:
         if not _ok(self._flush()):
             raise EngineError("flush_cache failed (requests still running?)", self.name, tail_lines(self.log_path))
 
+    # -- draft trees (draft="tree") ----------------------------------------------------------
+    def _tree_call(self, call: str, state: dict | None = None):
+        import pickle
+        import tempfile
+        with tempfile.TemporaryDirectory(prefix="specrl-tree-") as d:
+            path = str(Path(d) / "tree.pkl")
+            if state is not None:
+                with open(path, "wb") as f:
+                    pickle.dump(state, f)
+            try:
+                self._tree_rpc(call, path)
+            except NotImplementedError:
+                raise
+            except Exception as e:
+                raise EngineError(f"tree {call} failed: {type(e).__name__}: {e}", self.name,
+                                  tail_lines(self.log_path)) from e
+            if state is not None:
+                return None
+            with open(path, "rb") as f:
+                return pickle.load(f)
+
+    def draft_stats(self) -> dict[str, float]:
+        """The tree drafter's counters since the last call (draft / accepted / generated tokens,
+        request-steps, engine steps) and the trees' size; {} without tree drafting."""
+        return self._tree_call("take_stats") if self.draft == "tree" else {}
+
+    def draft_state(self) -> dict | None:
+        """The trees (rollout.draft_tree.DraftTrees.state_dict), for checkpoints; None without tree drafting."""
+        return self._tree_call("state_dict") if self.draft == "tree" else None
+
+    def load_draft_state(self, state: dict) -> None:
+        if self.draft != "tree":
+            raise ValueError(f"engine {self.name} was built without tree drafting (rollout.draft=none)")
+        self._tree_call("load_state_dict", state)
+
     def health(self) -> EngineHealth:
         return EngineHealth(alive=True, weight_version=self._version,
                             detail={"name": self.name, "pending_version": self._pending})
@@ -250,14 +343,21 @@ class SGLangEngine(_SGLangBase):
     def __init__(self, model_path: str | None = None, name: str = "sglang-0", seed: int = 0,
                  max_model_len: int = 256, tensor_parallel_size: int = 1, dtype: str = "float32",
                  gpu_memory_utilization: float = 0.6, log_dir: str | Path | None = None,
-                 engine: Any = None, use_ban_processor: bool = True, **engine_kwargs):
-        super().__init__(name, log_dir, use_ban_processor)
+                 engine: Any = None, use_ban_processor: bool = True, draft: str = "none",
+                 draft_tokens: int = 16, draft_settings: dict | None = None, **engine_kwargs):
+        super().__init__(name, log_dir, use_ban_processor, draft)
+        self.server_args = dict(model_path=str(model_path), random_seed=seed, context_length=max_model_len,
+                                tp_size=tensor_parallel_size, dtype=dtype, mem_fraction_static=gpu_memory_utilization,
+                                enable_custom_logit_processor=True, skip_tokenizer_init=True)
+        if draft == "tree":   # the scheduler processes SGLang starts inherit the patch settings
+            self.server_args.update(tree_server_args(draft_tokens))
+            os.environ.update(tree_server_env(draft_settings))
+        self.server_args.update(engine_kwargs)
         if engine is None:
             import sglang
-            engine = sglang.Engine(model_path=str(model_path), random_seed=seed, context_length=max_model_len,
-                                   tp_size=tensor_parallel_size, dtype=dtype,
-                                   mem_fraction_static=gpu_memory_utilization,
-                                   enable_custom_logit_processor=True, skip_tokenizer_init=True, **engine_kwargs)
+            if draft == "tree":
+                check_plugin_installed()
+            engine = sglang.Engine(**self.server_args)
         self.engine = engine
 
     def _generate_raw(self, payload):
@@ -268,6 +368,10 @@ class SGLangEngine(_SGLangBase):
 
     def _flush(self):
         return self.engine.flush_cache()
+
+    def _tree_rpc(self, call, path):
+        from patches.sglang_0_5_23_tree_proposer import RPC_METHOD
+        self.engine.collective_rpc(RPC_METHOD, call=call, path=path)
 
     def shutdown(self) -> None:
         try:
@@ -282,8 +386,8 @@ class SGLangHTTPEngine(_SGLangBase):
     the server's weight_version is set on each finish_update and checked on every answer."""
 
     def __init__(self, base_url: str, name: str = "sglang-http-0", log_dir: str | Path | None = None,
-                 timeout_s: float = 600.0, use_ban_processor: bool = True, post=None):
-        super().__init__(name, log_dir, use_ban_processor)
+                 timeout_s: float = 600.0, use_ban_processor: bool = True, post=None, draft: str = "none"):
+        super().__init__(name, log_dir, use_ban_processor, draft)
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self._post = post or self._urllib_post

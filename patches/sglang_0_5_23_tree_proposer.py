@@ -1,0 +1,176 @@
+"""SGLang 0.5.23: the NGRAM speculative worker drafts from our per-prompt trees (engines/tree_drafter.py).
+
+How SGLang 0.5.23 drafts with `speculative_algorithm="NGRAM"` (python/sglang/srt/speculative/
+ngram_worker.py): before each decode step `NGRAMWorker._prepare_for_speculative_decoding(batch)`
+calls `self._prepare_draft_tokens(batch)`, which returns, for the `bs = len(batch.reqs)` requests,
+`req_drafts` (bs * draft_token_num token ids) and `mask` (bs * draft_token_num**2 booleans) from its
+one global n-gram corpus. Per request, node 0 is the request's last token (the verify root) and
+`mask[b, i, j]` marks node j an ancestor of node i (itself included). The worker turns the mask into
+positions and tree links (parent of i = the largest strict ancestor; `reconstruct_indices_from_tree_mask`),
+runs one TARGET_VERIFY forward over all bs * draft_token_num nodes and verifies with `eagle_sample`
+(greedy: argmax along the links; sampling: `tree_speculative_sampling_target_only` on the request's
+processed distribution, temperature / top-k / top-p), then calls `self._update_ngram_corpus(batch)`.
+The batch's requests are `Req` objects: `rid`, `origin_input_ids_unpadded` (the prompt ids we sent),
+`output_ids`, `sampling_params.custom_params` (our opt-in dict arrives there unchanged). Under the
+overlap scheduler the last round's accepted tokens are not yet in `output_ids`: they are
+`batch.spec_info.accept_tokens` (bs x draft_token_num, flattened) and `accept_lens`, spliced in exactly
+as upstream does (`self.enable_overlap and not batch.grammar_needs_sync()`).
+
+The patch replaces `_prepare_draft_tokens` with ours: each request with a draft key in its
+custom_params drafts from its prompt's tree (the tokens it gained since the last step are inserted
+first, in flight), with the draft length and cut-off of the batch size; `_update_ngram_corpus`
+becomes a no-op (SGLang's corpus is not used); a Scheduler method `specrl_tree_rpc` lets the engine
+read the counters and save / load the trees through `Engine.collective_rpc`, which returns no values,
+so results travel through a file (TP rank 0 writes it; every rank keeps the same trees).
+
+Mapping our chain onto SGLang's tree verify: SGLang verifies a tree of exactly draft_token_num
+nodes per request. Our draft d_1..d_L (L <= draft_token_num - 1) is a chain: node j (1..L) has the
+ancestors 0..j. The unused nodes L+1.. are padding with no ancestor but themselves: by the mask
+contract they have no parent and no node names them a child, so verification never reaches them
+(they cost compute, as upstream's padding does: SGLang's verify width is fixed at server start).
+Upstream pads short matches with token 0 as *children of the root*; several such siblings carrying
+the same token would each add p(0) to the target-only sampler's running acceptance sum and accept
+token 0 with up to k * p(0) - not an exact sample - so our padding stays out of the tree. On a chain
+the target-only sampler accepts d_j with probability p(d_j) under the processed distribution and on
+a rejection samples p with d_j removed (speculative_accept_threshold_single/acc = 1, the default,
+which SGLangEngine sets explicitly), so generation stays an exact sample of the policy.
+
+Pinned to SGLang 0.5.23; `apply()` does nothing on other versions, or unless the settings variable
+SPECRL_SGLANG_TREE_PROPOSER is set (SGLangEngine sets it before SGLang starts its scheduler
+processes, which inherit it and apply the patch through the `sglang.srt.plugins` entry point).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import numpy as np
+
+from megatron_specrl.engines.tree_drafter import TreeDrafter, opts_from_params, read_settings
+from patches.pinned import PinnedPatch
+
+VERSION = "0.5.23"
+SETTINGS_ENV = "SPECRL_SGLANG_TREE_PROPOSER"
+RPC_METHOD = "specrl_tree_rpc"
+RPC_CALLS = ("take_stats", "state_dict", "load_state_dict")
+
+
+class _Seq:
+    """prompt + output_ids + tokens accepted last round (overlap), sliced without joining them."""
+
+    def __init__(self, *parts):
+        self.parts = parts
+        self.len = sum(len(p) for p in parts)
+
+    def __call__(self, a: int, b: int) -> list[int]:
+        out, base = [], 0
+        for p in self.parts:
+            lo, hi = max(a - base, 0), min(b - base, len(p))
+            if lo < hi:
+                out.extend(int(t) for t in p[lo:hi])
+            base += len(p)
+        return out
+
+
+def drafter_of(worker) -> TreeDrafter:
+    d = worker.__dict__.get("specrl_drafter")
+    if d is None:
+        max_len = int(worker.model_runner.model_config.context_len)
+        d = worker.specrl_drafter = TreeDrafter(int(worker.draft_token_num) - 1, max_len,
+                                                read_settings(os.environ.get(SETTINGS_ENV)))
+    return d
+
+
+def _prepare_draft_tokens(self, batch) -> tuple[np.ndarray, np.ndarray]:
+    reqs = batch.reqs
+    bs, n = len(reqs), int(self.draft_token_num)
+    if self.enable_overlap and not batch.grammar_needs_sync():
+        prev_tokens, prev_lens = batch.spec_info.accept_tokens, batch.spec_info.accept_lens
+        if not prev_tokens.is_cpu:
+            prev_tokens, prev_lens = prev_tokens.cpu(), prev_lens.cpu()
+        self.prev_token_ids, self.prev_accept_lens = prev_tokens.tolist(), prev_lens.tolist()
+        prev = [self.prev_token_ids[i * n:i * n + self.prev_accept_lens[i]] for i in range(bs)]
+    else:
+        self.prev_token_ids, self.prev_accept_lens = [], [0] * bs
+        prev = [[] for _ in range(bs)]
+    drafter = drafter_of(self)
+    drafter.begin_step(bs)
+    tokens = np.zeros((bs, n), dtype=np.int64)
+    mask = np.zeros((bs, n, n), dtype=bool)
+    idx = np.arange(n)
+    mask[:, idx, idx] = True                  # every node sees itself; padding sees nothing else
+    for i, req in enumerate(reqs):
+        prompt = req.origin_input_ids_unpadded
+        seq = _Seq(prompt, req.output_ids, prev[i])
+        params = getattr(req.sampling_params, "custom_params", None)
+        draft = drafter.request(str(req.rid), lambda: opts_from_params(params, len(prompt)), seq, seq.len) or []
+        draft = draft[:n - 1]
+        tokens[i, 0] = seq(seq.len - 1, seq.len)[0]
+        tokens[i, 1:1 + len(draft)] = draft
+        for j in range(1, 1 + len(draft)):    # a chain: node j's ancestors are 0..j
+            mask[i, j, :j + 1] = True
+    drafter.end_step()
+    return tokens.reshape(-1), mask.reshape(-1)
+
+
+def _update_ngram_corpus(self, batch) -> None:
+    """The tree took this step's tokens when it drafted; SGLang's own corpus stays unused."""
+
+
+def _tp_rank() -> int:
+    from sglang.srt.runtime_context import get_parallel
+    return int(get_parallel().tp_rank)
+
+
+def specrl_tree_rpc(self, call: str, path: str) -> None:
+    """Scheduler side of SGLangEngine.draft_stats / draft_state / load_draft_state."""
+    if call not in RPC_CALLS:
+        raise ValueError(f"unknown tree call {call!r}; known: {RPC_CALLS}")
+    worker = getattr(self, "draft_worker", None)
+    if worker is None or not hasattr(worker, "_prepare_draft_tokens"):
+        raise RuntimeError("this SGLang server runs without the NGRAM worker (rollout.draft=tree)")
+    drafter = drafter_of(worker)
+    if call == "load_state_dict":
+        with open(path, "rb") as f:
+            drafter.load_state_dict(pickle.load(f))
+        return
+    out = getattr(drafter, call)()
+    if _tp_rank() == 0:
+        with open(path, "wb") as f:
+            pickle.dump(out, f)
+
+
+def _worker():
+    from sglang.srt.speculative.ngram_worker import NGRAMWorker
+    return NGRAMWorker
+
+
+def _scheduler():
+    from sglang.srt.managers.scheduler import Scheduler
+    return Scheduler
+
+
+def _enabled() -> bool:
+    return bool(os.environ.get(SETTINGS_ENV))
+
+
+_WORKER = PinnedPatch(VERSION, _worker, ["_prepare_draft_tokens", "_update_ngram_corpus"],
+                      lambda originals: {"_prepare_draft_tokens": _prepare_draft_tokens,
+                                         "_update_ngram_corpus": _update_ngram_corpus},
+                      when=_enabled, package="sglang")
+_SCHEDULER = PinnedPatch(VERSION, _scheduler, [RPC_METHOD], lambda originals: {RPC_METHOD: specrl_tree_rpc},
+                         when=_enabled, package="sglang")
+
+
+def apply() -> bool:
+    return _WORKER.apply() and _SCHEDULER.apply()
+
+
+def revert() -> None:
+    _WORKER.revert()
+    _SCHEDULER.revert()
+
+
+def is_applied() -> bool:
+    return _WORKER.is_applied() and _SCHEDULER.is_applied()
