@@ -24,7 +24,9 @@ def init_ray(cfg: RayConfig | None = None) -> bool:
         return False
     cfg = cfg or RayConfig()
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    kwargs = dict(address=cfg.address, include_dashboard=False, log_to_driver=cfg.log_to_driver)
+    # address None means a Ray of our own: "local", because ray.init(address=None) joins any Ray
+    # already running on the machine (another user's `ray start`, another run's driver).
+    kwargs = dict(address=cfg.address or "local", include_dashboard=False, log_to_driver=cfg.log_to_driver)
     if cfg.address is None:
         kwargs["num_cpus"] = cfg.num_cpus or max(os.cpu_count() or 2, 2)
     ray.init(**kwargs)

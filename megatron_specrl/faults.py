@@ -1,29 +1,58 @@
-"""Fault injection for crash/resume tests: SPECRL_KILL_AT="phase:step" SIGKILLs the driver there;
-SPECRL_KILL_ENGINE_AT="step" SIGKILLs the first engine's process just before that step's rollout.
+"""Fault injection for crash/resume tests, as a hook the training loop calls before each phase.
 
-Phases: rollout, train, resync, checkpoint. A real SIGKILL (no cleanup, no atexit) is
-what a preempted Slurm node or an OOM kill does, so resume is tested against that.
+SPECRL_KILL_AT="phase:step" SIGKILLs the driver there; SPECRL_KILL_ENGINE_AT="step" SIGKILLs the
+first engine's process just before that step's rollout. Phases: rollout, train, resync, checkpoint.
+A real SIGKILL (no cleanup, no atexit) is what a preempted Slurm node or an OOM kill does, so
+resume is tested against that.
+
+The production step knows nothing of this: `train` passes a PhaseHooks to the loop, the no-op
+one unless one of the variables is set (`from_env`).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+from typing import Callable
 
 ENV = "SPECRL_KILL_AT"
 ENGINE_ENV = "SPECRL_KILL_ENGINE_AT"
+PHASES = ("rollout", "train", "resync", "checkpoint")
 
 
-def maybe_kill(phase: str, step: int) -> None:
-    spec = os.environ.get(ENV)
-    if not spec:
-        return
-    want_phase, _, want_step = spec.partition(":")
-    if want_phase == phase and want_step.isdigit() and int(want_step) == step:
-        os.kill(os.getpid(), signal.SIGKILL)
+class PhaseHooks:
+    """The loop's hook point: `before(phase, step)` runs just before each phase of a step."""
+
+    def before(self, phase: str, step: int) -> None:
+        pass
 
 
-def maybe_kill_engine(engines: list, step: int) -> None:
-    spec = os.environ.get(ENGINE_ENV)
-    if spec and spec.isdigit() and int(spec) == step and getattr(engines[0], "pid", None):
-        os.kill(engines[0].pid, signal.SIGKILL)
+class KillAt(PhaseHooks):
+    """SIGKILL this process at (phase, step), and/or the first engine before `engine_step`'s rollout."""
+
+    def __init__(self, phase: str | None = None, step: int | None = None, engine_step: int | None = None,
+                 engines: Callable[[], list] = list):
+        if phase is not None and phase not in PHASES:
+            raise ValueError(f"{ENV}: unknown phase {phase!r}; expected one of {PHASES}")
+        self.phase, self.step, self.engine_step, self.engines = phase, step, engine_step, engines
+
+    def before(self, phase: str, step: int) -> None:
+        if phase == "rollout" and step == self.engine_step:
+            engines = self.engines()
+            if engines and getattr(engines[0], "pid", None):
+                os.kill(engines[0].pid, signal.SIGKILL)
+        if (phase, step) == (self.phase, self.step):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def from_env(engines: Callable[[], list] = list, environ=os.environ) -> PhaseHooks:
+    """KillAt from SPECRL_KILL_AT / SPECRL_KILL_ENGINE_AT, or the no-op hooks when neither is set.
+    `engines`: the engine handles (with .pid) at the time of the kill, after any restart."""
+    spec, engine_spec = environ.get(ENV, ""), environ.get(ENGINE_ENV, "")
+    phase, _, step = spec.partition(":")
+    kill_self = bool(spec) and step.isdigit()
+    kill_engine = engine_spec.isdigit()
+    if not (kill_self or kill_engine):
+        return PhaseHooks()
+    return KillAt(phase if kill_self else None, int(step) if kill_self else None,
+                  int(engine_spec) if kill_engine else None, engines)

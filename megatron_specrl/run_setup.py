@@ -9,23 +9,31 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from megatron_specrl import checkpoint as ckpt
 from megatron_specrl.config import ConfigError, RunConfig, check_model_divisibility, to_yaml
-from megatron_specrl.faults import maybe_kill
-from megatron_specrl.engines.protocol import GenerateRequest, SamplingSettings
+from megatron_specrl.engines.protocol import GenerateRequest, RolloutEngine, SamplingSettings
 from megatron_specrl.metrics import MetricsLogger, plot_metrics
-from megatron_specrl.placement import cluster_gpus, plan_placement
+from megatron_specrl.placement import Placement, cluster_gpus, plan_placement
 from megatron_specrl.resync.choose import resolve_transport
-from megatron_specrl.resync.routes import make_route
+from megatron_specrl.resync.routes import Route, make_route
 from megatron_specrl.models.resolve import read_hf_config, resolve_model, shape_of, tokenizer_fingerprint
 from megatron_specrl.rollout.draft_tree import DraftTrees
 from megatron_specrl.rollout.speculative import SpeculativeRollout, stable_seed
 from megatron_specrl.rollout.store import TrajectoryStore
 
+if TYPE_CHECKING:   # types only: these pull in Ray, transformers and the dataset readers
+    from transformers import PreTrainedTokenizerBase
+
+    from megatron_specrl.data.datasets import PromptLoader, PromptRecord
+    from megatron_specrl.learner.group import LearnerGroup
+    from megatron_specrl.rewards import RewardFn
+
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -33,22 +41,22 @@ class Run:
     cfg: RunConfig
     out: Path
     model_dir: Path
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     pad_id: int
     tokenizer_id: str
-    loader: object
-    train_records: dict
-    eval_records: list
-    reward_fn: object
-    learner: object
-    engine: object
+    loader: PromptLoader
+    train_records: dict[str, PromptRecord]
+    eval_records: list[PromptRecord]
+    reward_fn: RewardFn
+    learner: LearnerGroup
+    engine: RolloutEngine             # one engine, or an EngineRouter over several
     store: TrajectoryStore
     rollout: SpeculativeRollout
     logger: MetricsLogger
-    placement: object = None
-    resync_route: object = None       # resync.routes route of trainer.resync_transport (None: object store)
-    critic: object | None = None
-    ref: object | None = None
+    placement: Placement
+    resync_route: Route               # the route of trainer.resync_transport (broadcast keeps its group)
+    critic: LearnerGroup | None = None        # PPO's value model
+    ref: LearnerGroup | None = None           # frozen KL reference (learner.loss.kl_coef > 0)
     step: int = 0
     version: int = 0
     progress: Progress = field(default_factory=lambda: Progress(
@@ -58,6 +66,10 @@ class Run:
         from megatron_specrl.data.datasets import render_prompt
         return render_prompt(record, self.tokenizer, self.cfg.data.apply_chat_template,
                              max_prompt_len=self.cfg.data.max_prompt_len)
+
+    def next_prompts(self) -> list[tuple[str, list[int]]]:
+        """The loader's next batch as (prompt id, token ids)."""
+        return [(r.id, self.prompt_ids(r)) for r in self.loader.next_batch()]
 
     def probe_prompts(self, n: int = 8) -> list[list[int]]:
         """A few held-out prompts (training ones when there is no eval set) for the resync check."""
@@ -178,7 +190,6 @@ def _find_resume(cfg: RunConfig, out: Path) -> Path | None:
 
 
 def save_run_checkpoint(run: Run) -> Path:
-    maybe_kill("checkpoint", run.step)
     tmp = ckpt.begin(run.out / "checkpoints", run.step)
     run.learner.save_checkpoint(str(tmp / "learner"))
     if run.critic is not None:
@@ -222,17 +233,16 @@ def restore_draft_trees(engine, directory: Path) -> None:
         engine.load_draft_state(states[0])
 
 
-def rollout_with_recovery(run: Run, step: int, collect):
-    """One step's rollouts; if an engine dies, restart it, push the current weights and retry the
-    same prompts once (the loader is rewound, so the data order does not change)."""
+def with_engine_recovery(run: Run, step: int, collect: Callable[[], tuple[list, T, dict]]) -> tuple[list, T, dict]:
+    """collect() -> (samples, rewards, metrics); if an engine dies, restart it, push the current
+    weights and collect once more from the same prompts (the loader is rewound, so the data order
+    does not change)."""
     from megatron_specrl.engines.protocol import EngineError
-    from megatron_specrl.faults import maybe_kill_engine
     from megatron_specrl.resync.lifecycle import engines_of
 
     loader_state = run.loader.state_dict()
-    maybe_kill_engine(engines_of(run.engine), step)
     try:
-        return collect(run, step)
+        return collect()
     except EngineError as err:
         log.warning("rollout of step %d failed: %s; restarting the engines at weight version %d",
                     step, str(err).splitlines()[0], run.version)
@@ -241,7 +251,7 @@ def rollout_with_recovery(run: Run, step: int, collect):
     if run.version > 0:
         run.resync()
     run.loader.load_state_dict(loader_state)
-    samples, rewards, metrics = collect(run, step)
+    samples, rewards, metrics = collect()
     metrics["engine/restarts"] = 1.0
     return samples, rewards, metrics
 

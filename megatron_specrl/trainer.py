@@ -1,6 +1,6 @@
 """The RL training loop. `train(cfg)` is the whole run; `train_step` is the whole step.
 
-    batch of prompts -> speculative rollout -> rewards -> (DAPO filter) -> advantages
+    prompts -> speculative rollout -> rewards -> (DAPO filter) -> advantages
       -> learner train step -> weight resync -> log -> checkpoint -> eval
 """
 
@@ -10,48 +10,61 @@ import time
 
 import torch
 
-from megatron_specrl.run_setup import Run, build_run, evaluate, rollout_with_recovery, save_run_checkpoint
-from megatron_specrl.algorithms.rewards_step import grpo_like_advantages
+from megatron_specrl import faults
+from megatron_specrl.algorithms.advantages import grpo_advantages
 from megatron_specrl.algorithms.ppo import ppo_advantages
+from megatron_specrl.algorithms.rewards_step import group_ids_of, score_samples
 from megatron_specrl.config import RunConfig
-from megatron_specrl.faults import maybe_kill
+from megatron_specrl.resync.lifecycle import engines_of, release_engine_memory
 from megatron_specrl.rollout.batch import build_batch
-from megatron_specrl.rollout.dynamic import collect_rollouts
-from megatron_specrl.resync.lifecycle import engines_of
+from megatron_specrl.rollout.dynamic import filter_rounds
+from megatron_specrl.run_setup import Run, build_run, evaluate, save_run_checkpoint, with_engine_recovery
 
 
-def train_step(run: Run, step: int) -> dict[str, float]:
-    cfg, t0 = run.cfg, time.perf_counter()
-    # 1-2. rollout (+ rewards and DAPO's dynamic sampling, which needs rewards to filter groups)
-    maybe_kill("rollout", step)
-    samples, rewards, metrics = rollout_with_recovery(run, step, collect_rollouts)
+def train_step(run: Run, step: int, hooks: faults.PhaseHooks = faults.PhaseHooks()) -> dict[str, float]:
+    cfg, alg, t0 = run.cfg, run.cfg.algorithm, time.perf_counter()
+
+    def rollout_round(i: int):   # 1-2. one batch of prompts -> G samples each (speculative) -> rewards
+        samples, metrics = run.rollout.run(run.next_prompts(), cfg.rollout.n_samples, run.version, step=f"{step}.{i}")
+        rewards, task_rewards, reward_metrics = score_samples(samples, run.train_records, run.reward_fn,
+                                                              run.tokenizer, alg, cfg.rollout.max_new_tokens)
+        return samples, rewards, task_rewards, {**metrics, **reward_metrics}
+
+    def collect():               # 3. DAPO filter: more rounds until prompts_per_step groups are informative
+        if alg.dynamic_sampling:
+            return filter_rounds(rollout_round, cfg.trainer.prompts_per_step, alg.max_sampling_tries)
+        samples, rewards, _, metrics = rollout_round(0)
+        return samples, rewards, metrics
+
+    hooks.before("rollout", step)
+    samples, rewards, metrics = with_engine_recovery(run, step, collect)   # a dead engine: restart, retry once
     run.record_data_order(step, samples)
-    # 3. advantages
-    if cfg.algorithm.name == "ppo":   # token-level advantages need the critic's values on the batch
+
+    # 4. advantages: per sample, group-relative (GRPO, DAPO), or per token from the critic (PPO)
+    if alg.name == "ppo":
         batch = build_batch(samples, torch.zeros(len(samples)), run.pad_id)
-        metrics.update(ppo_advantages(run, batch, rewards))
+        metrics.update(ppo_advantages(run.critic, batch, rewards, alg.gamma, alg.lam))
     else:
-        batch = build_batch(samples, grpo_like_advantages(samples, rewards, cfg), run.pad_id)
-    # the learner's (and the reference's) log-probs are log_softmax(logits / T): the sampling temperature
-    batch["temperature"] = cfg.rollout.temperature
-    # (learner.recompute_old_logprobs: the policy scores the ratio's old log-probs inside its train
-    # step, once, and reports train/rollout_learner_logprob_abs_diff)
+        advantages = grpo_advantages(rewards, group_ids_of(samples), normalize_std=alg.normalize_std)
+        batch = build_batch(samples, advantages, run.pad_id)
+    batch["temperature"] = cfg.rollout.temperature   # learner log-probs are log_softmax(logits / T)
     if run.ref is not None:   # KL anchor: the frozen initial policy's log-probs (learner.loss.kl_coef > 0)
         batch["ref_logprobs"] = run.ref.compute_logprobs(batch)
-    # 4. learn
+
+    # 5. learn (old log-probs for the ratio are scored inside, once, with learner.recompute_old_logprobs)
+    hooks.before("train", step)
     t_train = time.perf_counter()
-    maybe_kill("train", step)
     sleeping = run.placement.engines_sleep_during_training
-    if sleeping:   # colocated: the learner gets the engines' GPU memory while it trains
-        for e in engines_of(run.engine):
-            e.release_memory()
+    if sleeping:   # colocated on GPUs: the learner gets the engines' memory while it trains
+        release_engine_memory(run.engine)
     if run.critic is not None:
         metrics.update({f"critic/{k}": v for k, v in run.critic.train_step(batch).items()})
     metrics.update({f"train/{k}": v for k, v in run.learner.train_step(batch).items()})
     metrics["time/train_s"] = time.perf_counter() - t_train
-    # 5. resync the engines to the new weights
+
+    # 6. resync the engines to the new weights (and wake them first if they slept)
     run.version += 1
-    maybe_kill("resync", step)
+    hooks.before("resync", step)
     metrics.update(run.resync(wake_engines=sleeping))
     metrics["time/step_s"] = time.perf_counter() - t0
     metrics["weight_version"] = run.version
@@ -60,6 +73,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
 
 def train(cfg: RunConfig) -> Run:
     run = build_run(cfg)
+    hooks = faults.from_env(engines=lambda: engines_of(run.engine))   # crash tests only; no-op otherwise
     try:
         if cfg.trainer.eval_every and run.step == 0:   # the baseline every later eval is compared with
             run.logger.log(0, evaluate(run))
@@ -67,7 +81,7 @@ def train(cfg: RunConfig) -> Run:
             task = run.progress.add_task("training", total=cfg.trainer.total_steps, completed=run.step)
             while run.step < cfg.trainer.total_steps:
                 step = run.step + 1
-                metrics = train_step(run, step)
+                metrics = train_step(run, step, hooks)
                 run.step = step
                 if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
                     metrics.update(evaluate(run))
@@ -77,10 +91,10 @@ def train(cfg: RunConfig) -> Run:
                                                  min(32, cfg.rollout.max_new_tokens), run.pad_id))
                 run.logger.log(step, metrics)
                 if cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0:
+                    hooks.before("checkpoint", step)
                     save_run_checkpoint(run)
                 run.progress.update(task, completed=step)
         run.finish()
     finally:
         run.shutdown()
     return run
-

@@ -36,13 +36,15 @@ def _check(run, prompts):
 
 
 @pytest.mark.parametrize("tp, restart", [(1, True), (2, False)])   # TP=2 skips the restart: ~15 s
-def test_grpo_step_over_broadcast_serves_the_learners_weights(tp, restart, tmp_path, tiny_llama, monkeypatch):
+def test_grpo_step_over_broadcast_serves_the_learners_weights(tp, restart, tmp_path, tiny_llama):
     import time
 
     import ray
     from safetensors.torch import load_file
 
     from megatron_specrl.diagnostics.check import learner_hf_state
+    from megatron_specrl.faults import KillAt
+    from megatron_specrl.resync.lifecycle import engines_of
     from megatron_specrl.resync.routes import BroadcastRoute
     from megatron_specrl.run_setup import build_run
     from megatron_specrl.trainer import train_step
@@ -82,8 +84,8 @@ def test_grpo_step_over_broadcast_serves_the_learners_weights(tp, restart, tmp_p
         # 3. the engine dies before step 2's rollout: restarted, a new group, resynced, step retried
         if not restart:
             return
-        monkeypatch.setenv("SPECRL_KILL_ENGINE_AT", "2")
-        metrics = train_step(run, 2)
+        hooks = KillAt(engine_step=2, engines=lambda: engines_of(run.engine))
+        metrics = train_step(run, 2, hooks)
         assert metrics["engine/restarts"] == 1.0 and route.generation == 2
         _check(run, prompts)
     finally:

@@ -7,11 +7,12 @@ import torch
 from megatron_specrl.algorithms.advantages import gae, terminal_rewards, whiten
 
 
-def ppo_advantages(run, batch: dict, rewards: torch.Tensor) -> dict[str, float]:
-    """Fills batch['advantages'], ['returns'], ['old_values'] in place; returns metrics."""
+def ppo_advantages(critic, batch: dict, rewards: torch.Tensor, gamma: float, lam: float) -> dict[str, float]:
+    """Fills batch['advantages'], ['returns'], ['old_values'] in place; returns metrics.
+    `critic`: anything with compute_values(batch) -> [B, T] (the critic's LearnerGroup)."""
     mask = batch["loss_mask"]
-    values = run.critic.compute_values(batch) * mask
-    adv, returns = gae(terminal_rewards(rewards, mask), values, mask, run.cfg.algorithm.gamma, run.cfg.algorithm.lam)
+    values = critic.compute_values(batch) * mask
+    adv, returns = gae(terminal_rewards(rewards, mask), values, mask, gamma, lam)
     batch["advantages"] = whiten(adv, mask) * mask
     batch["returns"] = returns * mask
     batch["old_values"] = values

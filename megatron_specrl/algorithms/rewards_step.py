@@ -1,6 +1,6 @@
-"""Rewards and advantages for one rollout batch, per algorithm (GRPO, DAPO, PPO).
+"""Rewards for one rollout batch: the task reward per sample, and DAPO's length shaping.
 
-The training loop calls `score_samples`, then `grpo_like_advantages` (GRPO, DAPO) or
+The training step calls `score_samples`, then grpo_advantages (GRPO, DAPO) or
 algorithms.ppo.ppo_advantages (PPO); the recipe picks, the loop is the same for all three.
 """
 
@@ -8,23 +8,21 @@ from __future__ import annotations
 
 import torch
 
-from megatron_specrl.algorithms.advantages import grpo_advantages
 from megatron_specrl.algorithms.dapo import overlong_penalty
-from megatron_specrl.config import RunConfig
+from megatron_specrl.config import AlgorithmConfig
 from megatron_specrl.rollout.speculative import RolloutSample
 
 
 def score_samples(samples: list[RolloutSample], records_by_id: dict, reward_fn, tokenizer,
-                  cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+                  alg: AlgorithmConfig, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """(shaped rewards, task rewards, metrics): task reward per sample, plus DAPO's soft overlong
     punishment in the shaped one. Filters decide on task rewards, so shaping cannot flip them."""
     texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
     task = torch.tensor([float(reward_fn(t, records_by_id[s.prompt_id])) for t, s in zip(texts, samples)])
     rewards = task.clone()
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
-    alg = cfg.algorithm
     if alg.overlong_buffer > 0:
-        rewards = rewards + overlong_penalty(lengths, cfg.rollout.max_new_tokens, alg.overlong_buffer,
+        rewards = rewards + overlong_penalty(lengths, max_new_tokens, alg.overlong_buffer,
                                              alg.overlong_penalty)
     metrics = {
         "reward/mean": float(rewards.mean()),
@@ -40,7 +38,3 @@ def score_samples(samples: list[RolloutSample], records_by_id: dict, reward_fn, 
 def group_ids_of(samples: list[RolloutSample]) -> list[str]:
     return [s.prompt_id for s in samples]
 
-
-def grpo_like_advantages(samples, rewards: torch.Tensor, cfg: RunConfig) -> torch.Tensor:
-    """GRPO and DAPO: group-relative advantage per sample, broadcast over its tokens later."""
-    return grpo_advantages(rewards, group_ids_of(samples), normalize_std=cfg.algorithm.normalize_std)

@@ -9,6 +9,9 @@ Order on every sync (nothing is served between load and reset):
      cache, then serves again. Requests sent under the old version are refused.
 Generation is paused by construction: the loop is synchronous, and an engine with
 a half-loaded update refuses requests until finish_update.
+
+Colocated engines on GPUs sleep while the learner trains: `release_engine_memory` before the
+learner's step, and `sync_weights(wake_engines=True)` takes the memory back around the load.
 """
 
 from __future__ import annotations
@@ -21,6 +24,13 @@ from megatron_specrl.resync.routes import ObjectStoreRoute
 def engines_of(engine) -> list:
     """The Ray engine handles behind a router (or the engine itself)."""
     return list(getattr(engine, "engines", [engine]))
+
+
+def release_engine_memory(engine) -> None:
+    """Colocated engines hand their GPU memory (weights and KV cache) to the learner for its step;
+    sync_weights(wake_engines=True) resumes them."""
+    for e in engines_of(engine):
+        e.release_memory()
 
 
 def sync_weights(learner, engine, version: int, bucket_bytes: int, wake_engines: bool = False,

@@ -156,7 +156,10 @@ class CudaIpcRoute:
 ROUTES = {route.name: route for route in (ObjectStoreRoute, BroadcastRoute, CudaIpcRoute)}
 
 
-def make_route(name: str, timeout_s: float = 600.0):
+Route = ObjectStoreRoute | BroadcastRoute | CudaIpcRoute
+
+
+def make_route(name: str, timeout_s: float = 600.0) -> Route:
     if name not in ROUTES:
         raise ValueError(f"unknown resync transport {name!r}; expected one of {sorted(ROUTES)}")
     return ObjectStoreRoute() if name == "ray" else ROUTES[name](timeout_s)

@@ -1,27 +1,22 @@
-"""One step's rollouts with rewards, including DAPO's dynamic sampling.
+"""DAPO's dynamic sampling over rollout rounds: the training step's DAPO filter.
 
-Without dynamic sampling this is one speculative rollout of one prompt batch.
-With it, further prompt batches are rolled out until `prompts_per_step` groups
-with 0 < correct < G are collected (groups that all pass or all fail carry no
-GRPO signal), failing clearly after `max_sampling_tries` rounds instead of hanging.
+Further prompt batches are rolled out until `target_groups` groups with 0 < correct < G are
+collected (groups that all pass or all fail carry no GRPO signal), failing clearly after
+`max_tries` rounds instead of hanging. A round is a function the step hands in, so this module
+needs neither the engine nor the run: round(i) -> (samples, shaped rewards, task rewards, metrics).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Callable
 
 import torch
 
 from megatron_specrl.algorithms.dapo import dapo_keep_mask, dynamic_sample
-from megatron_specrl.algorithms.rewards_step import score_samples
+from megatron_specrl.rollout.speculative import RolloutSample
 
-
-def _rollout_round(run, step: int, round_idx: int):
-    records = run.loader.next_batch()
-    prompts = [(r.id, run.prompt_ids(r)) for r in records]
-    samples, metrics = run.rollout.run(prompts, run.cfg.rollout.n_samples, run.version, step=f"{step}.{round_idx}")
-    rewards, task, reward_metrics = score_samples(samples, run.train_records, run.reward_fn, run.tokenizer, run.cfg)
-    return samples, rewards, task, {**metrics, **reward_metrics}
+RolloutRound = Callable[[int], tuple[list[RolloutSample], torch.Tensor, torch.Tensor, dict[str, float]]]
 
 
 def _merge(rounds: list[dict]) -> dict[str, float]:
@@ -43,19 +38,17 @@ def _groups(samples, rewards, keep):
     return groups, [bool(keep[idx[0]]) for idx in by_id.values()]
 
 
-def collect_rollouts(run, step: int):
-    """-> (samples, shaped rewards, metrics) for the step's training batch."""
-    alg = run.cfg.algorithm
-    if not alg.dynamic_sampling:
-        samples, rewards, _, metrics = _rollout_round(run, step, 0)
-        return samples, rewards, metrics
+def filter_rounds(rollout_round: RolloutRound, target_groups: int,
+                  max_tries: int) -> tuple[list[RolloutSample], torch.Tensor, dict[str, float]]:
+    """Rounds until `target_groups` informative groups -> (their samples, shaped rewards, metrics).
+    The filter decides on task rewards, so DAPO's length shaping cannot flip it."""
     round_metrics = []
 
     def generate(round_idx: int):
-        samples, rewards, task, metrics = _rollout_round(run, step, round_idx)
+        samples, rewards, task, metrics = rollout_round(round_idx)
         round_metrics.append(metrics)
         return _groups(samples, rewards, dapo_keep_mask(task, [s.prompt_id for s in samples]))
 
-    groups, stats = dynamic_sample(generate, run.cfg.trainer.prompts_per_step, alg.max_sampling_tries)
+    groups, stats = dynamic_sample(generate, target_groups, max_tries)
     metrics = {**_merge(round_metrics), **stats}
     return [s for group, _ in groups for s in group], torch.cat([r for _, r in groups]), metrics

@@ -1,0 +1,29 @@
+"""Fault injection is a hook the loop calls, off unless its variables are set."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_specrl import faults
+
+
+def test_no_variables_means_the_no_op_hooks():
+    hooks = faults.from_env(environ={})
+    assert type(hooks) is faults.PhaseHooks
+    hooks.before("rollout", 1)   # does nothing
+
+
+def test_kill_at_phase_and_step_and_engine_before_its_rollout(monkeypatch):
+    killed = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: killed.append(pid))
+    engines = [SimpleNamespace(pid=4242)]
+    hooks = faults.from_env(lambda: engines, {faults.ENV: "train:3", faults.ENGINE_ENV: "2"})
+    for step in (1, 2, 3):
+        for phase in faults.PHASES:
+            hooks.before(phase, step)
+    assert killed == [4242, faults.os.getpid()]      # the engine at step 2's rollout, the driver at 3's train
+
+
+def test_unknown_phase_fails_loudly():
+    with pytest.raises(ValueError, match="unknown phase"):
+        faults.from_env(environ={faults.ENV: "trian:3"})
