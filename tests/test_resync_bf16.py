@@ -13,6 +13,7 @@ import time
 import pytest
 
 from megatron_specrl.diagnostics.check import LOGPROB_TOL, make_probe_prompts, resync, run_check
+from megatron_specrl.learner.hf_mapping import MISWIRINGS
 from megatron_specrl.resync.routes import bucket_streams
 
 pytestmark = pytest.mark.slow
@@ -87,7 +88,8 @@ def test_bf16_engine_after_grpo_step_passes_check_resync(tmp_path, tiny_llama):
         # 4. a k/v swap over the broadcast group is still caught, by name; a correct sync repairs it
         route = make_route("broadcast")
         run.version += 1
-        bad = resync(run.learner, run.engine, run.version, route=route, swap_kv=True, dtype="bfloat16")
+        bad = resync(run.learner, run.engine, run.version, route=route, miswire=MISWIRINGS["swap_kv"],
+                     dtype="bfloat16")
         assert bad["resync/buckets"] == 1
         report = run_check(run.learner, run.engine, run.version, prompts, pad_id=run.pad_id,
                            weight_tol=WEIGHT_TOL, engine_dtype="bfloat16")

@@ -14,6 +14,7 @@ import pytest
 from megatron_specrl.diagnostics.check import (
     check_resync_main, logprob_check, make_probe_prompts, probe_logprobs, resync, run_check,
 )
+from megatron_specrl.learner.hf_mapping import MISWIRINGS
 
 pytestmark = pytest.mark.slow
 LOGPROB_TOL = 1e-4
@@ -24,9 +25,10 @@ PAD = 0
 @pytest.fixture(scope="module")
 def ray_session():
     import ray
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+
+    from megatron_specrl.actors import init_ray
+    from megatron_specrl.config import RayConfig
+    started = init_ray(RayConfig(num_cpus=2))   # a Ray of its own, even if another one runs here
     yield
     if started:
         ray.shutdown()
@@ -96,7 +98,7 @@ def test_train_step_then_resync_matches(learner, engine, prompts):
 @pytest.mark.parametrize("bug, fused", [("swap_kv", "self_attn.qkv_proj.weight"),
                                         ("swap_gate_up", "mlp.gate_up_proj.weight")])
 def test_swapped_mapping_fails_then_recovers(learner, engine, prompts, bug, fused):
-    resync(learner, engine, engine.weight_version + 1, **{bug: True})
+    resync(learner, engine, engine.weight_version + 1, miswire=MISWIRINGS[bug])
     bad = _check(learner, engine, prompts)
     m = bad.probe.metrics()
     print(f"\n{bug}: weights max {bad.weight_max_abs:.3g}, log-probs mean {m['resync/logprob_abs_diff']:.3g}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_specrl.diagnostics.check import make_probe_prompts, probe_logprobs, resync, run_check
+from megatron_specrl.learner.hf_mapping import MISWIRINGS
 
 pytestmark = pytest.mark.slow
 WEIGHT_TOL, LOGPROB_TOL = 1e-6, 1e-4
@@ -71,7 +72,8 @@ def test_grpo_step_over_broadcast_serves_the_learners_weights(tp, restart, tmp_p
         probe = probe_logprobs(run.engine, run.learner, run.version, prompts, pad_id=run.pad_id)
         run.learner.train_step(probe.train_batch(run.pad_id))
         run.version += 1
-        bad = resync(run.learner, run.engine, run.version, bucket_bytes=4096, route=route, swap_kv=True)
+        bad = resync(run.learner, run.engine, run.version, bucket_bytes=4096, route=route,
+                     miswire=MISWIRINGS["swap_kv"])
         assert bad["resync/buckets"] > 3
         report = run_check(run.learner, run.engine, run.version, prompts, pad_id=run.pad_id)
         assert {r.name for rows in report.weight_rows.values() for r in rows if not r.ok(WEIGHT_TOL)} == \

@@ -141,16 +141,15 @@ def set_skip_cache_reset(engine, flag: bool) -> None:
             e.skip_cache_reset = flag
 
 
-def resync(learner, engine, version: int, bucket_bytes: int = 64 << 20, swap_kv: bool = False,
-           swap_gate_up: bool = False, skip_cache_reset: bool = False, route=None,
+def resync(learner, engine, version: int, bucket_bytes: int = 64 << 20, miswire: dict[str, str] | None = None,
+           skip_cache_reset: bool = False, route=None,
            dtype: str = "float32") -> dict[str, float]:
     """sync_weights with the classic bugs injectable (wrong k/v or gate/up order, no cache reset);
     `route`: the transport to check (resync.routes; None = object store); `dtype`: the engine's."""
     if skip_cache_reset:
         set_skip_cache_reset(engine, True)
     try:
-        return sync_weights(learner, engine, version, bucket_bytes, route=route, dtype=dtype, swap_kv=swap_kv,
-                            swap_gate_up=swap_gate_up)
+        return sync_weights(learner, engine, version, bucket_bytes, route=route, dtype=dtype, miswire=miswire)
     finally:
         if skip_cache_reset:
             set_skip_cache_reset(engine, False)
@@ -340,6 +339,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _miswire(args) -> dict[str, str] | None:
+    """The CLI's bug flags as the one injected renaming (learner.hf_mapping.MISWIRINGS)."""
+    from megatron_specrl.learner.hf_mapping import MISWIRINGS
+    renames = {k: v for flag, wiring in MISWIRINGS.items() if getattr(args, flag) for k, v in wiring.items()}
+    return renames or None
+
+
 def _model_dir(model: str):
     from megatron_specrl.config import ModelConfig
     from megatron_specrl.models.resolve import resolve_model
@@ -387,7 +393,7 @@ def check_resync_main(argv: list[str] | None = None, learner=None, engine=None) 
             learner, engine = built.learner, built.engine
         from megatron_specrl.resync.routes import make_route
         report = check_resync(learner, engine, prompts, pad_id=pad_id, train_step=args.train_step,
-                              swap_kv=args.swap_kv, swap_gate_up=args.swap_gate_up,
+                              miswire=_miswire(args),
                               skip_cache_reset=args.skip_cache_reset, route=make_route(args.transport),
                               compare_tensors=not args.no_weights,
                               max_new_tokens=args.max_new_tokens, seed=args.seed, bucket_bytes=bucket_bytes,
@@ -402,8 +408,8 @@ def check_resync_main(argv: list[str] | None = None, learner=None, engine=None) 
             ray.shutdown()
 
 
-def check_resync(learner, engine, prompts, *, pad_id: int = 0, train_step: bool = False, swap_kv: bool = False,
-                 swap_gate_up: bool = False, skip_cache_reset: bool = False, route=None,
+def check_resync(learner, engine, prompts, *, pad_id: int = 0, train_step: bool = False,
+                 miswire: dict[str, str] | None = None, skip_cache_reset: bool = False, route=None,
                  **check_kwargs) -> CheckReport:
     """The CLI's sequence: probe (warms the prefix cache) -> optional train step -> resync (bugs
     injectable) -> both checks on the same prompts."""
@@ -420,8 +426,8 @@ def check_resync(learner, engine, prompts, *, pad_id: int = 0, train_step: bool 
         after = learner.compute_logprobs(batch)
         moved = ((after - batch["old_logprobs"]).abs() * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
         notes.append(f"the train step moved the learner's probe log-probs by {float(moved):.3e} on average")
-    resync(learner, engine, version + 1, check_kwargs.get("bucket_bytes", 64 << 20), swap_kv=swap_kv,
-           swap_gate_up=swap_gate_up, skip_cache_reset=skip_cache_reset, route=route,
+    resync(learner, engine, version + 1, check_kwargs.get("bucket_bytes", 64 << 20), miswire=miswire,
+           skip_cache_reset=skip_cache_reset, route=route,
            dtype=check_kwargs.get("engine_dtype", "float32"))
     report = run_check(learner, engine, version + 1, prompts, pad_id=pad_id, **check_kwargs)
     report.notes = notes + report.notes

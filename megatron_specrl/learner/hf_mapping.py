@@ -11,13 +11,13 @@ tensors and how it is split across tensor-parallel ranks:
   fc1     SwiGLU: each TP rank holds [gate_r; up_r] (a chunk of the gathered tensor is NOT this)
 
 Megatron names are stage-local: every pipeline stage numbers its layers from 0.
-The `swap_kv` / `swap_gate_up` flags (or a custom table) inject a wrong mapping
-so that the resync checker can prove it detects one.
+A deliberately wrong table, `miswired(table, MISWIRINGS["swap_kv"])`, lets the resync checker
+prove it detects a wrong mapping: the one injected thing is a renaming of HF module names.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -96,6 +96,20 @@ def padded_vocab(cfg, tp: int, divisible_by: int = 128) -> int:
     return ((cfg.vocab_size + m - 1) // m) * m
 
 
+# Debug wirings for the resync checker: HF module names written in place of others.
+MISWIRINGS = {"swap_kv": {"k_proj": "v_proj", "v_proj": "k_proj"},
+              "swap_gate_up": {"gate_proj": "up_proj", "up_proj": "gate_proj"}}
+
+
+def miswired(mapping, renames: dict[str, str] | None) -> tuple[Rule, ...]:
+    """`mapping` with each HF name's module parts renamed (e.g. k_proj <-> v_proj): every tensor
+    then travels under the other's name, a wrong mapping that a correct checker must catch."""
+    if not renames:
+        return tuple(mapping)
+    rename = lambda n: ".".join(renames.get(part, part) for part in n.split("."))  # noqa: E731
+    return tuple(replace(r, hf=tuple(rename(n) for n in r.hf)) for r in mapping)
+
+
 def get_mapping(cfg, mapping=None) -> tuple[Rule, ...]:
     if mapping is not None:
         return tuple(mapping)
@@ -148,13 +162,11 @@ def validate_hf_state(hf_state: dict[str, Tensor], cfg) -> None:
 
 
 # ----------------------------------------------------------------------------- split / merge
-def _qkv_full(q: Tensor, k: Tensor, v: Tensor, cfg, swap_kv=False) -> Tensor:
+def _qkv_full(q: Tensor, k: Tensor, v: Tensor, cfg) -> Tensor:
     """[q; k; v] (HF) -> per query group [q_g; k_g; v_g] (Megatron), for weights or biases."""
     d = _dims(cfg)
     nkv, hd = d["nkv"], d["hd"]
     qpg = d["nq"] // nkv
-    if swap_kv:
-        k, v = v, k
     rest = q.shape[1:]
     qg = q.reshape(nkv, qpg * hd, *rest)
     kg = k.reshape(nkv, hd, *rest)
@@ -162,7 +174,7 @@ def _qkv_full(q: Tensor, k: Tensor, v: Tensor, cfg, swap_kv=False) -> Tensor:
     return torch.cat([qg, kg, vg], dim=1).reshape(-1, *rest)
 
 
-def _qkv_split(full: Tensor, cfg, swap_kv=False) -> tuple[Tensor, Tensor, Tensor]:
+def _qkv_split(full: Tensor, cfg) -> tuple[Tensor, Tensor, Tensor]:
     d = _dims(cfg)
     nkv, hd = d["nkv"], d["hd"]
     qpg = d["nq"] // nkv
@@ -171,13 +183,10 @@ def _qkv_split(full: Tensor, cfg, swap_kv=False) -> tuple[Tensor, Tensor, Tensor
     q = g[:, : qpg * hd].reshape(-1, *rest)
     k = g[:, qpg * hd: (qpg + 1) * hd].reshape(-1, *rest)
     v = g[:, (qpg + 1) * hd:].reshape(-1, *rest)
-    if swap_kv:
-        k, v = v, k
     return q.contiguous(), k.contiguous(), v.contiguous()
 
 
-def split_for_tp(rule: Rule, hf_tensors: list[Tensor], cfg, tp: int, vocab_divisible_by: int = 128,
-                 swap_kv=False, swap_gate_up=False) -> list[Tensor]:
+def split_for_tp(rule: Rule, hf_tensors: list[Tensor], cfg, tp: int, vocab_divisible_by: int = 128) -> list[Tensor]:
     """Full HF tensor(s) of one rule -> the tp local Megatron shards."""
     kind = rule.kind
     if kind == "rep":
@@ -193,12 +202,10 @@ def split_for_tp(rule: Rule, hf_tensors: list[Tensor], cfg, tp: int, vocab_divis
     if kind == "row":
         return [c.clone() for c in torch.chunk(hf_tensors[0], tp, dim=1)]
     if kind == "qkv":  # query groups are contiguous, so a dim-0 chunk gives each rank its groups
-        full = _qkv_full(*hf_tensors, cfg, swap_kv=swap_kv)
+        full = _qkv_full(*hf_tensors, cfg)
         return [c.clone() for c in torch.chunk(full, tp, dim=0)]
     if kind == "fc1":
         gate, up = hf_tensors
-        if swap_gate_up:
-            gate, up = up, gate
         return [torch.cat([g, u], dim=0) for g, u in zip(torch.chunk(gate, tp, 0), torch.chunk(up, tp, 0))]
     raise ValueError(f"unknown split kind {kind!r}")
 
@@ -221,8 +228,7 @@ def _local_to_rule(name: str, mapping) -> tuple[Rule, int | None]:
 
 
 def merge_tp_shards_to_hf(megatron_name_local: str, shards: list[Tensor], hf_config, global_layer_idx: int | None,
-                          swap_kv: bool = False, swap_gate_up: bool = False, mapping=None,
-                          ) -> list[tuple[str, Tensor]]:
+                          mapping=None) -> list[tuple[str, Tensor]]:
     """One Megatron parameter (its TP shards, in TP-rank order) -> full HF (name, tensor) pairs.
 
     Vocab padding is dropped. Returns [] for the output layer of a tied model (HF keeps one copy).
@@ -241,13 +247,11 @@ def merge_tp_shards_to_hf(megatron_name_local: str, shards: list[Tensor], hf_con
     if kind == "row":
         return [(names[0], torch.cat(shards, dim=1))]
     if kind == "qkv":
-        return list(zip(names, _qkv_split(torch.cat(shards, dim=0), hf_config, swap_kv=swap_kv)))
+        return list(zip(names, _qkv_split(torch.cat(shards, dim=0), hf_config)))
     if kind == "fc1":
         halves = [torch.chunk(s, 2, dim=0) for s in shards]
         gate = torch.cat([h[0] for h in halves], dim=0)
         up = torch.cat([h[1] for h in halves], dim=0)
-        if swap_gate_up:
-            gate, up = up, gate
         return [(names[0], gate), (names[1], up)]
     raise ValueError(f"unknown split kind {kind!r}")
 
@@ -281,7 +285,7 @@ def stage_rules(cfg, mapping, pp: int, pp_rank: int):
 
 
 def hf_to_megatron_shards(hf_state: dict[str, Tensor], hf_config, tp: int, pp: int, vocab_divisible_by: int = 128,
-                          swap_kv: bool = False, swap_gate_up: bool = False, mapping=None, validate: bool = True,
+                          mapping=None, validate: bool = True,
                           only: tuple[int, int] | None = None) -> dict[tuple[int, int], dict[str, Tensor]]:
     """Full HF state -> {(tp_rank, pp_rank): {stage-local Megatron name: shard}}.
 
@@ -304,7 +308,7 @@ def hf_to_megatron_shards(hf_state: dict[str, Tensor], hf_config, tp: int, pp: i
                 tensors = [hf_state[n] for n in hf_names]
             except KeyError as e:
                 raise CheckpointError(f"checkpoint is missing tensor {e.args[0]!r}") from None
-            parts = split_for_tp(rule, tensors, hf_config, tp, vocab_divisible_by, swap_kv, swap_gate_up)
+            parts = split_for_tp(rule, tensors, hf_config, tp, vocab_divisible_by)
             name = rule.megatron.format(i=local)
             for t in range(tp):
                 if (t, p) in shards:
@@ -313,7 +317,7 @@ def hf_to_megatron_shards(hf_state: dict[str, Tensor], hf_config, tp: int, pp: i
 
 
 def megatron_shards_to_hf(shards: dict[tuple[int, int], dict[str, Tensor]], hf_config, tp: int, pp: int,
-                          swap_kv: bool = False, swap_gate_up: bool = False, mapping=None) -> dict[str, Tensor]:
+                          mapping=None) -> dict[str, Tensor]:
     """Inverse of hf_to_megatron_shards (vocab padding dropped, tied head omitted)."""
     mapping = get_mapping(hf_config, mapping)
     out: dict[str, Tensor] = {}
@@ -329,6 +333,6 @@ def megatron_shards_to_hf(shards: dict[tuple[int, int], dict[str, Tensor]], hf_c
                 if name not in shards[(t, p)]:
                     raise CheckpointError(f"Megatron shard (tp={t}, pp={p}) is missing tensor {name!r}")
                 parts.append(shards[(t, p)][name])
-            for hf_name, tensor in merge_tp_shards_to_hf(name, parts, hf_config, g, swap_kv, swap_gate_up, mapping):
+            for hf_name, tensor in merge_tp_shards_to_hf(name, parts, hf_config, g, mapping):
                 out[hf_name] = tensor
     return out

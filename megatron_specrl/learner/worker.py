@@ -388,14 +388,16 @@ class LearnerWorker:
                 order.append((p, rule.megatron.format(i=local), g))
         return order
 
-    def iter_hf_state(self, swap_kv: bool = False, swap_gate_up: bool = False, mapping=None, grads: bool = False
+    def iter_hf_state(self, miswire: dict[str, str] | None = None, grads: bool = False
                       ) -> Iterator[tuple[str, Tensor]]:
         """Yield full HF (name, tensor) pairs on global rank 0; every rank must iterate in lockstep.
 
         The owning stage's DP-rank-0 TP group all-gathers a parameter, its TP rank 0 sends the
         shards to global rank 0, which merges them: one full tensor in flight at a time.
-        `grads=True` yields gradients instead (tests).
+        `grads=True` yields gradients instead (tests). `miswire` (hf_mapping.MISWIRINGS) renames HF
+        modules on the way out: the resync checker's injected wrong mapping.
         """
+        mapping = hm.miswired(hm.get_mapping(self.hf_config), miswire)
         ps = self.ps
         tp = self.settings.tp
         params = dict(self.model.named_parameters())
@@ -426,8 +428,7 @@ class LearnerWorker:
                     dist.recv(full, src=src)
                     shards = list(full.unbind(0))
             if self.rank == 0:
-                for hf_name, t in hm.merge_tp_shards_to_hf(name, shards, self.hf_config, g, swap_kv, swap_gate_up,
-                                                           mapping):
+                for hf_name, t in hm.merge_tp_shards_to_hf(name, shards, self.hf_config, g, mapping):
                     yield hf_name, t
             shards = None
 

@@ -21,31 +21,29 @@ from megatron_specrl.resync.streams import broadcast_all, drain, push_ipc
 class RayLearnerWorker(LearnerWorker, ResyncMember):
     """LearnerWorker plus its weights as resync buckets, for each transport (resync.routes)."""
 
-    def _buckets(self, bucket_bytes: int, dtype: str, swap_kv: bool, swap_gate_up: bool):
-        return plan_buckets(self.iter_hf_state(swap_kv=swap_kv, swap_gate_up=swap_gate_up), bucket_bytes,
-                            dtype=dtype)
+    def _buckets(self, bucket_bytes: int, dtype: str, miswire: dict[str, str] | None):
+        """`miswire`: check-resync's injected wrong mapping (learner.hf_mapping.MISWIRINGS); None in a run."""
+        return plan_buckets(self.iter_hf_state(miswire=miswire), bucket_bytes, dtype=dtype)
 
-    def hf_bucket_stream(self, bucket_bytes: int, dtype: str = "float32", swap_kv: bool = False,
-                         swap_gate_up: bool = False):
+    def hf_bucket_stream(self, bucket_bytes: int, dtype: str = "float32", miswire: dict | None = None):
         """Object store: numpy payloads that Ray writes once into its store and engine actors read from there."""
-        for bucket in self._buckets(bucket_bytes, dtype, swap_kv, swap_gate_up):
+        for bucket in self._buckets(bucket_bytes, dtype, miswire):
             yield bucket.to_payload()
 
     def open_resync_store(self, timeout_s: float) -> tuple[str, int]:
         return self.resync_endpoint.open_store(ray.util.get_node_ip_address(), timeout_s)
 
-    def broadcast_buckets(self, bucket_bytes: int, dtype: str = "float32", swap_kv: bool = False,
-                          swap_gate_up: bool = False):
+    def broadcast_buckets(self, bucket_bytes: int, dtype: str = "float32", miswire: dict | None = None):
         """Broadcast: rank 0 sends every bucket over the resync group; returns {buckets, bytes} there."""
-        buckets = self._buckets(bucket_bytes, dtype, swap_kv, swap_gate_up)
+        buckets = self._buckets(bucket_bytes, dtype, miswire)
         if self.rank != 0:
             return drain(buckets)
         return broadcast_all(self.resync_endpoint, buckets)
 
     def push_ipc_buckets(self, bucket_bytes: int, engine_actors: list, version: int, timeout_s: float,
-                         dtype: str = "float32", swap_kv: bool = False, swap_gate_up: bool = False):
+                         dtype: str = "float32", miswire: dict | None = None):
         """CUDA IPC: rank 0 hands each bucket's handles to every engine actor and waits for all of them."""
-        buckets = self._buckets(bucket_bytes, dtype, swap_kv, swap_gate_up)
+        buckets = self._buckets(bucket_bytes, dtype, miswire)
         if self.rank != 0:
             return drain(buckets)
 

@@ -34,16 +34,18 @@ def release_engine_memory(engine) -> None:
 
 
 def sync_weights(learner, engine, version: int, bucket_bytes: int, wake_engines: bool = False,
-                 route=None, dtype: str = "float32", **debug) -> dict[str, float]:
+                 route=None, dtype: str = "float32", miswire: dict | None = None) -> dict[str, float]:
     """wake_engines: colocated engines slept through training; weights come back first, KV cache last.
     route: a resync.routes route (kept by the run: the broadcast one holds its group); None = object store.
-    dtype: the engines' (rollout.engine_dtype); buckets carry floating tensors in it."""
+    dtype: the engines' (rollout.engine_dtype); buckets carry floating tensors in it.
+    miswire: check-resync's injected wrong mapping (learner.hf_mapping.MISWIRINGS); None in a run."""
     t0 = time.perf_counter()
     targets = engines_of(engine)
     if wake_engines:
         for e in targets:
             e.resume_memory(["weights"])
-    n_buckets = (route or ObjectStoreRoute()).load(learner, targets, version, bucket_bytes, dtype=dtype, **debug)
+    n_buckets = (route or ObjectStoreRoute()).load(learner, targets, version, bucket_bytes, dtype=dtype,
+                                                   miswire=miswire)
     t_load = time.perf_counter() - t0
     for e in targets:
         e.finish_update(version)

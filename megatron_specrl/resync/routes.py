@@ -57,13 +57,13 @@ def _ray_get(ref):
     return ray.get(ref)
 
 
-def bucket_streams(learner, bucket_bytes: int, dtype: str = "float32", **debug):
+def bucket_streams(learner, bucket_bytes: int, dtype: str = "float32", miswire: dict | None = None):
     """Start the collective weight gather on every rank of a LearnerGroup of
-    resync.learner_actor.RayLearnerWorker actors; returns rank 0's stream of bucket refs (tensors cast to `dtype`) and the other ranks' streams
-    (drain them so their generators finish)."""
+    resync.learner_actor.RayLearnerWorker actors; returns rank 0's stream of bucket refs (tensors
+    cast to `dtype`) and the other ranks' streams (drain them so their generators finish)."""
     # Backpressure: rank 0 packs at most two buckets ahead of the engines.
     streams = [a.hf_bucket_stream.options(num_returns="streaming", _generator_backpressure_num_objects=2)
-               .remote(bucket_bytes, dtype, **debug) for a in learner.actors]
+               .remote(bucket_bytes, dtype, miswire) for a in learner.actors]
     return streams[0], streams[1:]
 
 
@@ -71,8 +71,8 @@ class ObjectStoreRoute:
     name = "ray"
 
     def load(self, learner, targets: list, version: int, bucket_bytes: int, dtype: str = "float32",
-             **debug) -> int:
-        rank0_stream, other_streams = bucket_streams(learner, bucket_bytes, dtype, **debug)
+             miswire: dict | None = None) -> int:
+        rank0_stream, other_streams = bucket_streams(learner, bucket_bytes, dtype, miswire)
         n = 0
         for ref in rank0_stream:
             n += 1
@@ -114,13 +114,13 @@ class BroadcastRoute:
         self.backend, self._members = backends.pop(), members
 
     def load(self, learner, targets: list, version: int, bucket_bytes: int, dtype: str = "float32",
-             **debug) -> int:
+             miswire: dict | None = None) -> int:
         targets = _ray_engines(targets, self.name)
         self.connect(learner, targets)
         try:
             # Receivers first: each engine blocks on the first header while the learner gathers.
             recvs = [e.submit_actor("receive_broadcast", version) for e in targets]
-            sends = learner.submit("broadcast_buckets", bucket_bytes, dtype, **debug)
+            sends = learner.submit("broadcast_buckets", bucket_bytes, dtype, miswire)
             waits = {ref: (e.name, _engine_get(e, "receive_broadcast")) for e, ref in zip(targets, recvs)}
             waits.update({ref: (f"learner rank {r}", _ray_get) for r, ref in enumerate(sends)})
             done = wait_all(waits, self.timeout_s + GRACE_S, f"resync broadcast of version {version}")
@@ -143,10 +143,10 @@ class CudaIpcRoute:
         self.timeout_s = timeout_s
 
     def load(self, learner, targets: list, version: int, bucket_bytes: int, dtype: str = "float32",
-             **debug) -> int:
+             miswire: dict | None = None) -> int:
         targets = _ray_engines(targets, self.name)
         actors = [e.actor for e in targets]
-        refs = learner.submit("push_ipc_buckets", bucket_bytes, actors, version, self.timeout_s, dtype, **debug)
+        refs = learner.submit("push_ipc_buckets", bucket_bytes, actors, version, self.timeout_s, dtype, miswire)
         done = wait_all({ref: (f"learner rank {r}", _ray_get) for r, ref in enumerate(refs)},
                         self.timeout_s + GRACE_S, f"resync cuda_ipc of version {version}")
         return int(done[refs[0]]["buckets"])
