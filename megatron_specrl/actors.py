@@ -57,7 +57,7 @@ class Actors:
 def build_actors(model_dir: str | Path, learner: LearnerConfig, rollout: RolloutConfig, *, seed: int,
                  log_dir: str | Path, critic_lr: float | None = None, reference: bool = False,
                  learner_gpus_per_rank: float = 0.0, gpus_per_engine: float | None = None,
-                 engine_seed: int = 0, bucket_bytes: int = 512 << 20) -> Actors:
+                 engine_seed: int = 0) -> Actors:
     """Policy learner (RayLearnerWorker ranks, so resync can drive them), rollout engine(s) as Ray
     actors, and optionally a PPO critic (`critic_lr`) and a frozen KL reference; every learner group
     starts from the HF weights in `model_dir`. Needs init_ray() first."""
@@ -74,5 +74,5 @@ def build_actors(model_dir: str | Path, learner: LearnerConfig, rollout: Rollout
     critic = group(learner.model_copy(update={"lr": critic_lr}), "critic") if critic_lr is not None else None
     ref = group(learner, "reference") if reference else None
     engine = make_engine(rollout, str(model_dir), log_dir=str(log_dir), use_ray=True, seed=engine_seed,
-                         bucket_bytes=bucket_bytes, gpus_per_engine=gpus_per_engine)
+                         gpus_per_engine=gpus_per_engine)
     return Actors(policy, engine, critic, ref)

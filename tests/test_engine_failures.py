@@ -30,7 +30,9 @@ def ray_engine(tiny_llama, tmp_path_factory):
     from megatron_specrl.engines.ray_engine import RayEngine
     from megatron_specrl.engines.vllm_engine import VLLMEngine
 
-    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
+    from megatron_specrl.actors import init_ray
+    from megatron_specrl.config import RayConfig
+    init_ray(RayConfig(num_cpus=2))   # a Ray of its own, even if another one runs on the machine
     eng = RayEngine(VLLMEngine, dict(model_path=str(tiny_llama), max_model_len=256, kv_cache_gb=0.25),
                     name="vllm-ray-0", log_dir=tmp_path_factory.mktemp("ray-logs"), num_cpus=1, timeout_s=300)
     yield eng

@@ -115,7 +115,7 @@ def breakdown(learner, engine, version: int, bucket_bytes: int, pids, dtype: str
     import ray
     with RssPeak(pids) as m1:
         t = time.perf_counter()
-        from megatron_specrl.resync.routes import bucket_streams
+        from megatron_specrl.resync.routes import bucket_streams, load_refs
         rank0, others = bucket_streams(learner, bucket_bytes, dtype)
         refs = list(rank0)
         for s in others:
@@ -125,7 +125,7 @@ def breakdown(learner, engine, version: int, bucket_bytes: int, pids, dtype: str
         t_learner = time.perf_counter() - t
     with RssPeak(pids) as m2:
         t = time.perf_counter()
-        engine.update_weights_refs(refs, version)
+        load_refs(engine, refs, version)
         engine.finish_update(version)
         t_engine = time.perf_counter() - t
     del refs
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         actors = build_actors(model_dir, LearnerConfig(tp=args.tp, pp=args.pp),
                               RolloutConfig(kv_cache_gb=0.25, engine_dtype=args.engine_dtype), seed=0,
-                              log_dir=tempfile.mkdtemp(prefix="bench-resync-"), bucket_bytes=args.bucket_mb << 20)
+                              log_dir=tempfile.mkdtemp(prefix="bench-resync-"))
         learner, engine = actors.learner, actors.engine
         pids = {"learner rank 0": ray.get(learner.actors[0].__ray_call__.remote(_pid)),
                 "engine actor": engine.pid, "driver": os.getpid()}

@@ -389,7 +389,7 @@ def check_resync_main(argv: list[str] | None = None, learner=None, engine=None) 
             built = build_actors(model_dir, LearnerConfig(tp=args.tp, pp=args.pp, lr=args.lr),
                                  RolloutConfig(kv_cache_gb=0.25, engine_dtype=args.engine_dtype), seed=args.seed,
                                  log_dir=args.log_dir or tempfile.mkdtemp(prefix="check-resync-"),
-                                 engine_seed=args.seed, bucket_bytes=bucket_bytes)
+                                 engine_seed=args.seed)
             learner, engine = built.learner, built.engine
         from megatron_specrl.resync.routes import make_route
         report = check_resync(learner, engine, prompts, pad_id=pad_id, train_step=args.train_step,

@@ -20,14 +20,13 @@ from megatron_specrl.engines.protocol import (
     ScoreResult, WeightVersionMismatch, samples_coupled, verifies_processed_distribution,
 )
 from megatron_specrl.engines.logs import tail_lines
-from megatron_specrl.resync.buckets import Bucket, plan_buckets
-from megatron_specrl.resync.group import ResyncMember
 
 ACTOR_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
 
 
-class EngineActor(ResyncMember):
-    """Runs in the actor process: builds the engine and forwards protocol calls."""
+class EngineActor:
+    """Runs in the actor process: builds the engine and forwards protocol calls. Weight syncs run
+    resync.engine_actor's functions in here through Ray's `__ray_call__`."""
 
     def __init__(self, engine_cls, engine_kwargs: dict):
         for k, v in ACTOR_ENV.items():
@@ -43,22 +42,6 @@ class EngineActor(ResyncMember):
     def weight_version(self) -> int:
         return self.engine.weight_version
 
-    def update_weights_blob(self, blob: bytes | dict, version: int) -> int:
-        """`blob` is a Bucket.to_payload() (or to_bytes()); Ray resolves an ObjectRef argument
-        to it, so N actors read one object-store copy."""
-        bucket = Bucket.from_wire(blob)
-        named = bucket.unflatten()
-        self.engine.update_weights(named, version)
-        return len(named)
-
-    # -- broadcast / IPC resync (resync.routes); on CPU vLLM runs in this process ----------------
-    def receive_broadcast(self, version: int) -> int:
-        """Load broadcast buckets until the sender's end sentinel; returns how many arrived."""
-        from megatron_specrl.resync.streams import receive_all
-        return receive_all(self.resync_endpoint, lambda named: self.engine.update_weights(named, version))
-
-    def update_weights_ipc(self, payload, version: int) -> int:
-        return self.engine.update_weights_ipc(payload, version)
 
 
 class RayEngine:
@@ -66,14 +49,13 @@ class RayEngine:
 
     def __init__(self, engine_cls, engine_kwargs: dict, name: str, log_dir: str | Path,
                  num_cpus: float = 1, num_gpus: float = 0, timeout_s: float = 600.0,
-                 start_timeout_s: float = 600.0, bucket_bytes: int = 512 << 20):
+                 start_timeout_s: float = 600.0):
         self.name = name
         self.engine_cls = engine_cls
         self.engine_kwargs = dict(engine_kwargs, name=name, log_dir=str(log_dir))
         self.log_path = Path(log_dir) / f"{name}.log"
         self.num_cpus, self.num_gpus = num_cpus, num_gpus
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
-        self.bucket_bytes = bucket_bytes
         self.actor = None
         self._pid: int | None = None
         self.starts = 0          # a new actor process is a new member of any broadcast group
@@ -166,24 +148,15 @@ class RayEngine:
               weight_version: int) -> list[ScoreResult]:
         return self.wait(self.submit("score", requests, sampling, weight_version), "score", weight_version)
 
-    def put_buckets(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterable:
-        """Object-store refs of the weight buckets (put once, readable by every actor)."""
-        import ray
-        for bucket in plan_buckets(named_tensors, self.bucket_bytes):
-            yield ray.put(bucket.to_payload())
-
-    def update_weights_refs(self, refs: Iterable, version: int) -> None:
-        for ref in refs:
-            self._get(self.actor.update_weights_blob.remote(ref, version), self.timeout_s, "update_weights")
-
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        self.update_weights_refs(self.put_buckets(named_tensors), version)
+        """Direct load (tests, tools); a run's syncs go through resync.routes instead."""
+        self._get(self.submit("update_weights", list(named_tensors), version), self.timeout_s, "update_weights")
 
     def finish_update(self, version: int) -> None:
         self._get(self.submit("finish_update", version), self.timeout_s, "finish_update")
 
     def submit_actor(self, method: str, *args):
-        """Start an EngineActor method (resync group membership, broadcast receive) without waiting."""
+        """Start an EngineActor method without waiting (`__ray_call__`: a function run in the actor)."""
         return getattr(self._running_actor(), method).remote(*args)
 
     def reset_prefix_cache(self) -> None:

@@ -100,11 +100,6 @@ class EngineRouter:
         return self._fan_out("score", requests, costs, sampling, weight_version)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        if all(hasattr(e, "put_buckets") for e in self.engines):
-            refs = list(self.engines[0].put_buckets(named_tensors))
-            for e in self.engines:
-                e.update_weights_refs(refs, version)
-            return
         named = list(named_tensors)   # an iterator can be consumed only once
         for e in self.engines:
             e.update_weights(named, version)

@@ -14,6 +14,7 @@ import ray
 
 from megatron_specrl.learner.worker import LearnerWorker
 from megatron_specrl.resync.buckets import plan_buckets
+from megatron_specrl.resync.engine_actor import load_ipc
 from megatron_specrl.resync.group import ResyncMember
 from megatron_specrl.resync.streams import broadcast_all, drain, push_ipc
 
@@ -48,6 +49,6 @@ class RayLearnerWorker(LearnerWorker, ResyncMember):
             return drain(buckets)
 
         def load_everywhere(payload):
-            ray.get([a.update_weights_ipc.remote(payload, version) for a in engine_actors], timeout=timeout_s)
+            ray.get([a.__ray_call__.remote(load_ipc, payload, version) for a in engine_actors], timeout=timeout_s)
         return push_ipc(buckets, self.device, load_everywhere)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from megatron_specrl.resync import engine_actor
 from megatron_specrl.resync.group import ResyncTransportError
 from megatron_specrl.resync.streams import drain
 
@@ -67,6 +68,12 @@ def bucket_streams(learner, bucket_bytes: int, dtype: str = "float32", miswire: 
     return streams[0], streams[1:]
 
 
+def load_refs(engine, refs, version: int) -> None:
+    """Object store: one RayEngine loads each bucket ref (its actor reads the shared object)."""
+    for ref in refs:
+        engine.wait(engine_actor.submit(engine, engine_actor.load_payload, ref, version), "update_weights")
+
+
 class ObjectStoreRoute:
     name = "ray"
 
@@ -77,7 +84,7 @@ class ObjectStoreRoute:
         for ref in rank0_stream:
             n += 1
             for e in targets:
-                e.update_weights_refs([ref], version)
+                load_refs(e, [ref], version)
         for stream in other_streams:   # let the other ranks' generators run to completion
             drain(stream)
         return n
@@ -105,7 +112,7 @@ class BroadcastRoute:
         world, gen, t = 1 + len(targets), self.generation, self.timeout_s
         waits = {rank0.join_resync_group.remote(host, port, 0, world, gen, t): ("learner rank 0", _ray_get)}
         for i, e in enumerate(targets):
-            ref = e.submit_actor("join_resync_group", host, port, i + 1, world, gen, t)
+            ref = engine_actor.submit(e, engine_actor.join_group, host, port, i + 1, world, gen, t)
             waits[ref] = (e.name, _engine_get(e, "join_resync_group"))
         joined = wait_all(waits, self.timeout_s + GRACE_S, f"resync broadcast group {gen} at {host}:{port}")
         backends = set(joined.values())
@@ -119,7 +126,7 @@ class BroadcastRoute:
         self.connect(learner, targets)
         try:
             # Receivers first: each engine blocks on the first header while the learner gathers.
-            recvs = [e.submit_actor("receive_broadcast", version) for e in targets]
+            recvs = [engine_actor.submit(e, engine_actor.receive_broadcast, version) for e in targets]
             sends = learner.submit("broadcast_buckets", bucket_bytes, dtype, miswire)
             waits = {ref: (e.name, _engine_get(e, "receive_broadcast")) for e, ref in zip(targets, recvs)}
             waits.update({ref: (f"learner rank {r}", _ray_get) for r, ref in enumerate(sends)})
