@@ -44,3 +44,10 @@ def cuda_to_cpu():
     if torch.cuda.is_available():
         return contextlib.nullcontext()
     return _module().cuda_to_cpu()
+
+
+def megatron_optimizer_on_cpu():
+    """Context manager: Megatron's DDP and (distributed) optimizer run on CPU tensors (null on GPUs)."""
+    if torch.cuda.is_available():
+        return contextlib.nullcontext()
+    return _module().megatron_optimizer_on_cpu()

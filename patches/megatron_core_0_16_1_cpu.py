@@ -205,3 +205,78 @@ def cuda_to_cpu(modules=_SCHEDULE_MODULES):
     finally:
         for mod, orig in saved:
             mod.torch = orig
+
+
+# 6. Megatron's DistributedDataParallel and optimizers (optimizer.py, distrib_optimizer.py) on CPU.
+#    They hard-code CUDA in three ways, each replaced only inside `megatron_optimizer_on_cpu()`:
+#    a. allocations with device="cuda" / torch.cuda.current_device() (grad and param buffers,
+#       found_inf, the clip's norm tensors): the modules' `torch` is the CPU proxy of cuda_to_cpu;
+#    b. dtype checks by type string: `param.type() == 'torch.cuda.FloatTensor'` when building the
+#       main-param groups and in get_grad_norm_fp32; a CPU tensor reports 'torch.FloatTensor', so
+#       Tensor.type() without arguments reports the CUDA name of a CPU tensor (the dtype is the same);
+#    c. `tensor.cuda()` before a gather in the distributed optimizer's state gather: identity;
+#    d. (not CUDA: torch's Adam, used when neither TE nor apex is installed, as on CPU) loading a
+#       'fully_reshardable' / 'fully_sharded_model_space' checkpoint copies every per-parameter
+#       optimizer state key from the checkpoint, but the loaders skip torch Adam's per-parameter
+#       "step" on the source side ("Handle torch Adam step separately": load_state_dict already set
+#       it from the param groups), so the copy raises KeyError('step'); the "step" entry is held
+#       out of the destination during that copy.
+#    Overlapped grad reduce / param gather (CUDA streams) and NCCL buffer registration stay off:
+#    the learner builds DistributedDataParallelConfig with overlap_* False on CPU.
+_OPTIMIZER_MODULES = (
+    "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.finalize_model_grads",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.utils",   # local_multi_tensor_l2_norm (the clip's norm without apex/TE)
+)
+
+
+def _cuda_type_name(orig_type):
+    def type_(self, *args, **kwargs):
+        if args or kwargs or self.device.type != "cpu":
+            return orig_type(self, *args, **kwargs)
+        name = orig_type(self)
+        return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+    type_.__wrapped__ = orig_type
+    return type_
+
+
+def _skip_torch_adam_step(orig):
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if "step" in tensors or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return orig(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        step = state.pop("step", None)
+        try:
+            return orig(self, model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+    _set_main_param_and_optimizer_states.__wrapped__ = orig
+    return _set_main_param_and_optimizer_states
+
+
+@contextlib.contextmanager
+def megatron_optimizer_on_cpu():
+    """Scoped (restored on exit): Megatron DDP / optimizer / dist-checkpoint modules see CPU as CUDA.
+
+    Wrap their construction and every call that runs them (backward hooks only add into CPU
+    buffers and need nothing): finish_grad_sync / finalize_model_grads, optimizer.step,
+    sharded_state_dict / load_state_dict.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    saved_type, saved_cuda = torch.Tensor.type, torch.Tensor.cuda
+    saved_set = DistributedOptimizer._set_main_param_and_optimizer_states
+    torch.Tensor.type = _cuda_type_name(saved_type)
+    torch.Tensor.cuda = lambda t, *a, **k: t
+    DistributedOptimizer._set_main_param_and_optimizer_states = _skip_torch_adam_step(saved_set)
+    try:
+        with cuda_to_cpu(_SCHEDULE_MODULES + _OPTIMIZER_MODULES):
+            yield
+    finally:
+        torch.Tensor.type, torch.Tensor.cuda = saved_type, saved_cuda
+        DistributedOptimizer._set_main_param_and_optimizer_states = saved_set

@@ -6,10 +6,11 @@ batch dict (CPU tensors); each DP rank takes its rows, the pipeline runs through
 Megatron's get_forward_backward_func(), and results are gathered so that global
 rank 0 returns the full [B, T] tensor.
 
-Optimizer: torch AdamW over the local shards with our own gradient all-reduce
-(DP) and global-norm clipping. Megatron's DDP / DistributedOptimizer hard-code
-CUDA tensor types, so they are not used here (on GPUs this path is correct but
-not memory-optimal).
+Optimizer: with `learner.distributed_optimizer` the model is wrapped in Megatron's
+DistributedDataParallel and stepped by Megatron's distributed Adam (Adam moments sharded
+over the DP ranks; megatron_optim.py, CPU shims in patches/). Without it: torch AdamW over
+the local shards, replicated on every DP rank, with our own gradient all-reduce (DP) and
+global-norm clipping. Both give the same weights (tests/test_distributed_optimizer.py).
 
 Roles: `policy` (LM head, trained), `critic` (value head, trained) and `reference`:
 the policy's initial weights, frozen, for the KL term. A reference has the policy's
@@ -101,6 +102,7 @@ class LearnerWorker:
         dist.all_gather(table, coords)
         self.rank_of = {tuple(t.tolist()): r for r, t in enumerate(table)}   # (pp, dp, tp) -> global rank
         self.model = None
+        self.ddp = None           # Megatron DDP wrapper of self.model (learner.distributed_optimizer)
         self.optimizer = None
         self.hf_config = None
         self.hf_dir = None
@@ -158,6 +160,11 @@ class LearnerWorker:
 
     def _build_optimizer(self) -> None:
         s = self.settings
+        if s.distributed_optimizer:
+            from megatron_specrl.learner import megatron_optim
+            self.ddp, self.optimizer = megatron_optim.build(self.model, s)
+            return
+        self.ddp = None
         lr = s.lr
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=lr,
                                            weight_decay=s.weight_decay, betas=(0.9, 0.999), eps=1e-8)
@@ -208,10 +215,18 @@ class LearnerWorker:
             return self._forward(model, mb), partial(loss_builder, mb)
 
         fb = get_forward_backward_func()
-        with cuda_to_cpu():
-            return fb(forward_step_func=step, data_iterator=iter(mbs), model=[self.model],
+        with self._cpu_shims():
+            return fb(forward_step_func=step, data_iterator=iter(mbs), model=[self.ddp or self.model],
                       num_microbatches=len(mbs), seq_length=max(m["input_ids"].shape[1] for m in mbs),
                       micro_batch_size=max(m["input_ids"].shape[0] for m in mbs), forward_only=forward_only)
+
+    def _cpu_shims(self):
+        """Scoped CUDA -> CPU rewrites around Megatron calls: the schedules', plus DDP's and the
+        optimizer's with Megatron's optimizer (null contexts on GPUs)."""
+        if self.ddp is not None:
+            from megatron_specrl.learner.megatron_optim import on_cpu
+            return on_cpu()
+        return cuda_to_cpu()
 
     def _gather_rows(self, B: int, T: int, pieces: list[tuple[Tensor, Tensor]], to_all: bool) -> Tensor | None:
         """Assemble per-row results from (last stage, tp 0, every DP rank) into one [B, T] tensor."""
@@ -306,14 +321,43 @@ class LearnerWorker:
             reported.update({k: v.detach() * w for k, v in met.items()})
             reported["loss"] = loss.detach().clone()
             # The schedule divides by the number of microbatches; undo it: `denom` is already global.
-            return loss * n_mb, reported
+            # Megatron's DDP averages gradients over DP; ours sum them (global denominators).
+            return loss * (n_mb * dp_scale), reported
 
+        dp_scale = self.settings.dp if self.ddp is not None else 1
+        if self.ddp is not None:
+            return self._megatron_step(mbs, loss_fn, step)
         self.optimizer.zero_grad(set_to_none=False)
         store = self._run_schedule(mbs, loss_fn, forward_only=False)
         grad_norm = self._finalize_grads(clip=step)
         if step:
             self.optimizer.step()
         return self._reduce_metrics(store, grad_norm)
+
+    def _megatron_step(self, mbs: list[dict], loss_fn, step: bool) -> dict[str, float]:
+        """Megatron DDP + optimizer: grads accumulate in DDP's buffer, finalize_model_grads reduces
+        them over DP (reduce-scatter with the distributed optimizer; all-reduce without a step, so
+        that every rank holds full gradients for iter_hf_state(grads=True)) and ties embeddings
+        across PP; optimizer.step() clips by the global norm, updates this rank's shard and
+        all-gathers the parameters."""
+        from megatron.core.distributed import finalize_model_grads
+        for p in self._params():
+            p.grad = None
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        store = self._run_schedule(mbs, loss_fn, forward_only=False)
+        with self._cpu_shims():
+            finalize_model_grads([self.ddp], force_all_reduce=not step)
+            if step:
+                ok, grad_norm, _ = self.optimizer.step()
+                if not ok:
+                    raise RuntimeError("Megatron's optimizer skipped the step (non-finite gradients)")
+            else:
+                for p in self._params():
+                    p.grad = p.main_grad.detach().clone()
+                self.optimizer.prepare_grads()
+                grad_norm = self.optimizer.get_grad_norm()
+        return self._reduce_metrics(store, float(grad_norm))
 
     def forward_backward(self, batch: dict) -> dict[str, float]:
         """Gradients of the RL loss on the whole batch (finalised over DP/PP, unclipped), no step.
@@ -448,12 +492,14 @@ class LearnerWorker:
             dist.barrier()
 
     # ------------------------------------------------------------------ checkpoints
-    def _sharded_state_dict(self, optimizer: bool = True, rng: bool = True) -> dict:
-        from megatron.core.dist_checkpointing.mapping import ShardedObject
+    def _sharded_state_dict(self, optimizer: bool = True, rng: bool = True, is_loading: bool = False) -> dict:
         model_sd = self.model.sharded_state_dict(prefix="model.")
         sd: dict = {"model": model_sd}
         if not optimizer:
             return sd
+        if self.ddp is not None:
+            sd["optimizer"] = self._megatron_optimizer_sd(model_sd, is_loading)
+            return self._with_rng(sd) if rng else sd
         named = dict(self.model.named_parameters())
         opt_state: dict = {}
         for name, p in named.items():
@@ -468,6 +514,18 @@ class LearnerWorker:
         sd["optimizer"] = opt_state
         if not rng:
             return sd
+        return self._with_rng(sd)
+
+    def _megatron_optimizer_sd(self, model_sd: dict, is_loading: bool) -> dict:
+        """Megatron's distributed optimizer state in its fully-reshardable format: per-parameter
+        moments keyed by the model's sharded keys, so any TP / PP / DP layout can load them."""
+        from megatron_specrl.learner.megatron_optim import SHARDING_TYPE
+        with self._cpu_shims():
+            return self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                     metadata={"distrib_optim_sharding_type": SHARDING_TYPE})
+
+    def _with_rng(self, sd: dict) -> dict:
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
         pp, tp = self.settings.pp, self.settings.tp
         sd["rng"] = ShardedObject("rng_state", {"cpu": torch.get_rng_state(), "tracker": self._tracker_states()},
                                   (pp, tp), (self.pp_rank, self.tp_rank), replica_id=self.dp_rank)
@@ -479,6 +537,9 @@ class LearnerWorker:
 
     def _ensure_optimizer_state(self) -> None:
         """Materialise AdamW state (zeros) so that loading has tensors to fill."""
+        if self.ddp is not None:
+            from megatron_specrl.learner.megatron_optim import ensure_state
+            return ensure_state(self.optimizer)
         for p in self._params():
             st = self.optimizer.state[p]
             if not st:
@@ -496,11 +557,13 @@ class LearnerWorker:
         if self.world_size > 1:
             dist.barrier()
         self._ensure_optimizer_state()
-        with cuda_to_cpu():
-            dist_checkpointing.save(self._sharded_state_dict(), str(path), async_sharded_save=False)
+        sd = self._sharded_state_dict()
+        with self._cpu_shims():
+            dist_checkpointing.save(sd, str(path), async_sharded_save=False)
         if self.rank == 0:
             (path / "specrl_learner.json").write_text(json.dumps(
-                {"tp": self.settings.tp, "pp": self.settings.pp, "dp": self.settings.dp, "role": self.role}))
+                {"tp": self.settings.tp, "pp": self.settings.pp, "dp": self.settings.dp, "role": self.role,
+                 "distributed_optimizer": self.ddp is not None}))
         if self.world_size > 1:
             dist.barrier()
 
@@ -517,15 +580,27 @@ class LearnerWorker:
             raise hm.CheckpointError(f"{path} is not a megatron-specrl learner checkpoint (no specrl_learner.json)")
         meta = json.loads(meta_file.read_text())
         same_layout = (meta["tp"], meta["pp"], meta["dp"]) == (self.settings.tp, self.settings.pp, self.settings.dp)
+        saved_dist = bool(meta.get("distributed_optimizer", False))
+        if load_optimizer and saved_dist != (self.ddp is not None):
+            raise hm.CheckpointError(
+                f"{path} holds {'Megatron distributed' if saved_dist else 'torch AdamW'} optimizer state; this "
+                f"learner has learner.distributed_optimizer={self.ddp is not None}: set it to {saved_dist} to resume")
         if load_optimizer:
             self._ensure_optimizer_state()
-        sd = self._sharded_state_dict(optimizer=load_optimizer, rng=load_optimizer and same_layout)
-        with cuda_to_cpu():
+        sd = self._sharded_state_dict(optimizer=load_optimizer, rng=load_optimizer and same_layout, is_loading=True)
+        with self._cpu_shims():
             loaded = dist_checkpointing.load(sd, str(path))
         model_sd = {k[len("model."):]: v for k, v in loaded["model"].items()}
         self.model.load_state_dict(model_sd, strict=False)
+        if load_optimizer and self.ddp is not None:
+            from megatron_specrl.learner import megatron_optim
+            with self._cpu_shims():
+                megatron_optim.load_state_dict(self.optimizer, loaded["optimizer"])
+            loaded["optimizer"] = {}
         named = dict(self.model.named_parameters())
-        opt = dict(loaded.get("optimizer", {}))
+        # (without load_optimizer, dist_checkpointing still returns the checkpoint's common, non-sharded
+        # optimizer entries: ignore them)
+        opt = dict(loaded.get("optimizer", {})) if load_optimizer else {}
         step = opt.pop("step", None)
         for key, val in opt.items():
             name, k = key.rsplit(".", 1)
@@ -539,7 +614,7 @@ class LearnerWorker:
     def shutdown(self) -> None:
         """Free the model and optimizer state, then leave the process groups."""
         import gc
-        self.model = self.optimizer = None
+        self.model = self.ddp = self.optimizer = None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -1,0 +1,134 @@
+"""Megatron's DistributedDataParallel + (distributed) optimizer for the learner (`learner.distributed_optimizer`).
+
+With the flag on, the learner's GPTModel is wrapped in megatron.core's DistributedDataParallel
+(contiguous fp32 gradient buffer, DP reduce-scatter) and stepped by get_megatron_optimizer's Adam
+with use_distributed_optimizer=True: each data-parallel rank keeps the Adam moments of its
+1/dp slice of the parameters, updates that slice, and all-gathers the parameters. Off, the
+learner keeps its replicated torch AdamW (worker.py).
+
+Equivalence with the replicated path (tests/test_distributed_optimizer.py):
+- gradients: the losses use global denominators, so DP gradients are *summed*; Megatron's DDP
+  averages (scales by 1/dp before a sum-reduce), so the learner multiplies its loss by dp
+  (`loss_scale`);
+- weight decay on every parameter like torch AdamW (config_overrides={}: no Megatron default
+  that skips biases and norms), the same betas / eps, Megatron's global-norm clip (same
+  max_norm / (norm + 1e-6) coefficient).
+
+CPU (gloo): Megatron hard-codes CUDA in DDP and the optimizers; `on_cpu()` is the scoped shim of
+patches/megatron_core_0_16_1_cpu.py (a null context on GPUs). Overlapped grad reduce / param
+gather use CUDA streams, so they are on only with CUDA.
+
+Checkpoints: the optimizer's sharded_state_dict in Megatron's 'fully_reshardable' format
+(canonical per-parameter moments, resharded by dist_checkpointing across TP / PP / DP).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+# Megatron's resharding format for the distributed optimizer (any TP / PP / DP on load).
+SHARDING_TYPE = "fully_reshardable"
+
+
+def on_cpu():
+    """Scoped CPU shims for DDP / optimizer calls; null context where CUDA is present."""
+    if torch.cuda.is_available():
+        return contextlib.nullcontext()
+    from megatron_specrl.learner.parallel import apply_cpu_patches
+    apply_cpu_patches()
+    import patches
+    return patches.megatron_optimizer_on_cpu()
+
+
+def ddp_config(distributed_optimizer: bool = True):
+    from megatron.core.distributed import DistributedDataParallelConfig
+    cuda = torch.cuda.is_available()
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=cuda,
+        overlap_param_gather=cuda and distributed_optimizer,
+        use_distributed_optimizer=distributed_optimizer,
+        check_for_nan_in_grad=False,
+    )
+
+
+def optimizer_config(settings, distributed_optimizer: bool = True, dtype: torch.dtype = torch.float32):
+    from megatron.core.optimizer import OptimizerConfig
+    return OptimizerConfig(
+        optimizer="adam", lr=settings.lr, min_lr=settings.lr, weight_decay=settings.weight_decay,
+        adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, clip_grad=settings.grad_clip,
+        use_distributed_optimizer=distributed_optimizer,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
+    )
+
+
+def build(model, settings, distributed_optimizer: bool = True):
+    """(DDP-wrapped model, Megatron optimizer) for one model chunk. The bare model stays usable:
+    DDP keeps its parameters (their .data become views into DDP's buffers)."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import get_megatron_optimizer
+    dtype = next(model.parameters()).dtype
+    with on_cpu():
+        ddp = DistributedDataParallel(model.config, ddp_config(distributed_optimizer), model)
+        opt = get_megatron_optimizer(optimizer_config(settings, distributed_optimizer, dtype), [ddp],
+                                     config_overrides={})
+    return ddp, opt
+
+
+def inner_optimizers(optimizer) -> list:
+    """The torch optimizers under Megatron's (Chained)Optimizer."""
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [o.optimizer for o in chained]
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of optimizer state tensors (Adam moments) this rank holds."""
+    total = 0
+    for opt in inner_optimizers(optimizer):
+        for st in opt.state.values():
+            total += sum(v.numel() * v.element_size() for v in st.values()
+                         if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return total
+
+
+def adam_step_count(optimizer) -> int:
+    """Adam's step counter (the same for every parameter group)."""
+    for opt in inner_optimizers(optimizer):
+        for g in opt.param_groups:
+            if "step" in g:
+                return int(g["step"])
+        for st in opt.state.values():
+            if "step" in st:
+                return int(st["step"])
+    return 0
+
+
+def ensure_state(optimizer) -> None:
+    """Materialise Adam state (zero moments, step 0) before a checkpoint save or load: torch's Adam
+    creates it lazily, and Megatron's DistributedOptimizer.state_dict() needs one step count per
+    parameter when TE / apex (whose Adam keeps the step in the param groups) are absent."""
+    for opt in inner_optimizers(optimizer):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                st = opt.state[p]
+                if not st:
+                    st["step"] = torch.tensor(0.0)
+                    st["exp_avg"] = torch.zeros_like(p.data)
+                    st["exp_avg_sq"] = torch.zeros_like(p.data)
+
+
+def load_state_dict(optimizer, state_dict) -> None:
+    """optimizer.load_state_dict, then one Adam step tensor per parameter.
+
+    With torch's Adam (no TE / apex: CPU), DistributedOptimizer.load_state_dict (megatron-core
+    0.16.1) gives every parameter's state the *same* "step" tensor, and torch's Adam increments each
+    parameter's step in place, so the shared counter would advance once per parameter per step and
+    the bias correction of every step after a resume would be wrong (tests/test_distributed_optimizer.py
+    catches it as a resumed step that differs from the uninterrupted one)."""
+    optimizer.load_state_dict(state_dict)
+    for opt in inner_optimizers(optimizer):
+        for st in opt.state.values():
+            if isinstance(st.get("step"), torch.Tensor):
+                st["step"] = st["step"].clone()
