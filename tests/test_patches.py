@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -54,3 +56,44 @@ def test_cuda_to_cpu_is_scoped():
         assert z.device.type == "cpu" and e.device.type == "cpu"
         assert schedules.torch.Tensor is torch.Tensor
     assert schedules.torch is torch and p2p_communication.torch is torch
+
+
+def test_megatron_optimizer_shim_is_scoped():
+    """Inside the context, Megatron's DDP / optimizer modules allocate on CPU, CPU tensors report CUDA
+    type strings (conversions with an argument still convert), .cuda() is the identity and the
+    distributed optimizer's torch-Adam 'step' is held out of the reshardable loader's copy;
+    everything is restored on exit."""
+    from megatron.core.distributed import param_and_grad_buffer
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    patches.apply()
+    t = torch.zeros(3)
+    orig_set = DistributedOptimizer._set_main_param_and_optimizer_states
+    with patches.megatron_optimizer_on_cpu():
+        assert t.type() == "torch.cuda.FloatTensor" and t.bfloat16().type() == "torch.cuda.BFloat16Tensor"
+        assert t.type(torch.float64).dtype == torch.float64 and t.type(torch.float64).device.type == "cpu"
+        assert t.cuda() is t
+        buf = param_and_grad_buffer.torch.zeros(4, device=param_and_grad_buffer.torch.cuda.current_device())
+        norm = clip_grads.torch.tensor([1.0], device="cuda")
+        assert buf.device.type == "cpu" and norm.device.type == "cpu"
+        assert DistributedOptimizer._set_main_param_and_optimizer_states.__wrapped__ is orig_set
+
+        # The loader's copy: "step" missing from the source is skipped, the state keeps its step.
+        main = torch.zeros(4)
+        fake = types.SimpleNamespace(
+            config=types.SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False),
+            model_param_group_index_map={"p": (0, 0)},
+            optimizer=types.SimpleNamespace(param_groups=[{"params": [main]}], state={}))
+        step = torch.tensor(5.0)
+        fake.optimizer.state[main] = {"exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4), "step": step}
+        DistributedOptimizer._set_main_param_and_optimizer_states(
+            fake, "p", {"param": torch.ones(4), "exp_avg": torch.full((4,), 2.0), "exp_avg_sq": torch.full((4,), 3.0)})
+        st = fake.optimizer.state[main]
+        assert main.tolist() == [1.0] * 4 and st["exp_avg"].tolist() == [2.0] * 4 and st["step"] is step
+    assert t.type() == "torch.FloatTensor"
+    assert distrib_optimizer.torch is torch and param_and_grad_buffer.torch is torch and clip_grads.torch is torch
+    assert DistributedOptimizer._set_main_param_and_optimizer_states is orig_set
+    with pytest.raises((AssertionError, RuntimeError)):
+        t.cuda()
+    with pytest.raises(KeyError, match="step"):   # the upstream behaviour the shim works around
+        orig_set(fake, "p", {"param": torch.ones(4), "exp_avg": torch.ones(4), "exp_avg_sq": torch.ones(4)})
