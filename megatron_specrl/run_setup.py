@@ -71,6 +71,10 @@ class Run:
         """The loader's next batch as (prompt id, token ids)."""
         return [(r.id, self.prompt_ids(r)) for r in self.loader.next_batch()]
 
+    def upcoming_prompts(self) -> list[tuple[str, list[int]]]:
+        """The batch next_prompts() returns next, without taking it (run-ahead drafting)."""
+        return [(r.id, self.prompt_ids(r)) for r in self.loader.peek_batch()]
+
     def probe_prompts(self, n: int = 8) -> list[list[int]]:
         """A few held-out prompts (training ones when there is no eval set) for the resync check."""
         records = list(self.eval_records) or list(self.train_records.values())
@@ -157,7 +161,7 @@ def build_run(cfg: RunConfig) -> Run:
     sampling = SamplingSettings(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
     rollout = SpeculativeRollout(engine, store, mode=cfg.rollout.spec_mode, lenience=cfg.rollout.lenience,
                                  sampling=sampling, max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.trainer.seed,
-                                 coupled_refresh=cfg.rollout.coupled_refresh)
+                                 coupled_refresh=cfg.rollout.coupled_refresh, runahead=cfg.rollout.runahead)
     logger = MetricsLogger(out, cfg.model_dump(mode="json"), use_wandb=cfg.logging.wandb,
                            wandb_mode=cfg.logging.wandb_mode, project=cfg.logging.project,
                            run_name=cfg.logging.run_name, resume_step=step)
@@ -250,6 +254,9 @@ def with_engine_recovery(run: Run, step: int, collect: Callable[[], tuple[list, 
         e.restart()
     if run.version > 0:
         run.resync()
+    latest = ckpt.find_latest(run.out / "checkpoints")
+    if latest is not None:   # the restarted engines draft from the trees of the newest checkpoint
+        restore_draft_trees(run.engine, latest / "draft_trees")
     run.loader.load_state_dict(loader_state)
     samples, rewards, metrics = collect()
     metrics["engine/restarts"] = 1.0

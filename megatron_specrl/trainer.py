@@ -25,7 +25,10 @@ def train_step(run: Run, step: int, hooks: faults.PhaseHooks = faults.PhaseHooks
     cfg, alg, t0 = run.cfg, run.cfg.algorithm, time.perf_counter()
 
     def rollout_round(i: int):   # 1-2. one batch of prompts -> G samples each (speculative) -> rewards
-        samples, metrics = run.rollout.run(run.next_prompts(), cfg.rollout.n_samples, run.version, step=f"{step}.{i}")
+        prompts = run.next_prompts()
+        upcoming = run.upcoming_prompts() if cfg.rollout.runahead else []   # run-ahead feeds their draft trees
+        samples, metrics = run.rollout.run(prompts, cfg.rollout.n_samples, run.version, step=f"{step}.{i}",
+                                           next_prompts=upcoming)
         rewards, task_rewards, reward_metrics = score_samples(samples, run.train_records, run.reward_fn,
                                                               run.tokenizer, alg, cfg.rollout.max_new_tokens)
         return samples, rewards, task_rewards, {**metrics, **reward_metrics}

@@ -71,3 +71,41 @@ def test_corrupt_trees_name_the_directory(tmp_path):
     (tmp_path / "draft_trees" / "engine-0" / "draft_trees.json").write_text("{not json")
     with pytest.raises(RuntimeError, match="engine-0.*missing or corrupt"):
         restore_draft_trees(FakeEngine(), tmp_path / "draft_trees")
+
+
+class RestartingEngine(FakeEngine):
+    """An engine whose restart, like a real one's, comes back with empty trees."""
+
+    def restart(self):
+        self.trees = None
+
+
+def test_engine_restart_reloads_the_trees_of_the_newest_checkpoint(tmp_path):
+    """with_engine_recovery: the engines restarted after a failure draft from the newest
+    checkpoint's trees instead of starting from nothing."""
+    from types import SimpleNamespace
+
+    from megatron_specrl import checkpoint as ckpt
+    from megatron_specrl.data.datasets import PromptLoader, PromptRecord
+    from megatron_specrl.engines.protocol import EngineError
+    from megatron_specrl.run_setup import with_engine_recovery
+
+    tmp = ckpt.begin(tmp_path / "checkpoints", 4)
+    save_draft_trees(FakeRouter([FakeEngine(_trees([1, 2, 3, 4])), FakeEngine(_trees([5, 6, 7]))]),
+                     tmp / "draft_trees")
+    ckpt.commit(tmp, {"step": 4}, keep=2)
+    router = FakeRouter([RestartingEngine(_trees([1, 2, 9])), RestartingEngine(_trees([5, 6, 9]))])
+    records = [PromptRecord(id=str(i), prompt=f"p{i}", answer="0", meta={}) for i in range(4)]
+    run = SimpleNamespace(engine=router, version=0, out=tmp_path, loader=PromptLoader(records, 2, seed=0))
+    calls = []
+
+    def collect():
+        calls.append(run.loader.next_batch())
+        if len(calls) == 1:
+            raise EngineError("died", "fake")
+        return [], None, {}
+
+    _, _, metrics = with_engine_recovery(run, 5, collect)
+    assert metrics["engine/restarts"] == 1.0 and calls[0] == calls[1]     # same prompts again
+    assert _proposal(router.engines[0].trees, [1, 2]) == [3, 4]          # the checkpoint's, not [9] nor nothing
+    assert _proposal(router.engines[1].trees, [5, 6]) == [7]
