@@ -37,7 +37,11 @@ For every prompt position whose target token y = prompt[i] has i >= P, its 4 col
     3    r         processed log-prob of r (under the processed distribution, y not excluded)
 
 r is drawn by inverse CDF with one uniform per position, a SplitMix64 hash of (seed, i): the same
-seed gives the same replacements whatever the batch or the prefill chunking. When the processed
+seed gives the same replacements whatever the batch or the prefill chunking. A coupled request
+(extra_args {COUPLED_KEY: noise seed}, rollout.spec_mode=coupled) gets instead, in columns 2-3, the
+coupled draw c at response position i - P (megatron_specrl.rollout.coupled: argmax of the processed
+log-probs plus position-keyed Gumbel noise; c may equal y), the token the decoder
+(patches/vllm_0_32_0_coupled_sampling) would draw there under these weights. When the processed
 distribution is a point mass on y there is no replacement: r = y and columns 2-3 are -inf.
 Positions with i < P are not computed: token y, log-prob NaN, rank 0. Nothing full-vocabulary
 leaves the engine. The columns need the flat container (`flat_logprobs=True`): the dict form
