@@ -14,7 +14,8 @@ from pathlib import Path
 PKG = "megatron_specrl"
 
 # The speculative core: the algorithm of drafting and acceptance, testable with a tabular engine.
-SPECULATIVE_CORE = ("rollout.store", "rollout.acceptance", "rollout.speculative", "rollout.draft_tree")
+SPECULATIVE_CORE = ("rollout.store", "rollout.acceptance", "rollout.speculative", "rollout.draft_tree",
+                    "rollout.coupled")
 HEAVY = ("vllm", "sglang", "ray", "megatron")   # third-party stacks the core must not need
 
 
@@ -32,6 +33,8 @@ RULES = (
     Rule("the speculative core runs without an engine, Ray or Megatron", SPECULATIVE_CORE,
          ("engines", *(f"/{h}" for h in HEAVY)), allowed=("engines.protocol",)),
     Rule("engines never see learner code", ("engines",), ("learner",)),
+    Rule("engines expose update_weights and their workers; how weights arrive is resync's", ("engines",),
+         ("resync",)),
     Rule("the learner exposes weights; it never reaches an engine or the resync machinery",
          ("learner",), ("engines", "resync")),
 )

@@ -90,6 +90,7 @@ def test_checker_catches_planted_violations(tmp_path):
         "rollout/draft_tree.py": "from megatron.core import parallel_state\n",
         "engines/protocol.py": "",
         "engines/vllm_engine.py": "from megatron_specrl.learner.worker import LearnerWorker\n",
+        "engines/ray_engine.py": "def f():\n    from megatron_specrl.resync.transports import T\n",
         "learner/worker.py": "from megatron_specrl.resync import buckets\n",
         "learner/group.py": "import megatron_specrl.engines.vllm_engine\n",
         "resync/buckets.py": "",
@@ -99,6 +100,7 @@ def test_checker_catches_planted_violations(tmp_path):
     })
     found = violations(pkg)
     assert [v.split(":")[0] for v in found] == [
+        "megatron_specrl.engines.ray_engine imports megatron_specrl.resync.transports",
         "megatron_specrl.engines.vllm_engine imports megatron_specrl.learner.worker",
         "megatron_specrl.learner.group imports megatron_specrl.engines.vllm_engine",
         "megatron_specrl.learner.worker imports megatron_specrl.resync",

@@ -234,3 +234,41 @@ def test_update_reset_and_stale_cache(engine, hf_model, tiny_llama):
     assert maxdiff(s.logprobs, g.logprobs) < 1e-5
     with pytest.raises(WeightVersionMismatch):
         engine.update_weights(w2.items(), version=2)                  # versions only move forward
+
+
+def _load_given_in_worker(worker, named) -> int:
+    """A worker-side loader as resync's transports write them (the CUDA IPC one maps handles)."""
+    worker.reload_weights(weights_iterator=iter(named))
+    return len(named)
+
+
+def test_update_weights_in_workers_runs_a_transports_loader(engine, hf_model, tiny_llama):
+    """The engine runs a loader it knows nothing about in its workers and versions the update
+    (resync/engine_actor.py's CUDA IPC loader takes this path on GPUs)."""
+    version = engine.weight_version + 1
+    w = _perturbed(tiny_llama, 7, 0.5)
+    assert engine.update_weights_in_workers(_load_given_in_worker, {"named": list(w.items())}, version) == len(w)
+    with pytest.raises(WeightVersionMismatch):                        # half-done until finish_update
+        engine.generate([GenerateRequest(rand_ids(8, 2), 1)], T1, version - 1)
+    engine.finish_update(version)
+    _load(hf_model, w)
+    prompt = rand_ids(20, 5)
+    g = engine.generate([GenerateRequest(prompt, 6, seed=1)], T1, version)[0]
+    assert maxdiff(g.logprobs, hf_logprobs(hf_model, prompt, g.token_ids)) < 1e-4
+
+
+def test_the_ipc_loader_unpacks_on_the_workers_device(monkeypatch):
+    from megatron_specrl.resync import engine_actor, transports
+    seen = {}
+    monkeypatch.setattr(transports.CudaIpcTransport, "unpack",
+                        lambda self, payload, device=None: seen.setdefault("args", (payload, device)) and
+                        [("w", torch.ones(2))])
+
+    class Worker:
+        device = "cpu"
+
+        def reload_weights(self, weights_iterator):
+            seen["loaded"] = [n for n, _ in weights_iterator]
+
+    assert engine_actor.reload_ipc_in_worker(Worker(), "payload") == 1
+    assert seen == {"args": ("payload", "cpu"), "loaded": ["w"]}

@@ -50,17 +50,6 @@ def _reload_in_worker(worker, named_tensors=None, payload: bytes | None = None) 
     return len(named_tensors)
 
 
-def _reload_ipc_in_worker(worker, payload) -> int:
-    """Runs inside each vLLM worker: open the learner's CUDA IPC handles on this worker's GPU and
-    load in place (the learner keeps the bucket alive until every engine has returned)."""
-    from megatron_specrl.resync.transports import CudaIpcTransport
-    named = CudaIpcTransport().unpack(payload, device=getattr(worker, "device", None))
-    worker.reload_weights(weights_iterator=iter(named))
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return len(named)
-
-
 def token_logprobs(container, start: int, tokens: list[int]) -> list[float]:
     """Log-prob of tokens[j] at position start + j. `container` is vLLM's FlatLogprobs (flat
     lists, no per-token objects: ~10% off a verification prefill here) or a list of dicts."""
@@ -364,13 +353,14 @@ class VLLMEngine:
                 self._run(lambda: self.llm.collective_rpc(_reload_in_worker, kwargs={"payload": blob}))
             self._log.info("loaded %d tensors for version %d", len(named), version)
 
-    def update_weights_ipc(self, payload, version: int) -> int:
-        """Load one bucket from CUDA IPC handles (resync.transports.IpcPayload): each worker maps
-        the colocated learner's GPU buffers itself, nothing is copied through host memory."""
+    def update_weights_in_workers(self, load, kwargs: dict, version: int) -> int:
+        """Load one bucket with `load(worker, **kwargs) -> tensors loaded`, run in each vLLM worker
+        (collective_rpc): the transport decides how the worker gets the tensors (CUDA IPC handles
+        opened on its own GPU: resync/engine_actor.py), the engine only versions the update."""
         with self._lock:
             self._begin_update(version)
-            counts = self._run(lambda: self.llm.collective_rpc(_reload_ipc_in_worker, kwargs={"payload": payload}))
-            self._log.info("loaded %d tensors for version %d over CUDA IPC", counts[0], version)
+            counts = self._run(lambda: self.llm.collective_rpc(load, kwargs=kwargs))
+            self._log.info("loaded %d tensors for version %d in the workers", counts[0], version)
             return counts[0]
 
     def _begin_update(self, version: int) -> None:

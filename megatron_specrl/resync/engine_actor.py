@@ -1,7 +1,8 @@
 """The engine side of a sync, run inside each engine's Ray actor through `__ray_call__`.
 
 An engine only exposes `update_weights(named_tensors, version)` (and, for CUDA IPC,
-`update_weights_ipc`); how buckets reach it is resync's business. These functions run in the
+`update_weights_in_workers(load, kwargs, version)`: a loader run in its workers); how buckets reach
+it is resync's business. These functions run in the
 EngineActor process (`actor.engine` is the engine), so the engine modules import nothing from
 resync and the whole sync protocol is read here and in learner_actor.py / routes.py.
 """
@@ -39,7 +40,20 @@ def receive_broadcast(actor, version: int) -> int:
 
 def load_ipc(actor, payload, version: int) -> int:
     """CUDA IPC: map learner rank 0's bucket in place and load it (the learner frees it after)."""
-    return actor.engine.update_weights_ipc(payload, version)
+    return actor.engine.update_weights_in_workers(reload_ipc_in_worker, {"payload": payload}, version)
+
+
+def reload_ipc_in_worker(worker, payload) -> int:
+    """Runs inside each vLLM worker: open the learner's CUDA IPC handles on this worker's GPU and
+    load in place (the learner keeps the bucket alive until every engine has returned)."""
+    import torch
+
+    from megatron_specrl.resync.transports import CudaIpcTransport
+    named = CudaIpcTransport().unpack(payload, device=getattr(worker, "device", None))
+    worker.reload_weights(weights_iterator=iter(named))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return len(named)
 
 
 def submit(engine, fn, *args):
