@@ -178,7 +178,9 @@ class LearnerConfig(_Strict):
     recompute_old_logprobs: bool | None = None
     loss: LossConfig = Field(default_factory=LossConfig)
     # --- cluster runs (issue #15): read by the plan check's memory estimate (plan.py) ---
-    # Megatron's distributed optimizer: Adam states sharded over the data-parallel ranks.
+    # Megatron's DDP + distributed optimizer (learner/megatron_optim.py): Adam states sharded over the
+    # data-parallel ranks; off = torch AdamW replicated on every DP rank. Checkpoints of one kind
+    # resume only with the same setting (any TP / PP / DP layout).
     distributed_optimizer: bool = False
     # Activation recompute: none (store all), selective (recompute attention's core), full (per layer).
     recompute: Literal["none", "selective", "full"] = "none"
