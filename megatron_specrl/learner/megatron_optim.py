@@ -15,8 +15,8 @@ Equivalence with the replicated path (tests/test_distributed_optimizer.py):
   max_norm / (norm + 1e-6) coefficient).
 
 CPU (gloo): Megatron hard-codes CUDA in DDP and the optimizers; `on_cpu()` is the scoped shim of
-patches/megatron_core_0_16_1_cpu.py (a null context on GPUs). Overlapped grad reduce / param
-gather use CUDA streams, so they are on only with CUDA.
+patches/megatron_core_0_16_1_cpu.py (a null context on GPUs). The same DDP settings run on CPU
+and GPU (ddp_config), so the CPU tests cover the GPU path's logic.
 
 Checkpoints: the optimizer's sharded_state_dict in Megatron's 'fully_reshardable' format
 (canonical per-parameter moments, resharded by dist_checkpointing across TP / PP / DP).
@@ -43,12 +43,15 @@ def on_cpu():
 
 
 def ddp_config(distributed_optimizer: bool = True):
+    """Gradient reduce overlapped with the backward (async collectives, on gloo too; the schedule
+    holds it back until the last microbatch through config.no_sync_func). The parameter all-gather
+    is not overlapped: the learner reads its weights right after a step (resync, export), before
+    any forward would wait for an overlapped gather."""
     from megatron.core.distributed import DistributedDataParallelConfig
-    cuda = torch.cuda.is_available()
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=cuda,
-        overlap_param_gather=cuda and distributed_optimizer,
+        overlap_grad_reduce=True,
+        overlap_param_gather=False,
         use_distributed_optimizer=distributed_optimizer,
         check_for_nan_in_grad=False,
     )
@@ -72,6 +75,7 @@ def build(model, settings, distributed_optimizer: bool = True):
     dtype = next(model.parameters()).dtype
     with on_cpu():
         ddp = DistributedDataParallel(model.config, ddp_config(distributed_optimizer), model)
+        model.config.no_sync_func = ddp.no_sync          # grads reduce once, after the last microbatch
         opt = get_megatron_optimizer(optimizer_config(settings, distributed_optimizer, dtype), [ddp],
                                      config_overrides={})
     return ddp, opt

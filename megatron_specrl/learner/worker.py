@@ -345,7 +345,11 @@ class LearnerWorker:
             p.grad = None
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        store = self._run_schedule(mbs, loss_fn, forward_only=False)
+        self.ddp.force_all_reduce = not step      # overlapped reduce: all-reduce instead of reduce-scatter
+        try:
+            store = self._run_schedule(mbs, loss_fn, forward_only=False)
+        finally:
+            self.ddp.force_all_reduce = False
         with self._cpu_shims():
             finalize_model_grads([self.ddp], force_all_reduce=not step)
             if step:
