@@ -98,22 +98,28 @@ def optimizer_state_bytes(optimizer) -> int:
 
 
 def adam_step_count(optimizer) -> int:
-    """Adam's step counter (the same for every parameter group)."""
+    """Adam's step counter: torch Adam's per-parameter one, else TE / apex FusedAdam's in the groups."""
     for opt in inner_optimizers(optimizer):
-        for g in opt.param_groups:
-            if "step" in g:
-                return int(g["step"])
         for st in opt.state.values():
             if "step" in st:
                 return int(st["step"])
+        for g in opt.param_groups:
+            if g.get("step") is not None:
+                return int(g["step"])
     return 0
 
 
 def ensure_state(optimizer) -> None:
     """Materialise Adam state (zero moments, step 0) before a checkpoint save or load: torch's Adam
     creates it lazily, and Megatron's DistributedOptimizer.state_dict() needs one step count per
-    parameter when TE / apex (whose Adam keeps the step in the param groups) are absent."""
-    for opt in inner_optimizers(optimizer):
+    parameter when TE / apex (whose Adam keeps the step in the param groups) are absent. Other
+    optimizers (TE / apex FusedAdam on GPUs) get Megatron's own init_state_fn (moments, no step)."""
+    for wrapper in getattr(optimizer, "chained_optimizers", [optimizer]):
+        opt = wrapper.optimizer
+        if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+            if getattr(wrapper, "init_state_fn", None) is not None:
+                wrapper.init_state_fn(opt, wrapper.config)
+            continue
         for group in opt.param_groups:
             for p in group["params"]:
                 st = opt.state[p]
