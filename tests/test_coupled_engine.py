@@ -14,7 +14,6 @@
 
 import os
 import random
-from collections import Counter
 
 import numpy as np
 import pytest
@@ -26,6 +25,7 @@ from megatron_specrl.engines.protocol import GenerateRequest, SamplingSettings, 
 from megatron_specrl.rollout.speculative import SpeculativeRollout, stable_seed  # noqa: E402
 from megatron_specrl.rollout.store import TrajectoryStore  # noqa: E402
 from test_processed_verification import PROMPT, sharp_llama  # noqa: E402, F401  (fixture)
+from test_tree_drafting import _contingency_pvalue as _pvalue  # noqa: E402
 
 pytestmark = pytest.mark.slow
 N = 1500
@@ -52,17 +52,6 @@ def engine(request, tiny_llama, tmp_path_factory):
     eng = _engine(tiny_llama, f"vllm-coupled-{request.param}", tmp_path_factory, **kw)
     yield eng
     eng.shutdown()
-
-
-def _pvalue(a: list, b: list) -> float:
-    from scipy.stats import chi2_contingency
-    ca, cb = Counter(map(tuple, a)), Counter(map(tuple, b))
-    keys = [k for k in set(ca) | set(cb) if ca[k] + cb[k] >= 10]
-    rare = (sum(ca[k] for k in ca if k not in keys), sum(cb[k] for k in cb if k not in keys))
-    table = np.array([[ca[k] for k in keys], [cb[k] for k in keys]], dtype=float)
-    if min(rare) > 0:
-        table = np.column_stack([table, rare])
-    return chi2_contingency(table).pvalue
 
 
 @pytest.mark.parametrize("sampling", [T1, T07_P09], ids=["T1", "T0.7-p0.9"])
