@@ -133,7 +133,7 @@ def test_grpo_with_kl_runs_end_to_end_and_logs_kl(tmp_path, tiny_llama, monkeypa
     seen = {"probe": [], "policy_scores": 0}
     step_fn = trainer.train_step
 
-    def observed_step(run, step):
+    def observed_step(run, step, *hooks):
         """Score one fixed batch with the policy and the reference before each step and at the end."""
         if not seen["probe"]:
             seen["batch"] = _batch(len(run.tokenizer), run.pad_id)
@@ -148,7 +148,7 @@ def test_grpo_with_kl_runs_end_to_end_and_logs_kl(tmp_path, tiny_llama, monkeypa
         run.learner.compute_logprobs = seen["counted"]
         seen["probe"].append((run.learner.compute_logprobs(b), run.ref.compute_logprobs(b)))
         n = seen["policy_scores"]
-        metrics = step_fn(run, step)
+        metrics = step_fn(run, step, *hooks)
         assert seen["policy_scores"] == n          # the trainer leaves old log-probs to the learner
         if step == run.cfg.trainer.total_steps:
             seen["probe"].append((run.learner.compute_logprobs(b), run.ref.compute_logprobs(b)))
