@@ -120,12 +120,12 @@ class SpeculativeRollout:
         """(noise seed, re-drawn?) of a (prompt, sample) under spec_mode=coupled: the draft's seed, so
         that this epoch's noise is last epoch's, except for a `coupled_refresh` fraction of pairs per
         step (and pairs never drawn), which get a seed of their own."""
-        u = np.random.default_rng(stable_seed(self.seed, step, "refresh", prompt_id, k)).random()
-        if draft is not None and draft.noise_seed is not None and not u < self.coupled_refresh:
-            return draft.noise_seed, False
         if draft is None or draft.noise_seed is None:
             return stable_seed(self.seed, "coupled", prompt_id, k), False
-        return stable_seed(self.seed, "coupled", prompt_id, k, step), True
+        u = np.random.default_rng(stable_seed(self.seed, step, "refresh", prompt_id, k)).random()
+        if u < self.coupled_refresh:
+            return stable_seed(self.seed, "coupled", prompt_id, k, step), True
+        return draft.noise_seed, False
 
     def _runahead_requests(self, next_prompts, n_samples: int, step) -> list[GenerateRequest]:
         """Sample 0 of every next prompt, then sample 1, ... up to `runahead` requests."""
