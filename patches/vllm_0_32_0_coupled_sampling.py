@@ -39,20 +39,37 @@ VERSION = "0.32.0"
 __all__ = ["COUPLED_KEY", "RESPONSE_START", "apply", "revert", "is_applied"]
 
 
+_NOT_READ = object()
+
+
+def _coupled_setting(req) -> tuple[int, int, object] | None:
+    """(noise seed, response start, sampling params) of a coupled request, else None."""
+    sp = getattr(req, "sampling_params", None)
+    extra = getattr(sp, "extra_args", None)
+    if not extra or extra.get(COUPLED_KEY) is None:
+        return None
+    return int(extra[COUPLED_KEY]), int(extra.get(RESPONSE_START, len(req.prompt_token_ids or ()))), sp
+
+
 def _coupled_requests(runner) -> tuple[np.ndarray, np.ndarray, np.ndarray, list] | None:
     """(batch rows, noise seeds, response starts, sampling params) of the coupled requests running
-    this step, or None."""
+    this step, or None. A request's setting is read once (cached by request id, as the tree drafter
+    caches its keys): this runs every decode step for every running request."""
     batch = runner.input_batch
+    cache = runner.__dict__.setdefault("_specrl_coupled_settings", {})
+    if len(cache) > 2 * len(runner.requests) + 256:     # forget finished requests
+        for req_id in [r for r in cache if r not in runner.requests]:
+            del cache[req_id]
     rows, seeds, starts, params = [], [], [], []
     for i, req_id in enumerate(batch.req_ids[:batch.num_reqs]):
-        req = runner.requests.get(req_id)
-        sp = getattr(req, "sampling_params", None)
-        extra = getattr(sp, "extra_args", None)
-        if extra and extra.get(COUPLED_KEY) is not None:
+        setting = cache.get(req_id, _NOT_READ)
+        if setting is _NOT_READ:
+            setting = cache[req_id] = _coupled_setting(runner.requests.get(req_id))
+        if setting is not None:
             rows.append(i)
-            seeds.append(int(extra[COUPLED_KEY]))
-            starts.append(int(extra.get(RESPONSE_START, len(req.prompt_token_ids or ()))))
-            params.append(sp)
+            seeds.append(setting[0])
+            starts.append(setting[1])
+            params.append(setting[2])
     if not rows:
         return None
     return np.asarray(rows, np.int64), np.asarray(seeds, np.int64), np.asarray(starts, np.int64), params

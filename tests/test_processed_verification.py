@@ -308,3 +308,33 @@ def test_refusals_and_unpatched_engine(engine):
     finally:
         assert verify.apply()
     assert engine.verifies_processed_distribution
+
+
+def test_verification_columns_skip_vllms_per_position_conversion(engine):
+    """Verification requests hand the worker's columns to `verify_columns` as arrays (VerifyColumns)
+    instead of vLLM's per-position FlatLogprobs: same numbers bit for bit, for exact and coupled rows,
+    drafts of every length in one batch; plain prompt-log-prob requests still get vLLM's container."""
+    import patches.vllm_0_32_0_batched_prompt_logprobs as verify
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    rng = random.Random(5)
+    reqs = [ScoreRequest(PROMPT + [rng.randrange(3, 263) for _ in range(i % 4)],
+                         [rng.randrange(3, 263) for _ in range(1 + 9 * i)], seed=i,
+                         coupled_seed=i if i % 3 == 0 else None) for i in range(9)]
+    fast = engine.score(reqs, T07_P09, 0)
+    output_side = verify._PATCHES[1]
+    output_side.revert()
+    try:
+        slow = engine.score(reqs, T07_P09, 0)
+        plain = engine.llm.generate([TokensPrompt(prompt_token_ids=PROMPT)],
+                                    SamplingParams(max_tokens=1, prompt_logprobs=0, flat_logprobs=True), use_tqdm=False)
+    finally:
+        assert output_side.apply()
+    assert fast == slow
+    assert [len(r.logprobs) for r in fast] == [len(r.continuation_ids) for r in reqs]
+    assert sum(r >= 0 for res in fast for r in res.replacements) > 20
+    again = engine.llm.generate([TokensPrompt(prompt_token_ids=PROMPT)],
+                                SamplingParams(max_tokens=1, prompt_logprobs=0, flat_logprobs=True), use_tqdm=False)
+    assert type(again[0].prompt_logprobs).__name__ == "FlatLogprobs"
+    assert list(again[0].prompt_logprobs.logprobs) == list(plain[0].prompt_logprobs.logprobs)

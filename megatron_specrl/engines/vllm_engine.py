@@ -26,6 +26,7 @@ import threading
 from pathlib import Path
 from typing import Iterable
 
+import numpy as np
 import torch
 
 from megatron_specrl.engines.logs import attach_log_file, detach_log_file, reattach_log_file, tail_lines
@@ -73,6 +74,21 @@ def verify_columns(container, start: int, tokens: list[int], stop_ids: frozenset
     for coupled requests, where r is the coupled draw and r == y means the draft token survives."""
     from patches.vllm_0_32_0_batched_prompt_logprobs import VERIFY_COLUMNS
 
+    if hasattr(container, "arrays"):      # the patch's VerifyColumns: row i scores prompt token i + 1
+        all_ids, all_lps = container.arrays()
+        ids, lps = all_ids[start - 1:start - 1 + len(tokens)], all_lps[start - 1:start - 1 + len(tokens)]
+        y = np.asarray(tokens, dtype=np.int64)
+        if ids.shape != (len(tokens), VERIFY_COLUMNS) or (ids[:, 0] != y).any() or (ids[:, 1] != y).any():
+            bad = next((j for j in range(len(ids)) if ids[j, 0] != y[j] or ids[j, 1] != y[j]), len(ids))
+            raise RuntimeError(f"vLLM verification columns at position {start + bad} do not hold the draft token "
+                               f"{tokens[bad] if bad < len(tokens) else None} ({ids.shape[0]} of {len(tokens)} rows): "
+                               "is the batched prompt log-prob patch loaded in the workers?")
+        r = ids[:, 2]
+        replacements = r if coupled else np.where(r != y, r, -1)
+        stops = np.isin(r, np.fromiter(stop_ids, dtype=np.int64, count=len(stop_ids))) & (replacements >= 0)
+        lps = lps.astype(np.float64)
+        return ScoreResult(lps[:, 0].tolist(), weight_version, lps[:, 1].tolist(), replacements.tolist(),
+                           lps[:, 2].tolist(), lps[:, 3].tolist(), stops.tolist())
     if not hasattr(container, "start_indices"):
         raise RuntimeError("verification needs flat prompt log-probs (SamplingParams.flat_logprobs=True)")
     firsts, ends, ids, lps = container.start_indices, container.end_indices, container.token_ids, container.logprobs
