@@ -44,6 +44,21 @@ def test_noise_depends_on_seed_and_position_only():
     assert abs(float(a.mean()) - 0.5) < 0.03 and abs(float(a.var()) - 1 / 12) < 0.01
 
 
+def test_blocked_draws_equal_the_argmax_over_whole_rows(monkeypatch):
+    """coupled_tokens works in blocks of rows with reused scratch buffers; its draws are the argmax of
+    log-probs + `gumbel` over each whole row, whatever the block size (1 row, a ragged last block)."""
+    g = torch.Generator().manual_seed(3)
+    for rows, vocab, cells in [(37, 300, 300 * 8), (5, 5000, 1000), (64, 40, 1 << 16)]:
+        monkeypatch.setattr(coupled, "_CELLS_PER_BLOCK", cells)
+        lp = torch.log_softmax(3 * torch.randn(rows, vocab, generator=g), -1)
+        lp[:, ::5] = -math.inf
+        seeds, positions = torch.randint(-2**62, 2**62, (rows,), generator=g), torch.randint(0, 999, (rows,), generator=g)
+        expected = (lp.double() + coupled.gumbel(seeds, positions, vocab)).argmax(-1)
+        got = coupled.coupled_tokens(lp, seeds, positions)
+        assert torch.equal(got, expected)
+        assert bool((got % 5 != 0).all())                  # -inf tokens are never drawn
+
+
 def test_coupled_draws_follow_the_distribution():
     """Gumbel-max over many seeds at one position is a sample of softmax(logprobs); -inf never drawn."""
     lp = torch.log_softmax(torch.tensor([[1.0, 0.2, -0.5, 0.8, -1.0, 0.0]]), -1)

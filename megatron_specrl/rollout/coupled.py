@@ -59,26 +59,70 @@ def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 def uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """[R, vocab] float64 uniforms in (0, 1): U(seed_r, position_r, v)."""
-    keys = row_keys(seeds, positions).unsqueeze(1)
-    cols = (torch.arange(vocab, dtype=torch.int64, device=keys.device) + 1) * _i64(_VOCAB_STEP)
-    z = _mix(keys + cols.unsqueeze(0))
-    # top 53 bits, centred in their interval: never exactly 0 or 1
-    return (_shr(z, 11).to(torch.float64) + 0.5) * (1.0 / (1 << 53))
+    keys = row_keys(seeds, positions)
+    out = torch.empty((keys.shape[0], vocab), dtype=torch.float64, device=keys.device)
+    z = torch.empty((keys.shape[0], vocab), dtype=torch.int64, device=keys.device)
+    _uniforms_into(out, z, torch.empty_like(z), keys, _columns(vocab, keys.device))
+    return out
 
 
 def gumbel(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """[R, vocab] float64 Gumbel(0, 1) noise G = -log(-log U)."""
-    return -torch.log(-torch.log(uniforms(seeds, positions, vocab)))
+    return uniforms(seeds, positions, vocab).log_().neg_().log_().neg_()
+
+
+def _columns(vocab: int, device) -> torch.Tensor:
+    return (torch.arange(vocab, dtype=torch.int64, device=device) + 1) * _i64(_VOCAB_STEP)
+
+
+def _uniforms_into(out: torch.Tensor, z: torch.Tensor, tmp: torch.Tensor, keys: torch.Tensor,
+                   cols: torch.Tensor) -> None:
+    """`uniforms` written into `out` (float64) with int64 scratch `z` and `tmp` of its shape: the
+    same operations as `_mix`, in place (a fresh tensor per operation made the noise cost ~20x a
+    log-softmax of the same rows)."""
+    torch.add(keys.unsqueeze(1), cols.unsqueeze(0), out=z)
+    for shift, mult in ((30, _M1), (27, _M2), (31, None)):
+        torch.bitwise_right_shift(z, shift, out=tmp)
+        tmp.bitwise_and_((1 << (64 - shift)) - 1)        # logical shift: clear the sign copies
+        z.bitwise_xor_(tmp)
+        if mult is not None:
+            z.mul_(_i64(mult))
+    torch.bitwise_right_shift(z, 11, out=tmp)
+    tmp.bitwise_and_((1 << 53) - 1)
+    # top 53 bits, centred in their interval: never exactly 0 or 1
+    out.copy_(tmp).add_(0.5).mul_(1.0 / (1 << 53))
+
+
+# rows per block in `coupled_tokens`: about this many (row, token) cells. On a CPU the scratch then
+# stays in cache; on a GPU a block is a few kernels over 16M cells (3 x 128 MiB scratch), not
+# thousands of small launches (a decode step of 256 requests x 152k vocabulary is 3 blocks).
+_CELLS_PER_BLOCK = 1 << 16
+_CELLS_PER_BLOCK_GPU = 1 << 24
 
 
 def coupled_tokens(processed_logprobs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The coupled draw per row: argmax_v processed_logprobs[r, v] + G(seed_r, position_r, v).
-    Tokens outside the nucleus (-inf) are never drawn. int64 [R]."""
-    if processed_logprobs.shape[0] == 0:
-        return torch.empty(0, dtype=torch.int64, device=processed_logprobs.device)
-    noise = gumbel(seeds.to(processed_logprobs.device), positions.to(processed_logprobs.device),
-                   processed_logprobs.shape[-1])
-    return (processed_logprobs.to(torch.float64) + noise).argmax(dim=-1)
+    Tokens outside the nucleus (-inf) are never drawn. int64 [R]. Computed in blocks of rows with
+    reused scratch buffers; the values are those of `gumbel`, bit for bit."""
+    rows, vocab = processed_logprobs.shape
+    device = processed_logprobs.device
+    out = torch.empty(rows, dtype=torch.int64, device=device)
+    if rows == 0:
+        return out
+    keys = row_keys(seeds.to(device), positions.to(device))
+    cols = _columns(vocab, device)
+    cells = _CELLS_PER_BLOCK if device.type == "cpu" else _CELLS_PER_BLOCK_GPU
+    block = max(1, min(rows, cells // max(vocab, 1)))
+    score = torch.empty((block, vocab), dtype=torch.float64, device=device)
+    z, tmp = torch.empty((block, vocab), dtype=torch.int64, device=device), torch.empty((block, vocab), dtype=torch.int64, device=device)
+    for lo in range(0, rows, block):
+        hi = min(lo + block, rows)
+        n = hi - lo
+        _uniforms_into(score[:n], z[:n], tmp[:n], keys[lo:hi], cols)
+        g = score[:n].log_().neg_().log_().neg_()          # Gumbel noise
+        g.add_(processed_logprobs[lo:hi])                   # float64 += the row's log-probs
+        torch.argmax(g, dim=-1, out=out[lo:hi])
+    return out
 
 
 # -- numpy reference (tests) ---------------------------------------------------------------------
