@@ -86,11 +86,12 @@ class RolloutConfig(_Strict):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = -1
-    # Speculative rollout: off (plain generation), exact (distribution-exact), lenient (SPEC-RL,
-    # biased), coupled (every (prompt, sample) drawn with the same position-keyed noise each epoch:
-    # exact samples that reuse more than exact; vLLM only). Unset: coupled on vLLM, exact on SGLang,
-    # the fastest modes that keep the policy's distribution (README, bench-rollout).
-    spec_mode: Literal["off", "exact", "lenient", "coupled"] = "coupled"
+    # Speculative rollout: off (plain generation), exact (distribution-exact: every rollout a fresh
+    # sample of the current policy), lenient (SPEC-RL, biased toward old samples), coupled (each
+    # (prompt, sample) keeps its position-keyed noise across epochs: more reuse, but the policy is
+    # trained on the noise it is then sampled with; vLLM only). The default keeps what the policy
+    # learns unchanged (README, bench-rollout).
+    spec_mode: Literal["off", "exact", "lenient", "coupled"] = "exact"
     lenience: float = Field(math.exp(0.5), ge=1.0)
     # coupled: the fraction of (prompt, sample) pairs whose noise is re-drawn each step (0: always
     # reuse, most reuse; 1: fresh noise every step, reuse only by chance)
@@ -118,14 +119,6 @@ class RolloutConfig(_Strict):
     # generation (when a quarter of the batch or less still runs) and are aborted when it ends;
     # their tokens only feed the draft trees. 0: off. Needs draft=tree.
     runahead: int = Field(0, ge=0)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _default_spec_mode(cls, data):
-        """Unset spec_mode: coupled needs the vLLM engine's sampler patch; SGLang gets exact."""
-        if isinstance(data, dict) and data.get("spec_mode") is None and data.get("engine") == "sglang":
-            data = {**data, "spec_mode": "exact"}
-        return data
 
     @field_validator("spec_mode", mode="before")
     @classmethod

@@ -36,7 +36,7 @@ def test_cluster_recipes_pass_the_dry_run(recipe, capsys):
     out = capsys.readouterr().out
     assert "learner memory / GPU" in out and "engine KV for the batch" in out
     cfg = load_config(ROOT / "examples" / f"{recipe}.yaml")
-    assert cfg.algorithm.name == "dapo" and cfg.rollout.spec_mode == "coupled"
+    assert cfg.algorithm.name == "dapo" and cfg.rollout.spec_mode == "exact"
     assert 0 < cfg.algorithm.overlong_buffer < cfg.rollout.max_new_tokens
     plan = build_plan(cfg)
     assert plan.learner.total <= cfg.cluster.gpu_memory_gb * GB

@@ -13,6 +13,9 @@ is reached by decoding from the prompt, by an extension that starts at t, by a d
 prefill, or in any batch. Under fixed weights the noise is i.i.d. across positions and vocabulary,
 so y is an exact sample; after a weight update the response under the same noise changes only
 where the argmax changes, and everything before the first change is the old response.
+Caveat: that holds for weights chosen independently of the noise. In RL the weights were trained on
+what this noise drew earlier, so reused noise is not a fresh sample of the trained policy (the
+README measures held-out accuracy falling); `exact` draws fresh randomness every step.
 
 Pure torch (no engine import): the vLLM patches call `coupled_tokens` in the decode sampler, in the
 rejection step of speculative decoding, and in the verification prefill, so all three draw
