@@ -82,6 +82,28 @@ def test_drafted_sampling_has_the_plain_distribution(engine, sampling):
     assert all(len(r.logprobs) == len(r.token_ids) and all(np.isfinite(r.logprobs)) for r in drafted)
 
 
+def test_drafted_tokens_carry_the_log_probs_of_the_distribution_that_sampled_them(engine):
+    """The learner's TIS weights and PPO's old log-probs read `GenerateResult.logprobs`: a token
+    accepted from a tree draft must report the same processed log-prob as verification (`score`)
+    computes for it, not one taken before temperature / top-p or at the wrong position."""
+    from megatron_specrl.engines.protocol import ScoreRequest
+    sampling = SamplingSettings(temperature=0.7, top_p=0.9, top_k=3)   # the tiny model is untrained
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 263) for _ in range(8)] for _ in range(2)]
+    reqs = [GenerateRequest(p, 6, seed=100 * i + k, draft_key=f"lp{i}", response_start=len(p))
+            for i, p in enumerate(prompts) for k in range(32)]
+    engine.generate(reqs, sampling, 0)                          # fill the trees
+    engine.draft_stats()
+    out = engine.generate([GenerateRequest(r.prompt_ids, 6, seed=r.seed + 7, draft_key=r.draft_key,
+                                           response_start=r.response_start) for r in reqs], sampling, 0)
+    assert engine.draft_stats()["accepted_tokens"] > 20, "no draft was accepted: nothing checked"
+    scored = engine.score([ScoreRequest(r.prompt_ids, o.token_ids, seed=1) for r, o in zip(reqs, out)],
+                          sampling, 0)
+    got = np.concatenate([o.logprobs for o in out])
+    want = np.concatenate([s.sample_logprobs for s in scored])
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
 def test_the_comparison_sees_vllm_cpu_expand_bug(engine, monkeypatch):
     """Without patches/vllm_0_32_0_cpu_spec_decode.py drafted tokens are verified under garbage
     temperatures: the same comparison must catch it (on the second token, the first one drafted;
