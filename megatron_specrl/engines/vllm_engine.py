@@ -66,46 +66,46 @@ def token_logprobs(container, start: int, tokens: list[int]) -> list[float]:
     return [float(container[start + j][t].logprob) for j, t in enumerate(tokens)]
 
 
+def _column_rows(container, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids, log-probs), each [rows <= n, VERIFY_COLUMNS], for prompt positions start..start+n-1
+    of a verification request. The patch's VerifyColumns already holds arrays (row i scores prompt
+    token i + 1); vLLM's own FlatLogprobs (the output-side patch reverted) is read into the same
+    layout, so one code path checks and uses the columns whichever container vLLM handed over."""
+    from patches.vllm_0_32_0_batched_prompt_logprobs import VERIFY_COLUMNS
+
+    if hasattr(container, "arrays"):
+        ids, lps = container.arrays()
+        return ids[start - 1:start - 1 + n], lps[start - 1:start - 1 + n]
+    if not hasattr(container, "start_indices"):
+        raise RuntimeError("verification needs flat prompt log-probs (SamplingParams.flat_logprobs=True)")
+    firsts = np.asarray(container.start_indices[start:start + n], dtype=np.int64)
+    widths = np.asarray(container.end_indices[start:start + n], dtype=np.int64) - firsts
+    rows = int(np.argmin(widths == VERIFY_COLUMNS)) if (widths != VERIFY_COLUMNS).any() else len(firsts)
+    cells = firsts[:rows, None] + np.arange(VERIFY_COLUMNS)
+    return (np.asarray(container.token_ids, dtype=np.int64)[cells].reshape(rows, VERIFY_COLUMNS),
+            np.asarray(container.logprobs, dtype=np.float32)[cells].reshape(rows, VERIFY_COLUMNS))
+
+
 def verify_columns(container, start: int, tokens: list[int], stop_ids: frozenset[int],
                    weight_version: int, coupled: bool = False) -> ScoreResult:
-    """ScoreResult from a verification request's flat prompt log-probs: per position the 4 columns
+    """ScoreResult from a verification request's prompt log-probs: per position the 4 columns
     (y, tempered), (y, processed), (r, tempered), (r, processed) of
     patches/vllm_0_32_0_batched_prompt_logprobs; r == y marks "no replacement" (-1 here), except
     for coupled requests, where r is the coupled draw and r == y means the draft token survives."""
-    from patches.vllm_0_32_0_batched_prompt_logprobs import VERIFY_COLUMNS
-
-    if hasattr(container, "arrays"):      # the patch's VerifyColumns: row i scores prompt token i + 1
-        all_ids, all_lps = container.arrays()
-        ids, lps = all_ids[start - 1:start - 1 + len(tokens)], all_lps[start - 1:start - 1 + len(tokens)]
-        y = np.asarray(tokens, dtype=np.int64)
-        if ids.shape != (len(tokens), VERIFY_COLUMNS) or (ids[:, 0] != y).any() or (ids[:, 1] != y).any():
-            bad = next((j for j in range(len(ids)) if ids[j, 0] != y[j] or ids[j, 1] != y[j]), len(ids))
-            raise RuntimeError(f"vLLM verification columns at position {start + bad} do not hold the draft token "
-                               f"{tokens[bad] if bad < len(tokens) else None} ({ids.shape[0]} of {len(tokens)} rows): "
-                               "is the batched prompt log-prob patch loaded in the workers?")
-        r = ids[:, 2]
-        replacements = r if coupled else np.where(r != y, r, -1)
-        stops = np.isin(r, np.fromiter(stop_ids, dtype=np.int64, count=len(stop_ids))) & (replacements >= 0)
-        lps = lps.astype(np.float64)
-        return ScoreResult(lps[:, 0].tolist(), weight_version, lps[:, 1].tolist(), replacements.tolist(),
-                           lps[:, 2].tolist(), lps[:, 3].tolist(), stops.tolist())
-    if not hasattr(container, "start_indices"):
-        raise RuntimeError("verification needs flat prompt log-probs (SamplingParams.flat_logprobs=True)")
-    firsts, ends, ids, lps = container.start_indices, container.end_indices, container.token_ids, container.logprobs
-    res = ScoreResult([], weight_version, [], [], [], [], [])
-    for j, t in enumerate(tokens):
-        i = firsts[start + j]
-        if ends[start + j] - i != VERIFY_COLUMNS or ids[i] != t or ids[i + 1] != t:
-            raise RuntimeError(f"vLLM verification columns at position {start + j} are {ids[i:ends[start + j]]}, "
-                               f"expected [{t}, {t}, r, r]: is the batched prompt log-prob patch loaded in the workers?")
-        r = ids[i + 2]
-        res.logprobs.append(float(lps[i]))
-        res.sample_logprobs.append(float(lps[i + 1]))
-        res.replacements.append(int(r) if coupled or r != t else -1)
-        res.replacement_logprobs.append(float(lps[i + 2]))
-        res.replacement_sample_logprobs.append(float(lps[i + 3]))
-        res.replacement_stops.append(res.replacements[-1] >= 0 and r in stop_ids)
-    return res
+    ids, lps = _column_rows(container, start, len(tokens))
+    y = np.asarray(tokens, dtype=np.int64)
+    ok = (ids[:, 0] == y[:len(ids)]) & (ids[:, 1] == y[:len(ids)])
+    if len(ids) != len(tokens) or not ok.all():
+        bad = int(np.argmin(ok)) if not ok.all() else len(ids)
+        raise RuntimeError(f"vLLM verification columns at position {start + bad} do not hold the draft token "
+                           f"{tokens[bad]} ({len(ids)} of {len(tokens)} rows have 4 columns): "
+                           "is the batched prompt log-prob patch loaded in the workers?")
+    r = ids[:, 2]
+    replacements = r if coupled else np.where(r != y, r, -1)
+    stops = np.isin(r, np.fromiter(stop_ids, dtype=np.int64, count=len(stop_ids))) & (replacements >= 0)
+    lps = lps.astype(np.float64)
+    return ScoreResult(lps[:, 0].tolist(), weight_version, lps[:, 1].tolist(), replacements.tolist(),
+                       lps[:, 2].tolist(), lps[:, 3].tolist(), stops.tolist())
 
 
 class VLLMEngine:

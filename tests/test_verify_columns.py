@@ -1,0 +1,68 @@
+"""`verify_columns` reads a verification request's columns from either container vLLM hands over
+(the patch's VerifyColumns arrays, or vLLM's FlatLogprobs when the output-side patch is reverted)
+through one path, and refuses columns that do not hold the draft: that is what a worker without
+the batched prompt-log-prob patch returns (vLLM's own top-k prompt log-probs)."""
+
+import numpy as np
+import pytest
+import torch
+from vllm.logprobs import FlatLogprobs
+
+from megatron_specrl.engines.vllm_engine import verify_columns
+from patches.vllm_0_32_0_batched_prompt_logprobs import VERIFY_COLUMNS, VerifyColumns
+
+PROMPT_LEN = 3
+DRAFT = [11, 12, 13, 14]
+EOS = frozenset({2})
+
+
+def _rows(draft, replacements):
+    """Columns of prompt positions 1.. (the first prompt token has none): prompt rows, then the draft's."""
+    rng = np.random.default_rng(0)
+    ids = [[7, 7, 8, 8]] * (PROMPT_LEN - 1) + [[y, y, r, r] for y, r in zip(draft, replacements)]
+    lps = -rng.random((len(ids), VERIFY_COLUMNS)).astype(np.float32)
+    return np.asarray(ids, dtype=np.int64), lps
+
+
+def _containers(ids, lps):
+    arrays = VerifyColumns()
+    arrays.add(torch.from_numpy(ids[:2]), torch.from_numpy(lps[:2]))    # arrives in two chunks
+    arrays.add(torch.from_numpy(ids[2:]), torch.from_numpy(lps[2:]))
+    flat = FlatLogprobs()
+    flat.append(None)                                                    # prompt token 0
+    for row_ids, row_lps in zip(ids.tolist(), lps.tolist()):
+        flat.append_fast(row_ids, row_lps, iter([1] * VERIFY_COLUMNS), [None] * VERIFY_COLUMNS)
+    return arrays, flat
+
+
+def test_both_containers_give_the_same_result():
+    ids, lps = _rows(DRAFT, [11, 2, 30, 14])          # r == y: no replacement; 2 is an EOS
+    results = [verify_columns(c, PROMPT_LEN, DRAFT, EOS, 5) for c in _containers(ids, lps)]
+    assert results[0] == results[1]
+    res = results[0]
+    assert res.replacements == [-1, 2, 30, -1] and res.replacement_stops == [False, True, False, False]
+    assert res.sample_logprobs == lps[PROMPT_LEN - 1:, 1].astype(np.float64).tolist()
+    coupled = verify_columns(_containers(ids, lps)[0], PROMPT_LEN, DRAFT, EOS, 5, coupled=True)
+    assert coupled.replacements == [11, 2, 30, 14]     # coupled: r is the draw, r == y means kept
+
+
+@pytest.mark.parametrize("container", [0, 1], ids=["VerifyColumns", "FlatLogprobs"])
+def test_columns_without_the_draft_token_are_refused(container):
+    ids, lps = _rows([11, 12, 99, 14], [11, 12, 99, 14])   # position 2 scores another token
+    with pytest.raises(RuntimeError, match=r"position 5 do not hold the draft token 13.*patch"):
+        verify_columns(_containers(ids, lps)[container], PROMPT_LEN, DRAFT, EOS, 0)
+
+
+def test_unpatched_flat_columns_are_refused():
+    """An unpatched worker returns 1 + prompt_logprobs columns only where y is outside the top
+    ones: widths vary, so the rows end early and the error names the first such position."""
+    flat = FlatLogprobs()
+    flat.append(None)
+    for _ in range(PROMPT_LEN - 1):
+        flat.append_fast([7, 7, 8, 8], [-1.0] * 4, iter([1] * 4), [None] * 4)
+    flat.append_fast([11, 11, 8, 8], [-1.0] * 4, iter([1] * 4), [None] * 4)
+    flat.append_fast([12, 8, 9], [-1.0] * 3, iter([1] * 3), [None] * 3)
+    with pytest.raises(RuntimeError, match=r"position 4 do not hold the draft token 12 \(1 of 4 rows"):
+        verify_columns(flat, PROMPT_LEN, DRAFT, EOS, 0)
+    with pytest.raises(RuntimeError, match="flat_logprobs"):
+        verify_columns([None, {7: -1.0}], PROMPT_LEN, DRAFT, EOS, 0)
