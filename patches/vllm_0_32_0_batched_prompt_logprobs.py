@@ -49,6 +49,11 @@ arrays (`VerifyColumns`, `RequestOutput.prompt_logprobs`) rather than one Python
 would merge the repeated token ids. Verification ignores `logprobs_mode` and logits processors
 (the speculative rollout uses none).
 
+A verification request may read the prefix cache (SamplingParams.skip_reading_prefix_cache=False,
+which the engine sets when this patch is applied): the scheduler's lookup is capped at P - 1
+(`_make_cache_cap`), so the n samples of a prompt share its prefill while every continuation row is
+computed; rows a hit skipped are marked like those before P.
+
 Pinned to vLLM 0.32.0 (the method's body is version-specific); on other versions `apply()`
 leaves vLLM alone and returns False, and so does SPECRL_VLLM_BATCHED_PROMPT_LOGPROBS=0: without
 the patch, verification requests are refused by the engine (`VLLMEngine.score`).
@@ -98,20 +103,26 @@ class _Rows(NamedTuple):
     first_target: int = 0  # prompt index of targets[0] (seeds the replacement draws)
 
 
+def continuation_start(sampling_params) -> int | None:
+    """Prompt index of a verification request's first continuation token, None for other requests."""
+    start = ((sampling_params.extra_args or {}) if sampling_params is not None else {}).get(VERIFY_KEY)
+    if start is None or start is False:
+        return None
+    return max(1 if start is True else int(start), 1)
+
+
 def _verify_settings(request, vocab: int) -> tuple[_Verify, int] | None:
     """(settings, first verified prompt index) of an opted-in request, else None."""
     sp = request.sampling_params
-    extra = (sp.extra_args or {}) if sp is not None else {}
-    start = extra.get(VERIFY_KEY)
-    if start is None or start is False:
+    start = continuation_start(sp)
+    if start is None:
         return None
-    start = 1 if start is True else int(start)
+    extra = sp.extra_args or {}
     if sp.temperature <= 0:
         raise ValueError(f"{VERIFY_KEY} needs temperature > 0 (greedy has no distribution to verify)")
     top_k = sp.top_k if 0 < sp.top_k < vocab else vocab
     seed = extra.get(SEED_KEY, sp.seed)
     coupled = extra.get(COUPLED_KEY)
-    start = max(start, 1)
     return _Verify(float(sp.temperature), int(top_k), float(sp.top_p), None if seed is None else int(seed),
                    None if coupled is None else int(coupled), start), start
 
@@ -138,10 +149,15 @@ def _batched_prompt_logprobs_dict(self, hidden_states: torch.Tensor, num_schedul
         logprobs_tensors = request.in_progress_prompt_logprobs_cpu
         if logprobs_tensors is None:
             logprobs_tensors = LogprobsTensors.empty_cpu(num_prompt_tokens - 1, num_prompt_logprobs + 1)
-            request.in_progress_prompt_logprobs_cpu = logprobs_tensors
         start_idx = request.num_computed_tokens
         start_tok = start_idx + 1
         num_remaining_tokens = num_prompt_tokens - start_tok
+        verify = _verify_settings(request, vocab)
+        if verify is not None and request.in_progress_prompt_logprobs_cpu is None and start_idx:
+            # a verification request that read the prefix cache (capped before its continuation by
+            # `_capped_computed_blocks`): the cached prompt rows hold no verification either
+            _mark_unverified(logprobs_tensors, slice(0, start_idx), request.prompt_token_ids[1:start_tok])
+        request.in_progress_prompt_logprobs_cpu = logprobs_tensors
         if num_tokens <= num_remaining_tokens:
             num_logits = num_tokens      # a chunk; more prompt tokens follow
         else:
@@ -152,7 +168,6 @@ def _batched_prompt_logprobs_dict(self, hidden_states: torch.Tensor, num_schedul
             continue
         req_idx = self.input_batch.req_id_to_index[req_id]
         offset = int(self.query_start_loc.np[req_idx].item())
-        verify = _verify_settings(request, vocab)
         skip = 0
         if verify is not None:
             verify, first = verify
@@ -162,11 +177,8 @@ def _batched_prompt_logprobs_dict(self, hidden_states: torch.Tensor, num_schedul
             # rows before the continuation are not verified: token, NaN, rank 0
             skip = min(max(first - start_tok, 0), num_logits)
             if skip:
-                rows = slice(start_idx, start_idx + skip)
-                tgt = torch.tensor(request.prompt_token_ids[start_tok:start_tok + skip], dtype=torch.int32)
-                logprobs_tensors.logprob_token_ids[rows].copy_(tgt.unsqueeze(1).expand(-1, VERIFY_COLUMNS))
-                logprobs_tensors.logprobs[rows].fill_(float("nan"))
-                logprobs_tensors.selected_token_ranks[rows].fill_(0)
+                _mark_unverified(logprobs_tensors, slice(start_idx, start_idx + skip),
+                                 request.prompt_token_ids[start_tok:start_tok + skip])
             if skip == num_logits:
                 continue
         lo = start_tok + skip
@@ -186,6 +198,14 @@ def _batched_prompt_logprobs_dict(self, hidden_states: torch.Tensor, num_schedul
     if prompt_logprobs_dict:
         self._sync_device()
     return prompt_logprobs_dict
+
+
+def _mark_unverified(dest, rows: slice, tokens: list[int]) -> None:
+    """Prompt rows before the continuation: token, NaN, rank 0 (not computed)."""
+    tgt = torch.tensor(tokens, dtype=torch.int32)
+    dest.logprob_token_ids[rows].copy_(tgt.unsqueeze(1).expand(-1, VERIFY_COLUMNS))
+    dest.logprobs[rows].fill_(float("nan"))
+    dest.selected_token_ranks[rows].fill_(0)
 
 
 def _row_chunks(runner, hidden_states: torch.Tensor, group: list[_Rows], buffers: int):
@@ -411,7 +431,7 @@ def _make_output_side(originals: dict) -> dict:
     def new_request(cls, tokenizer, request):
         proc = from_new_request(cls, tokenizer, request)
         sp = request.sampling_params
-        if proc.prompt_logprobs is not None and sp.flat_logprobs and (sp.extra_args or {}).get(VERIFY_KEY):
+        if proc.prompt_logprobs is not None and sp.flat_logprobs and continuation_start(sp) is not None:
             proc.prompt_logprobs = VerifyColumns()
         return proc
 
@@ -430,13 +450,44 @@ def _logprobs_processor():
     return LogprobsProcessor
 
 
-# Installed on GPUModelRunner (the CPU runner inherits it) and on the front end's LogprobsProcessor;
-# off on other vLLM versions or with SPECRL_VLLM_BATCHED_PROMPT_LOGPROBS=0.
+def _make_cache_cap(originals: dict) -> dict:
+    """KVCacheManager: a verification request may read the prefix cache, but only up to its
+    continuation. Why: the n samples of a prompt are verified together, and without this each
+    re-prefills the shared prompt (vLLM skips the cache for every prompt-log-prob request, since
+    cached positions get no log-probs). The continuation's rows need the logits of positions
+    P - 1 .. end, so the hit stops at P - 1 (block-aligned down by vLLM); a sibling's identical
+    draft prefix is never read from the cache. The engine opts in per request with
+    SamplingParams.skip_reading_prefix_cache=False."""
+    lookup = originals["get_computed_blocks"]
+
+    def get_computed_blocks(self, request):
+        start = continuation_start(request.sampling_params)
+        if start is None or request.skip_reading_prefix_cache:
+            return lookup(self, request)
+        coordinator = self.coordinator
+        find = coordinator.find_longest_cache_hit
+        coordinator.find_longest_cache_hit = lambda hashes, max_length: find(hashes, min(max_length, start - 1))
+        try:
+            return lookup(self, request)
+        finally:
+            del coordinator.find_longest_cache_hit
+
+    return {"get_computed_blocks": get_computed_blocks}
+
+
+def _kv_cache_manager():
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    return KVCacheManager
+
+
+# Installed on GPUModelRunner (the CPU runner inherits it), on the front end's LogprobsProcessor and
+# on the scheduler's KVCacheManager; off on other vLLM versions or with SPECRL_VLLM_BATCHED_PROMPT_LOGPROBS=0.
 _PATCHES = (
     PinnedPatch(VERSION, _runner, ["_get_prompt_logprobs_dict"],
                 lambda o: {"_get_prompt_logprobs_dict": _batched_prompt_logprobs_dict}, when=enabled_by_env),
     PinnedPatch(VERSION, _logprobs_processor, ["from_new_request", "_update_prompt_logprobs"], _make_output_side,
                 when=enabled_by_env),
+    PinnedPatch(VERSION, _kv_cache_manager, ["get_computed_blocks"], _make_cache_cap, when=enabled_by_env),
 )
 
 
@@ -452,3 +503,8 @@ def revert() -> None:
 def is_applied() -> bool:
     """Whether verification works: the worker side. The output side only saves time."""
     return _PATCHES[0].is_applied()
+
+
+def reads_prefix_cache() -> bool:
+    """Whether verification requests may read the prefix cache up to their continuation."""
+    return _PATCHES[0].is_applied() and _PATCHES[2].is_applied()

@@ -338,3 +338,32 @@ def test_verification_columns_skip_vllms_per_position_conversion(engine):
                                 SamplingParams(max_tokens=1, prompt_logprobs=0, flat_logprobs=True), use_tqdm=False)
     assert type(again[0].prompt_logprobs).__name__ == "FlatLogprobs"
     assert list(again[0].prompt_logprobs.logprobs) == list(plain[0].prompt_logprobs.logprobs)
+
+
+def test_verification_reads_the_shared_prompt_from_the_prefix_cache(engine):
+    """The samples of a prompt are verified together: each reads the prompt's cached blocks instead
+    of re-prefilling it, never a block that holds continuation tokens (two samples below share
+    their whole draft, and its first rows sit in the block that also ends the prompt), and the
+    results equal those of verifications that read nothing from the cache."""
+    import patches.vllm_0_32_0_batched_prompt_logprobs as verify
+    rng = random.Random(11)
+    prompt = [rng.randrange(3, 263) for _ in range(70)]           # 2 full 32-token CPU blocks + 6
+    shared = [rng.randrange(3, 263) for _ in range(40)]
+    reqs = [ScoreRequest(prompt, [rng.randrange(3, 263) for _ in range(40)], seed=i) for i in range(4)]
+    reqs += [ScoreRequest(prompt, shared, seed=10), ScoreRequest(prompt, shared, seed=11)]
+    assert verify.reads_prefix_cache()
+    engine.llm.reset_prefix_cache()
+    cached = engine.score(reqs, T07_P09, 0)
+    cache_cap = verify._PATCHES[2]
+    cache_cap.revert()
+    try:
+        assert not verify.reads_prefix_cache()
+        engine.llm.reset_prefix_cache()
+        uncached = engine.score(reqs, T07_P09, 0)
+    finally:
+        assert cache_cap.apply()
+    assert cached == uncached
+    assert cached[4].sample_logprobs == cached[5].sample_logprobs
+    assert [r.num_cached_tokens for r in uncached] == [0] * 6
+    # at most the 64 prompt tokens of whole blocks before the continuation; all but the first sample
+    assert all(r.num_cached_tokens in (0, 64) for r in cached) and sum(r.num_cached_tokens == 64 for r in cached) >= 5

@@ -66,3 +66,47 @@ def test_unpatched_flat_columns_are_refused():
         verify_columns(flat, PROMPT_LEN, DRAFT, EOS, 0)
     with pytest.raises(RuntimeError, match="flat_logprobs"):
         verify_columns([None, {7: -1.0}], PROMPT_LEN, DRAFT, EOS, 0)
+
+
+def test_rows_the_engine_did_not_compute_are_refused():
+    """Rows a prefix-cache hit skipped carry the patch's (y, NaN) mark: reading them as verified
+    would hand NaN acceptance log-probs to the rollout."""
+    ids, lps = _rows(DRAFT, DRAFT)
+    lps[PROMPT_LEN - 1 + 2, :] = np.nan
+    with pytest.raises(RuntimeError, match="position 5 were not computed"):
+        verify_columns(_containers(ids, lps)[0], PROMPT_LEN, DRAFT, EOS, 0)
+
+
+class _Coordinator:
+    def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
+        return max_cache_hit_length
+
+
+class _Manager:
+    """vLLM's lookup reduced to what the cap touches: it asks the coordinator for the longest hit
+    up to num_tokens - 1."""
+
+    def __init__(self):
+        self.coordinator = _Coordinator()
+
+    def get_computed_blocks(self, request):
+        return self.coordinator.find_longest_cache_hit(None, request.num_tokens - 1)
+
+
+def test_verification_cache_reads_stop_before_the_continuation():
+    from types import SimpleNamespace
+
+    from patches.vllm_0_32_0_batched_prompt_logprobs import VERIFY_KEY, _make_cache_cap
+
+    capped = _make_cache_cap({"get_computed_blocks": _Manager.get_computed_blocks})["get_computed_blocks"]
+    manager = _Manager()
+
+    def request(extra, skip=False):
+        return SimpleNamespace(num_tokens=200, skip_reading_prefix_cache=skip,
+                               sampling_params=SimpleNamespace(extra_args=extra))
+
+    assert capped(manager, request({VERIFY_KEY: 70})) == 69      # the logits of position 69 score y_0
+    assert capped(manager, request({VERIFY_KEY: True})) == 0
+    assert capped(manager, request(None)) == 199                 # generation requests: vLLM's lookup
+    assert capped(manager, request({VERIFY_KEY: 70}, skip=True)) == 199   # (vLLM skips the lookup itself)
+    assert "find_longest_cache_hit" not in vars(manager.coordinator)       # the cap is per call

@@ -109,6 +109,8 @@ class ScoreResult:
     replacement_logprobs: list[float] | None = None
     replacement_sample_logprobs: list[float] | None = None
     replacement_stops: list[bool] | None = None
+    # prompt tokens read from the prefix cache (not part of the result: equal results may differ here)
+    num_cached_tokens: int = field(default=0, compare=False)
 
     @property
     def acceptance_logprobs(self) -> list[float]:

@@ -100,6 +100,10 @@ def verify_columns(container, start: int, tokens: list[int], stop_ids: frozenset
         raise RuntimeError(f"vLLM verification columns at position {start + bad} do not hold the draft token "
                            f"{tokens[bad]} ({len(ids)} of {len(tokens)} rows have 4 columns): "
                            "is the batched prompt log-prob patch loaded in the workers?")
+    if np.isnan(lps[:, :2]).any():        # the patch's mark for rows it did not compute
+        bad = int(np.isnan(lps[:, :2]).any(axis=1).argmax())
+        raise RuntimeError(f"vLLM verification columns at position {start + bad} were not computed "
+                           "(read from the prefix cache past the continuation's start?)")
     r = ids[:, 2]
     replacements = r if coupled else np.where(r != y, r, -1)
     stops = np.isin(r, np.fromiter(stop_ids, dtype=np.int64, count=len(stop_ids))) & (replacements >= 0)
@@ -322,9 +326,13 @@ class VLLMEngine:
                 raise ValueError("score() needs a non-empty prompt")
             prompts = [TokensPrompt(prompt_token_ids=list(requests[i].prompt_ids) + list(requests[i].continuation_ids))
                        for i in todo]
+            # the n samples of a prompt share it: with the patch's capped lookup, a verification reads
+            # the prompt's cached blocks (never the continuation's) instead of re-prefilling it
+            reads_cache = verify.reads_prefix_cache()
             params = [SamplingParams(
                 max_tokens=1, prompt_logprobs=verify.VERIFY_COLUMNS - 1, detokenize=False, flat_logprobs=True,
                 temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                skip_reading_prefix_cache=not reads_cache,
                 extra_args=self._verify_args(requests[i], sampling)) for i in todo]
             outs = self._run(lambda: self.llm.generate(prompts, params, use_tqdm=False)) if todo else []
             self._check_unchanged(weight_version)
@@ -334,6 +342,7 @@ class VLLMEngine:
             req = requests[i]
             results[i] = verify_columns(out.prompt_logprobs, len(req.prompt_ids), req.continuation_ids, stops,
                                         weight_version, coupled=req.coupled_seed is not None)
+            results[i].num_cached_tokens = out.num_cached_tokens or 0
         return results
 
     def _verify_args(self, req: ScoreRequest, sampling: SamplingSettings) -> dict:

@@ -250,6 +250,7 @@ class SpeculativeRollout:
             "spec/mean_accept_len": accepted / max(len(to_verify), 1),
             "spec/drafts": float(len(to_verify)),
             "spec/cached_prompt_tokens": float(sum(r.num_cached_tokens for r in results)),
+            "spec/verify_cached_tokens": float(sum(s.num_cached_tokens for s in scores)),   # prompts read, not re-prefilled
             "spec/verify_s": verify_s,
             "spec/extend_s": extend_s,
             "spec/rollout_s": time.perf_counter() - t0,
