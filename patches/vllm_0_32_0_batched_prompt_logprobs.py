@@ -43,7 +43,7 @@ coupled draw c at response position i - P (megatron_specrl.rollout.coupled: argm
 log-probs plus position-keyed Gumbel noise; c may equal y), the token the decoder
 (patches/vllm_0_32_0_coupled_sampling) would draw there under these weights. When the processed
 distribution is a point mass on y there is no replacement: r = y and columns 2-3 are -inf.
-Positions with i < P are not computed: token y, log-prob NaN, rank 0. Nothing full-vocabulary
+Positions with i < P are not computed: tokens y, y, -1, -1 (UNCOMPUTED), log-probs NaN, rank 0. Nothing full-vocabulary
 leaves the engine, and the front end's output processor hands a verification request's columns over as
 arrays (`VerifyColumns`, `RequestOutput.prompt_logprobs`) rather than one Python object per position. The columns need the flat container (`flat_logprobs=True`): the dict form
 would merge the repeated token ids. Verification ignores `logprobs_mode` and logits processors
@@ -79,6 +79,7 @@ VERIFY_KEY = "specrl_verify"
 SEED_KEY = "specrl_seed"
 COUPLED_KEY = "specrl_coupled_seed"    # shared with patches/vllm_0_32_0_coupled_sampling
 VERIFY_COLUMNS = 4           # ask for prompt_logprobs = VERIFY_COLUMNS - 1
+UNCOMPUTED = -1              # the replacement columns' token id in rows the patch did not compute
 
 
 class _Verify(NamedTuple):
@@ -201,9 +202,11 @@ def _batched_prompt_logprobs_dict(self, hidden_states: torch.Tensor, num_schedul
 
 
 def _mark_unverified(dest, rows: slice, tokens: list[int]) -> None:
-    """Prompt rows before the continuation: token, NaN, rank 0 (not computed)."""
+    """Rows not computed (before the continuation, or read from the prefix cache): tokens y, y, -1, -1
+    (no computed row has r < 0, so a reader can tell), log-probs NaN, rank 0."""
     tgt = torch.tensor(tokens, dtype=torch.int32)
-    dest.logprob_token_ids[rows].copy_(tgt.unsqueeze(1).expand(-1, VERIFY_COLUMNS))
+    dest.logprob_token_ids[rows, :2].copy_(tgt.unsqueeze(1).expand(-1, 2))
+    dest.logprob_token_ids[rows, 2:].fill_(UNCOMPUTED)
     dest.logprobs[rows].fill_(float("nan"))
     dest.selected_token_ranks[rows].fill_(0)
 

@@ -9,7 +9,7 @@ import torch
 from vllm.logprobs import FlatLogprobs
 
 from megatron_specrl.engines.vllm_engine import verify_columns
-from patches.vllm_0_32_0_batched_prompt_logprobs import VERIFY_COLUMNS, VerifyColumns
+from patches.vllm_0_32_0_batched_prompt_logprobs import UNCOMPUTED, VERIFY_COLUMNS, VerifyColumns
 
 PROMPT_LEN = 3
 DRAFT = [11, 12, 13, 14]
@@ -69,9 +69,13 @@ def test_unpatched_flat_columns_are_refused():
 
 
 def test_rows_the_engine_did_not_compute_are_refused():
-    """Rows a prefix-cache hit skipped carry the patch's (y, NaN) mark: reading them as verified
-    would hand NaN acceptance log-probs to the rollout."""
+    """Rows a prefix-cache hit skipped carry the patch's mark (y, y, -1, -1 with NaN log-probs):
+    reading them as verified would hand NaN acceptance log-probs to the rollout. NaN from the model
+    itself is not this error: the acceptance rules reject and count it (spec/nonfinite_logprobs)."""
     ids, lps = _rows(DRAFT, DRAFT)
+    lps[PROMPT_LEN - 1 + 1, :] = np.nan                                 # the model's NaN: passed on
+    assert np.isnan(verify_columns(_containers(ids, lps)[0], PROMPT_LEN, DRAFT, EOS, 0).sample_logprobs[1])
+    ids[PROMPT_LEN - 1 + 2, 2:] = UNCOMPUTED
     lps[PROMPT_LEN - 1 + 2, :] = np.nan
     with pytest.raises(RuntimeError, match="position 5 were not computed"):
         verify_columns(_containers(ids, lps)[0], PROMPT_LEN, DRAFT, EOS, 0)

@@ -37,7 +37,7 @@ from megatron_specrl.engines.protocol import (
     EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest,
     ScoreResult, WeightVersionMismatch, check_version, untruncated_t1,
 )
-from patches.vllm_0_32_0_batched_prompt_logprobs import COUPLED_KEY
+from patches.vllm_0_32_0_batched_prompt_logprobs import COUPLED_KEY, UNCOMPUTED, VERIFY_COLUMNS
 
 GiB = 1 << 30
 
@@ -71,7 +71,6 @@ def _column_rows(container, start: int, n: int) -> tuple[np.ndarray, np.ndarray]
     of a verification request. The patch's VerifyColumns already holds arrays (row i scores prompt
     token i + 1); vLLM's own FlatLogprobs (the output-side patch reverted) is read into the same
     layout, so one code path checks and uses the columns whichever container vLLM handed over."""
-    from patches.vllm_0_32_0_batched_prompt_logprobs import VERIFY_COLUMNS
 
     if hasattr(container, "arrays"):
         ids, lps = container.arrays()
@@ -100,11 +99,10 @@ def verify_columns(container, start: int, tokens: list[int], stop_ids: frozenset
         raise RuntimeError(f"vLLM verification columns at position {start + bad} do not hold the draft token "
                            f"{tokens[bad]} ({len(ids)} of {len(tokens)} rows have 4 columns): "
                            "is the batched prompt log-prob patch loaded in the workers?")
-    if np.isnan(lps[:, :2]).any():        # the patch's mark for rows it did not compute
-        bad = int(np.isnan(lps[:, :2]).any(axis=1).argmax())
-        raise RuntimeError(f"vLLM verification columns at position {start + bad} were not computed "
-                           "(read from the prefix cache past the continuation's start?)")
     r = ids[:, 2]
+    if (r == UNCOMPUTED).any():           # the patch's mark for rows it did not compute
+        raise RuntimeError(f"vLLM verification columns at position {start + int(np.argmax(r == UNCOMPUTED))} were "
+                           "not computed (read from the prefix cache past the continuation's start?)")
     replacements = r if coupled else np.where(r != y, r, -1)
     stops = np.isin(r, np.fromiter(stop_ids, dtype=np.int64, count=len(stop_ids))) & (replacements >= 0)
     lps = lps.astype(np.float64)
