@@ -43,10 +43,11 @@ coupled draw c at response position i - P (megatron_specrl.rollout.coupled: argm
 log-probs plus position-keyed Gumbel noise; c may equal y), the token the decoder
 (patches/vllm_0_32_0_coupled_sampling) would draw there under these weights. When the processed
 distribution is a point mass on y there is no replacement: r = y and columns 2-3 are -inf.
-Positions with i < P are not computed: tokens y, y, -1, -1 (UNCOMPUTED), log-probs NaN, rank 0. Nothing full-vocabulary
-leaves the engine, and the front end's output processor hands a verification request's columns over as
-arrays (`VerifyColumns`, `RequestOutput.prompt_logprobs`) rather than one Python object per position. The columns need the flat container (`flat_logprobs=True`): the dict form
-would merge the repeated token ids. Verification ignores `logprobs_mode` and logits processors
+Positions with i < P are not computed: tokens y, y, -1, -1 (UNCOMPUTED), log-probs NaN, rank 0.
+Nothing full-vocabulary leaves the engine, and the front end's output processor hands a
+verification request's columns over as arrays (`VerifyColumns`, `RequestOutput.prompt_logprobs`)
+rather than one Python object per position. The columns need the flat container
+(`flat_logprobs=True`): the dict form would merge the repeated token ids. Verification ignores `logprobs_mode` and logits processors
 (the speculative rollout uses none).
 
 A verification request may read the prefix cache (SamplingParams.skip_reading_prefix_cache=False,
@@ -156,7 +157,7 @@ def _batched_prompt_logprobs_dict(self, hidden_states: torch.Tensor, num_schedul
         verify = _verify_settings(request, vocab)
         if verify is not None and request.in_progress_prompt_logprobs_cpu is None and start_idx:
             # a verification request that read the prefix cache (capped before its continuation by
-            # `_capped_computed_blocks`): the cached prompt rows hold no verification either
+            # `_make_cache_cap`): the cached prompt rows are not computed either
             _mark_unverified(logprobs_tensors, slice(0, start_idx), request.prompt_token_ids[1:start_tok])
         request.in_progress_prompt_logprobs_cpu = logprobs_tensors
         if num_tokens <= num_remaining_tokens:
@@ -175,7 +176,7 @@ def _batched_prompt_logprobs_dict(self, hidden_states: torch.Tensor, num_schedul
             if num_prompt_logprobs != VERIFY_COLUMNS - 1:
                 raise ValueError(f"a {VERIFY_KEY} request needs prompt_logprobs={VERIFY_COLUMNS - 1}, "
                                  f"got {num_prompt_logprobs}")
-            # rows before the continuation are not verified: token, NaN, rank 0
+            # rows before the continuation are not verified (`_mark_unverified`)
             skip = min(max(first - start_tok, 0), num_logits)
             if skip:
                 _mark_unverified(logprobs_tensors, slice(start_idx, start_idx + skip),
