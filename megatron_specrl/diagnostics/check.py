@@ -6,11 +6,11 @@ Two independent checks, because each catches what the other cannot:
   and in bf16 (measured max 0.0), so a wrong k/v or gate/up order, a dropped bucket or a
   wrong layer index shows up by name.
 - log-probs: a probe batch (prompts + engine-generated responses) scored by the engine
-  twice (the sampling log-probs of `generate`, which read the prefix cache, and a fresh
-  `score` prefill, which does not) and by the learner's `compute_logprobs`. This is
-  mapping-independent (a bug symmetric in both directions of hf_mapping still shows)
-  and the generate path catches a sync that forgot to reset the prefix cache: a prompt
-  cached before the update is then served with stale KV. Its tolerance depends on the
+  twice (the sampling log-probs of `generate`, and a `score` prefill; both read the prompt
+  from the prefix cache, as verification does) and by the learner's `compute_logprobs`. This
+  is mapping-independent (a bug symmetric in both directions of hf_mapping still shows)
+  and catches a sync that forgot to reset the prefix cache: a prompt cached before the
+  update is then served with stale KV (exact weights with wrong log-probs say which). Its tolerance depends on the
   engine dtype (LOGPROB_TOL): a bf16 engine rounds weights and activations.
 
 `logprob_check(run)` is the cheap variant the trainer runs every `check_resync_every` steps.
