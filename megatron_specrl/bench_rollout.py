@@ -40,17 +40,22 @@ RUNAHEAD_REQUESTS = 64   # the `+runahead` modes: run-ahead requests per rollout
 
 def mode_overrides(mode: str) -> list[str]:
     """`exact+tree` -> spec_mode=exact, draft=tree; `tree` alone is plain generation with tree drafts;
-    `+runahead` (with tree drafting) adds RUNAHEAD_REQUESTS run-ahead requests per rollout, so a
-    mode with and without it measures run-ahead's gain on its own. Not in the default list."""
+    `exact+tree+decode` verifies last epoch's responses inside the decode loop (rollout.verify=decode)
+    instead of in a prefill; `+runahead` (with tree drafting) adds RUNAHEAD_REQUESTS run-ahead requests
+    per rollout, so a mode with and without it measures run-ahead's gain on its own. Not in the
+    default list."""
     spec, *extras = mode.split("+")
     if spec == "tree":
         spec, extras = "off", ["tree", *extras]
-    known = spec in ("off", "exact", "lenient", "coupled") and extras in ([], ["tree"], ["tree", "runahead"])
+    decode = spec == "exact" and extras[:2] == ["tree", "decode"]
+    rest = [e for e in extras if e != "decode"] if decode else extras
+    known = spec in ("off", "exact", "lenient", "coupled") and rest in ([], ["tree"], ["tree", "runahead"])
     if not known:
-        raise SystemExit(f"unknown bench mode {mode!r}; modes: {', '.join(MODES)}, and any +tree mode with "
-                         "+runahead")
-    runahead = RUNAHEAD_REQUESTS if "runahead" in extras else 0
-    return [f"rollout.spec_mode={spec}", f"rollout.draft={'tree' if extras else 'none'}", f"rollout.runahead={runahead}"]
+        raise SystemExit(f"unknown bench mode {mode!r}; modes: {', '.join(MODES)}, exact+tree+decode, and any "
+                         "+tree mode with +runahead")
+    runahead = RUNAHEAD_REQUESTS if "runahead" in rest else 0
+    return [f"rollout.spec_mode={spec}", f"rollout.draft={'tree' if rest else 'none'}", f"rollout.runahead={runahead}",
+            f"rollout.verify={'decode' if decode else 'prefill'}"]
 
 
 def _parse(argv):

@@ -119,6 +119,11 @@ class RolloutConfig(_Strict):
     # generation (when a quarter of the batch or less still runs) and are aborted when it ends;
     # their tokens only feed the draft trees. 0: off. Needs draft=tree.
     runahead: int = Field(0, ge=0)
+    # Where `exact` verifies last epoch's response: `prefill` (one prompt-log-prob pass over every
+    # draft, then an extension batch from the first rejection) or `decode` (with draft=tree: the
+    # response is drafted first inside the engine's decode loop and verified K tokens a step by its
+    # rejection sampler, the same rule; no separate verification pass).
+    verify: Literal["prefill", "decode"] = "prefill"
 
     @field_validator("spec_mode", mode="before")
     @classmethod
@@ -291,6 +296,11 @@ class RunConfig(_Strict):
         if r.runahead and r.draft != "tree":
             raise ValueError(f"rollout.runahead={r.runahead} with rollout.draft={r.draft}: run-ahead tokens only "
                              "feed draft trees; set rollout.draft=tree or rollout.runahead=0")
+        if r.verify == "decode" and (r.spec_mode != "exact" or r.draft != "tree"):
+            raise ValueError(f"rollout.verify=decode with rollout.spec_mode={r.spec_mode}, rollout.draft={r.draft}: "
+                             "verification in the decode loop is the engine's rejection sampler, which is the exact "
+                             "rule and runs only with tree drafting; set spec_mode=exact and draft=tree, or "
+                             "verify=prefill")
         if r.draft == "tree" and r.engine != "vllm" and r.runahead:
             raise ValueError(f"rollout.runahead={r.runahead} with rollout.engine={r.engine}: run-ahead requests are "
                              "built into the vLLM engine only (SGLang drafts from the trees without them); use "

@@ -161,7 +161,8 @@ def build_run(cfg: RunConfig) -> Run:
     sampling = SamplingSettings(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
     rollout = SpeculativeRollout(engine, store, mode=cfg.rollout.spec_mode, lenience=cfg.rollout.lenience,
                                  sampling=sampling, max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.trainer.seed,
-                                 coupled_refresh=cfg.rollout.coupled_refresh, runahead=cfg.rollout.runahead)
+                                 coupled_refresh=cfg.rollout.coupled_refresh, runahead=cfg.rollout.runahead,
+                                 verify=cfg.rollout.verify)
     logger = MetricsLogger(out, cfg.model_dump(mode="json"), use_wandb=cfg.logging.wandb,
                            wandb_mode=cfg.logging.wandb_mode, project=cfg.logging.project,
                            run_name=cfg.logging.run_name, resume_step=step)

@@ -43,13 +43,17 @@ def test_summary_counts_only_steady_epochs():
 
 
 def test_modes_and_seed_spread():
-    assert mode_overrides("exact+tree") == ["rollout.spec_mode=exact", "rollout.draft=tree", "rollout.runahead=0"]
-    assert mode_overrides("tree") == ["rollout.spec_mode=off", "rollout.draft=tree", "rollout.runahead=0"]
-    assert mode_overrides("lenient") == ["rollout.spec_mode=lenient", "rollout.draft=none", "rollout.runahead=0"]
-    assert mode_overrides("coupled+tree") == ["rollout.spec_mode=coupled", "rollout.draft=tree", "rollout.runahead=0"]
-    assert mode_overrides("tree+runahead")[1:] == ["rollout.draft=tree", "rollout.runahead=64"]
+    pre = ["rollout.runahead=0", "rollout.verify=prefill"]
+    assert mode_overrides("exact+tree") == ["rollout.spec_mode=exact", "rollout.draft=tree", *pre]
+    assert mode_overrides("tree") == ["rollout.spec_mode=off", "rollout.draft=tree", *pre]
+    assert mode_overrides("lenient") == ["rollout.spec_mode=lenient", "rollout.draft=none", *pre]
+    assert mode_overrides("coupled+tree") == ["rollout.spec_mode=coupled", "rollout.draft=tree", *pre]
+    assert mode_overrides("exact+tree+decode") == ["rollout.spec_mode=exact", "rollout.draft=tree",
+                                                   "rollout.runahead=0", "rollout.verify=decode"]
+    assert mode_overrides("exact+tree+decode+runahead")[2:] == ["rollout.runahead=64", "rollout.verify=decode"]
+    assert mode_overrides("tree+runahead")[1:3] == ["rollout.draft=tree", "rollout.runahead=64"]
     assert mode_overrides("coupled+tree+runahead")[0] == "rollout.spec_mode=coupled"
-    for bad in ("exact+ngram", "exact+runahead", "coupled+runahead+tree"):
+    for bad in ("exact+ngram", "exact+runahead", "coupled+runahead+tree", "lenient+tree+decode", "exact+decode"):
         with pytest.raises(SystemExit, match="unknown bench mode"):
             mode_overrides(bad)
     sp = spread([{"speedup_x": 2.0, "only_one": 1.0}, {"speedup_x": 3.0}])

@@ -201,3 +201,70 @@ def test_runahead_joins_the_tail_feeds_its_tree_and_is_aborted(engine):
     assert abs(stats["generated_tokens"] - sum(len(r.token_ids) for r in got_real)) <= 8 < stats["runahead_tokens"]
     with pytest.raises(ValueError, match="run-ahead request needs tree drafting"):
         engine.generate([GenerateRequest(prompts[0], 4, runahead=True)], greedy, 0)
+
+
+def _decode_rollout(engine, drafts, sampling, L, seed, key="own"):
+    """One `exact` step with rollout.verify=decode: len(drafts) samples of PROMPT, each with its draft."""
+    from megatron_specrl.rollout.speculative import SpeculativeRollout
+    from megatron_specrl.rollout.store import Trajectory, TrajectoryStore
+    store = TrajectoryStore()
+    for k, d in enumerate(drafts):
+        store.put(key, k, Trajectory(list(d.token_ids), list(d.logprobs), d.finish_reason, 0))
+    roll = SpeculativeRollout(engine, store, mode="exact", lenience=1.0, sampling=sampling, max_new_tokens=L,
+                              seed=seed, verify="decode")
+    return roll.run([(key, list(PROMPT))], len(drafts), 0, step=1)
+
+
+def test_exact_in_the_decode_loop_gives_greedy_tokens_and_counts_the_reused_prefix(engine):
+    """Greedy: whatever the drafts, the tokens are plain greedy's; the reused count is where the
+    draft first differs, and the engine verified no draft token past it."""
+    greedy = SamplingSettings(temperature=0.0)
+    plain = engine.generate([GenerateRequest(list(PROMPT), 24)], greedy, 0)[0]
+    drafts = []
+    for cut in (0, 5, 17, 24):          # the draft leaves greedy's path at token `cut` (24: never)
+        ids = list(plain.token_ids)
+        if cut < 24:
+            ids[cut] = 3 if ids[cut] != 3 else 4
+        drafts.append(type(plain)(ids, [-1.0] * 24, "length"))
+    engine.draft_stats()
+    samples, m = _decode_rollout(engine, drafts, greedy, 24, seed=1, key="own-greedy")
+    assert [s.response_ids for s in samples] == [list(plain.token_ids)] * 4
+    assert [s.num_reused for s in samples] == [0, 5, 17, 24]
+    assert m["spec/accepted_tokens"] == 46 and m["spec/replaced_tokens"] == 3 and m["spec/drafts"] == 4
+    # the first token of a response is sampled by the prefill, every later reused one was drafted, and
+    # no draft reaches more than one step's K (8) past its first difference
+    assert 46 - 3 <= m["spec/verified_tokens"] <= 46 + 3 * 8, m
+    assert m["spec/generated_tokens"] == 4 * 24 - 46
+    assert all(len(s.logprobs) == 24 and np.isfinite(s.logprobs).all() for s in samples)
+
+
+@pytest.mark.parametrize("sampling", [SamplingSettings(temperature=1.0, top_k=3),
+                                      SamplingSettings(temperature=0.7, top_p=0.9, top_k=4)],
+                         ids=["t1-topk3", "t0.7-topp0.9"])
+def test_exact_in_the_decode_loop_samples_the_plain_distribution(engine, sampling):
+    """rollout.verify=decode: drafts from another distribution (temperature 1.5, top-k 6), verified
+    by the engine's rejection sampler inside the decode loop, give samples of plain generation's
+    distribution (chi-square on 3-token responses); the drafts themselves are told apart from it."""
+    old = engine.generate(_requests(N, None, 40_000), SamplingSettings(temperature=1.5, top_k=6), 0)
+    samples, m = _decode_rollout(engine, old, sampling, 3, seed=int(100 * sampling.temperature),
+                                 key=f"own-{sampling.temperature}")
+    plain = engine.generate(_requests(N, None, 50_000), sampling, 0)
+    got, want = [tuple(s.response_ids) for s in samples], [tuple(r.token_ids) for r in plain]
+    assert m["spec/accepted_tokens"] > 0.2 * N and m["spec/replaced_tokens"] > 0.2 * N, m
+    assert all(s.num_reused == next((i for i, (a, b) in enumerate(zip(s.response_ids, d.token_ids)) if a != b),
+                                    min(len(s.response_ids), len(d.token_ids))) for s, d in zip(samples, old))
+    pvalue = _contingency_pvalue(got, want)
+    print(f"verify=decode at {sampling}: p={pvalue:.3f}, {m}")
+    assert pvalue > 1e-3, f"exact samples verified in the decode loop differ from plain samples (p={pvalue:.2e})"
+    assert _contingency_pvalue([tuple(r.token_ids) for r in old], want) < 1e-6   # the test can tell them apart
+    assert all(len(s.logprobs) == len(s.response_ids) and np.isfinite(s.logprobs).all() for s in samples)
+
+
+def test_own_drafts_need_tree_drafting(tiny_llama):
+    from megatron_specrl.engines.sglang_engine import build_generate_payload
+    from megatron_specrl.rollout.speculative import SpeculativeRollout
+    with pytest.raises(ValueError, match="own draft"):
+        build_generate_payload([GenerateRequest([5, 6], 4, own_draft=[7])], SamplingSettings(), None, "none")
+    with pytest.raises(ValueError, match="verify=decode with rollout.spec_mode=lenient"):
+        SpeculativeRollout(object(), None, mode="lenient", lenience=1.0, sampling=SamplingSettings(),
+                           max_new_tokens=4, seed=0, verify="decode")

@@ -25,12 +25,14 @@ class Batch:
         self.num_tokens_no_spec = np.zeros(4, dtype=np.int64)
         self.req_ids, self.requests = [], {}
 
-    def add(self, req_id, prompt, key, response_start=None):
+    def add(self, req_id, prompt, key, response_start=None, own=None):
         i = len(self.req_ids)
         self.req_ids.append(req_id)
         self.token_ids_cpu[i, :len(prompt)] = prompt
         self.num_tokens_no_spec[i] = len(prompt)
         extra = None if key is None else {tp.DRAFT_KEY: key, tp.RESPONSE_START: response_start or len(prompt)}
+        if own is not None:
+            extra[tp.OWN_DRAFT] = list(own)
         self.requests[req_id] = SimpleNamespace(prompt_token_ids=list(prompt),
                                                 sampling_params=SimpleNamespace(extra_args=extra))
 
@@ -89,3 +91,35 @@ def test_finished_requests_are_forgotten_and_settings_are_checked(monkeypatch):
     with pytest.raises(ValueError, match="unknown tree proposer settings"):
         tp.settings_env(min_probability=0.1)
     assert json.loads(tp.settings_env(min_prob=0.3))["min_prob"] == 0.3
+
+
+def test_own_draft_is_drafted_while_the_response_follows_it(monkeypatch):
+    """rollout.verify=decode: a request drafts its own last response (not the tree's most frequent
+    path) K tokens a step while its response equals that response's prefix; from its first
+    differing token on it drafts from the tree."""
+    p = _proposer(monkeypatch, k=3, min_prob=0.0)
+    for _ in range(3):
+        p.trees.insert("q", [1, 2, 3, 4, 5, 6])          # the tree's most frequent path
+    p.trees.insert("q", [1, 7, 8, 9, 10, 11])
+    b = Batch()
+    b.add("own", [50], "q", own=[1, 7, 8, 9, 10, 11])
+    b.add("plain", [50], "q")
+    # first step: both sampled token 1; the own draft goes on with 7, the tree with 2
+    assert p.propose_batch(b, b.requests, [b.sample(0, [1]), b.sample(1, [1])]) == [[7, 8, 9], [2, 3, 4]]
+    # "own" accepts 7, 8 and is resampled at 9 -> 4: off its own draft, the tree drafts after ... 8, 4
+    p.trees.insert("q", [8, 4, 20, 21])
+    assert p.propose_batch(b, b.requests, [b.sample(0, [7, 8, 4]), b.sample(1, [2])]) == [[20, 21], [3, 4, 5]]
+    stats = p.take_stats()
+    assert stats["own_draft_tokens"] == 3 and stats["accepted_tokens"] == 2 + 0
+
+
+def test_own_draft_ends_with_it_and_is_dropped_when_the_prefix_differs(monkeypatch):
+    p = _proposer(monkeypatch, k=4, min_prob=0.0)
+    p.trees.insert("q", [1, 2, 3, 4, 5, 6])
+    b = Batch()
+    b.add("short", [50], "q", own=[1, 2])
+    b.add("ext", [50, 9], "q", response_start=1, own=[1, 2, 3])      # its prefix (9) is not the own draft's
+    assert p.propose_batch(b, b.requests, [b.sample(0, [1]), b.sample(1, [4])]) == [[2], [5, 6]]
+    # the whole own draft accepted without an end: the tree drafts what follows
+    assert p.propose_batch(b, b.requests, [b.sample(0, [2, 3]), b.sample(1, [5])]) == [[4, 5, 6], [6]]
+    assert p.take_stats()["own_draft_tokens"] == 1

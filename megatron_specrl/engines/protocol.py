@@ -71,6 +71,11 @@ class GenerateRequest:
     # (finish_reason "abort", the tokens it got) is never training data. Engines without tree
     # drafting refuse it.
     runahead: bool = False
+    # Exact verification in the decode loop (rollout.verify=decode, with tree drafting): this
+    # sample's last-epoch response, which the engine drafts first for as long as the response
+    # follows it; its rejection sampler accepts each drafted token y with p(y) and otherwise samples
+    # p without y, the `exact` rule. Engines without tree drafting refuse it.
+    own_draft: list[int] | None = None
 
 
 @dataclass

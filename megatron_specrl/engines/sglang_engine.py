@@ -40,7 +40,7 @@ from megatron_specrl.engines.protocol import (
     ScoreResult, WeightVersionMismatch, check_version,
 )
 from megatron_specrl.engines.logs import attach_log_file, detach_log_file, tail_lines
-from megatron_specrl.engines.tree_drafter import DRAFT_KEY, RESPONSE_START, settings_env
+from megatron_specrl.engines.tree_drafter import DRAFT_KEY, OWN_DRAFT, RESPONSE_START, settings_env
 
 BAN_PARAM = "specrl_ban_first_token"
 
@@ -113,8 +113,13 @@ def build_generate_payload(requests: list[GenerateRequest], sampling: SamplingSe
             if ban_processor is None:
                 raise ValueError("ban_first_token needs the custom logit processor string")
             custom[BAN_PARAM] = int(r.ban_first_token)
+        if r.own_draft is not None and (draft != "tree" or r.draft_key is None):
+            raise ValueError("an own draft (rollout.verify=decode) needs tree drafting (rollout.draft=tree) and a "
+                             "draft_key: the NGRAM worker's drafter drafts it")
         if r.draft_key is not None and draft == "tree":
             custom.update({DRAFT_KEY: str(r.draft_key), RESPONSE_START: int(r.response_start)})
+            if r.own_draft:
+                custom[OWN_DRAFT] = [int(t) for t in r.own_draft]
         if custom:
             p["custom_params"] = custom
         params.append(p)

@@ -18,7 +18,12 @@ Per engine step:
   each other in flight; the tree keeps them after the request ends (later epochs);
 - the draft is the tree's proposal from the longest suffix of the response, up to K tokens, where K
   shrinks as more requests run (a step verifies about `token_budget` tokens) and the path-probability
-  cut-off `min_prob` relaxes as the batch empties (DAS and FastGRPO size drafts the same way).
+  cut-off `min_prob` relaxes as the batch empties (DAS and FastGRPO size drafts the same way);
+- a request that carries an own draft (`OWN_DRAFT`: its sample's last-epoch response, rollout.verify=
+  decode) drafts that response's next K tokens instead, for as long as its response equals the own
+  draft's prefix; from its first differing token on it drafts from the tree. The engine's rejection
+  sampler accepts a point-mass draft token y with p(y) and otherwise samples p without y: exactly the
+  `exact` rule's verification, done a few tokens per decode step instead of in one prefill.
 """
 
 from __future__ import annotations
@@ -32,12 +37,13 @@ from megatron_specrl.rollout.draft_tree import DraftTrees
 DRAFT_KEY = "specrl_draft_key"
 RESPONSE_START = "specrl_response_start"
 RUNAHEAD = "specrl_runahead"          # a run-ahead request: its tokens feed the tree, counted apart
+OWN_DRAFT = "specrl_own_draft"        # token ids drafted first, while the response follows them
 
 DEFAULTS = {"max_depth": 40, "max_match": 16, "max_nodes": 4_000_000, "min_prob": 0.1,
             "token_budget": 2048}
 
 COUNTERS = ("draft_tokens", "accepted_tokens", "generated_tokens", "request_steps", "engine_steps",
-            "runahead_tokens")
+            "runahead_tokens", "own_draft_tokens")
 
 
 def settings_env(**overrides) -> str:
@@ -57,6 +63,7 @@ class RequestOpts:
     response_start: int    # the response starts at this position (an extension's prompt ends with its prefix)
     prompt_len: int        # tokens that were in the request when it arrived
     runahead: bool = False
+    own_draft: tuple[int, ...] = ()   # drafted first while the response equals its prefix
 
 
 def opts_from_params(params: dict | None, prompt_len: int) -> RequestOpts | None:
@@ -67,7 +74,8 @@ def opts_from_params(params: dict | None, prompt_len: int) -> RequestOpts | None
     start = int(params.get(RESPONSE_START, prompt_len))
     if not 0 <= start <= prompt_len:
         raise ValueError(f"{RESPONSE_START}={start} outside the prompt (length {prompt_len})")
-    return RequestOpts(str(key), start, int(prompt_len), bool(params.get(RUNAHEAD)))
+    own = tuple(int(t) for t in params.get(OWN_DRAFT) or ())
+    return RequestOpts(str(key), start, int(prompt_len), bool(params.get(RUNAHEAD)), own)
 
 
 class TreeDrafter:
@@ -80,6 +88,7 @@ class TreeDrafter:
         # request id -> [response start, tokens of the response already in the tree, last draft length,
         # run-ahead (0/1)]; None for requests that did not opt in
         self._live: dict[str, list[int] | None] = {}
+        self._own: dict[str, tuple[int, ...]] = {}   # request id -> own draft, while its response follows it
         self.counters = dict.fromkeys(COUNTERS, 0)
         self._k_max, self._step_min_prob, self._seen, self._drafting = 0, 0.0, set(), False
 
@@ -117,6 +126,10 @@ class TreeDrafter:
         new = list(seq(start + consumed, end))
         n = len(new) if gained is None else gained
         c = self.counters
+        own = self._own.get(req_id)
+        if own is not None and tuple(new) != own[consumed:consumed + len(new)]:
+            del self._own[req_id]   # the response left its own draft: the tree drafts from here on
+            own = None
         if new:
             self.trees.extend(req_id, new)
             live[1] = end - start
@@ -128,7 +141,11 @@ class TreeDrafter:
                 if last_draft:
                     c["accepted_tokens"] += max(0, min(n - 1, last_draft))
         k = min(self._k_max, self.max_model_len - end - 1)
-        draft = self.trees.propose(req_id, k, self._step_min_prob) if k > 0 else []
+        if own is not None and end - start < len(own):
+            draft = list(own[end - start:end - start + max(k, 0)])
+            c["own_draft_tokens"] += len(draft)
+        else:
+            draft = self.trees.propose(req_id, k, self._step_min_prob) if k > 0 else []
         live[2] = len(draft)
         c["draft_tokens"] += len(draft)
         return draft
@@ -136,6 +153,7 @@ class TreeDrafter:
     def end_step(self) -> None:
         self.counters["engine_steps"] += self._drafting   # only steps where a request of ours ran
         for req_id in [r for r in self._live if r not in self._seen]:
+            self._own.pop(req_id, None)
             if self._live.pop(req_id) is not None:
                 self.trees.finish(req_id)
 
@@ -143,7 +161,10 @@ class TreeDrafter:
         if opts is None:
             self._live[req_id] = None
             return None
-        self.trees.start(req_id, opts.key, list(seq(opts.response_start, opts.prompt_len)))
+        prefix = list(seq(opts.response_start, opts.prompt_len))
+        self.trees.start(req_id, opts.key, prefix)
+        if opts.own_draft and tuple(prefix) == opts.own_draft[:len(prefix)]:
+            self._own[req_id] = opts.own_draft
         live = self._live[req_id] = [opts.response_start, opts.prompt_len - opts.response_start, 0,
                                      int(opts.runahead)]
         return live
@@ -165,3 +186,4 @@ class TreeDrafter:
     def load_state_dict(self, state: dict) -> None:
         self.trees = DraftTrees.from_state_dict(state)
         self._live.clear()
+        self._own.clear()

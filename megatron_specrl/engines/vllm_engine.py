@@ -31,7 +31,7 @@ import torch
 
 from megatron_specrl.engines.logs import attach_log_file, detach_log_file, reattach_log_file, tail_lines
 from megatron_specrl.engines.tree_proposer import (
-    DRAFT_KEY, PROPOSER_CLASS, RESPONSE_START, RUNAHEAD, SETTINGS_ENV, in_worker, settings_env,
+    DRAFT_KEY, OWN_DRAFT, PROPOSER_CLASS, RESPONSE_START, RUNAHEAD, SETTINGS_ENV, in_worker, settings_env,
 )
 from megatron_specrl.engines.protocol import (
     EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest,
@@ -201,10 +201,15 @@ class VLLMEngine:
         if req.runahead and (self.draft != "tree" or req.draft_key is None):
             raise ValueError("a run-ahead request needs tree drafting (rollout.draft=tree) and a draft_key: "
                              "its tokens are only for the prompt's draft tree")
+        if req.own_draft is not None and (self.draft != "tree" or req.draft_key is None):
+            raise ValueError("an own draft (rollout.verify=decode) needs tree drafting (rollout.draft=tree) and a "
+                             "draft_key: the engine's proposer drafts it")
         if req.draft_key is not None and self.draft == "tree":
             extra.update({DRAFT_KEY: req.draft_key, RESPONSE_START: req.response_start})
             if req.runahead:
                 extra[RUNAHEAD] = True
+            if req.own_draft:
+                extra[OWN_DRAFT] = [int(t) for t in req.own_draft]
         seed = req.seed
         if req.coupled_seed is not None:
             self._check_coupled(s)

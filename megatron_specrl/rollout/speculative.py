@@ -16,6 +16,15 @@ Per (prompt, sample k) at step t:
   5. assemble prefix + continuation and store it for the next epoch.
 All requests of a step go to the engine as one verification batch and one extension batch.
 
+With rollout.verify=decode (`exact` with tree drafting) steps 2-4 happen inside the engine's decode
+loop instead: every request starts from the prompt with its draft y as an own draft, which the
+engine's proposer drafts first, K tokens a step, while the response still equals y's prefix; the
+rejection sampler accepts y_t with p_t(y_t) and otherwise samples p_t without y_t, which is the
+`exact` rule, so the samples have the same distribution. It verifies only the K tokens of each step
+(not all of y after the first rejection), has no separate prefill and extension batch, and from the
+first rejection the tree drafts. The reused count is the common prefix of y and the response (the
+first new token differs from y_n by construction).
+
 Log-probs: every response token carries its processed log-prob under the current weights (the
 distribution that sampled or accepted it), in the samples and in the store; the learner's tempered
 log-probs differ from these only under top-k / top-p (README, "Speculative rollouts").
@@ -88,13 +97,23 @@ def tree_metrics(engine) -> dict[str, float]:
             "tree/tokens_per_step": stats["generated_tokens"] / max(stats["request_steps"], 1.0),
             "tree/generated_tokens": stats["generated_tokens"], "tree/request_steps": stats["request_steps"],
             "tree/engine_steps": stats["engine_steps"],
+            "tree/own_draft_tokens": stats.get("own_draft_tokens", 0.0),
             "runahead/tokens": stats.get("runahead_tokens", 0.0)}
+
+
+def common_prefix(a, b) -> int:
+    """Number of leading tokens a and b share."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 class SpeculativeRollout:
     def __init__(self, engine: RolloutEngine, store: TrajectoryStore, *, mode: str, lenience: float,
                  sampling: SamplingSettings, max_new_tokens: int, seed: int, coupled_refresh: float = 0.0,
-                 runahead: int = 0):
+                 runahead: int = 0, verify: str = "prefill"):
         if mode not in MODES:
             raise ValueError(f"rollout.spec_mode={mode!r} is not one of {MODES}")
         if mode == "coupled" and not samples_coupled(engine):
@@ -110,7 +129,13 @@ class SpeculativeRollout:
                 f"top_k={sampling.top_k}: engine {getattr(engine, 'name', engine)} cannot verify drafts under that "
                 "distribution (it scores at temperature 1 without top-k / top-p only); use the vLLM engine or "
                 "spec_mode=off")
+        if verify not in ("prefill", "decode"):
+            raise ValueError(f"rollout.verify={verify!r} is not one of ('prefill', 'decode')")
+        if verify == "decode" and mode != "exact":
+            raise ValueError(f"rollout.verify=decode with rollout.spec_mode={mode}: only the exact rule is the engine "
+                             "rejection sampler's; use rollout.verify=prefill")
         self.engine, self.store = engine, store
+        self.verify = verify
         self.mode, self.lenience = mode, lenience
         self.sampling, self.max_new_tokens, self.seed = sampling, max_new_tokens, seed
         self.coupled_refresh = coupled_refresh
@@ -159,8 +184,9 @@ class SpeculativeRollout:
         t0 = time.perf_counter()
         plans = [self._plan(pid, k, ids, step) for pid, ids in prompts for k in range(n_samples)]
 
-        # 2. verify every draft in one batch
-        to_verify = [p for p in plans if p.draft_ids]
+        # 2. verify every draft in one batch (rollout.verify=decode: in the engine's decode loop, in 4.)
+        drafted = [p for p in plans if p.draft_ids]
+        to_verify = drafted if self.verify == "prefill" else []
         t_verify = time.perf_counter()
         scores = []
         if to_verify:
@@ -212,7 +238,8 @@ class SpeculativeRollout:
                             max_new_tokens=self.max_new_tokens - len(p.prefix_ids),
                             seed=stable_seed(self.seed, step, "gen", p.prompt_id, p.sample_idx),
                             ban_first_token=p.ban,
-                            draft_key=p.prompt_id, response_start=len(p.prompt_ids), coupled_seed=p.noise_seed)
+                            draft_key=p.prompt_id, response_start=len(p.prompt_ids), coupled_seed=p.noise_seed,
+                            own_draft=p.draft_ids if self.verify == "decode" and p.draft_ids else None)
             for p in to_extend
         ]
         ahead = self._runahead_requests(next_prompts, n_samples, step) if requests else []
@@ -231,6 +258,9 @@ class SpeculativeRollout:
             else:
                 response, logprobs, finish = (p.prefix_ids + list(r.token_ids), p.prefix_logprobs + list(r.logprobs),
                                               r.finish_reason)
+            if self.verify == "decode" and p.draft_ids:
+                p.accepted = common_prefix(p.draft_ids, response)
+                replaced += p.accepted < min(len(p.draft_ids), len(response))   # the sampler's draw without y_n
             samples.append(RolloutSample(p.prompt_id, p.sample_idx, p.prompt_ids, response, logprobs,
                                          finish, p.accepted, weight_version))
             self.store.put(p.prompt_id, p.sample_idx,
@@ -239,16 +269,18 @@ class SpeculativeRollout:
         response_tokens = sum(len(s.response_ids) for s in samples)
         accepted = sum(p.accepted for p in plans)
         metrics = {
-            "spec/verified_tokens": float(sum(len(p.draft_ids) for p in to_verify)),
+            "spec/verified_tokens": float(sum(len(p.draft_ids) for p in to_verify)),   # verify=decode: below
             "spec/accepted_tokens": float(accepted),
-            "spec/generated_tokens": float(sum(len(r.token_ids) for r in results)),
+            # tokens sampled past the reused prefix (decode: the results also hold the accepted prefix)
+            "spec/generated_tokens": float(sum(len(r.token_ids) for r in results)
+                                           - (accepted if self.verify == "decode" else 0)),
             "runahead/requests": float(len(ahead)),
             "spec/replaced_tokens": float(replaced),   # exact: first new tokens drawn by the verification
             "spec/nonfinite_logprobs": float(nonfinite),   # NaN / +inf from the engine (never accepted)
             "spec/reuse_ratio": accepted / max(response_tokens, 1),
             "spec/full_reuse_ratio": sum(not p.needs_generation for p in plans) / max(len(plans), 1),
-            "spec/mean_accept_len": accepted / max(len(to_verify), 1),
-            "spec/drafts": float(len(to_verify)),
+            "spec/mean_accept_len": accepted / max(len(drafted), 1),
+            "spec/drafts": float(len(drafted)),
             "spec/cached_prompt_tokens": float(sum(r.num_cached_tokens for r in results)),
             "spec/verify_cached_tokens": float(sum(s.num_cached_tokens for s in scores)),   # prompts read, not re-prefilled
             "spec/verify_s": verify_s,
@@ -260,6 +292,8 @@ class SpeculativeRollout:
         if self.mode == "coupled":
             metrics["spec/coupled_refreshed"] = float(sum(p.refreshed for p in plans))
         metrics.update(tree_metrics(self.engine))
+        if self.verify == "decode":   # draft tokens the decode steps verified (K a step, not all of y)
+            metrics["spec/verified_tokens"] = metrics.get("tree/own_draft_tokens", 0.0)
         # engine decode steps of the generation batch: counted by the tree proposer when it drafts,
         # otherwise one a token of the longest continuation
         metrics["spec/decode_steps"] = metrics.get("tree/engine_steps",
