@@ -4,7 +4,8 @@ Modes: `off` (plain generation), `exact` and `lenient` (last epoch's response ve
 prefill, decoded from the first rejection), `coupled` (the same, every (prompt, sample) drawn with
 position-keyed noise kept across epochs: exact samples, reused where the argmax survives), `tree`
 (plain generation with speculative decoding from per-prompt trees of earlier responses inside
-vLLM), and `exact+tree` / `lenient+tree` / `coupled+tree` (both).
+vLLM), and `exact+tree` / `lenient+tree` / `coupled+tree` (both); `exact+tree+decode` verifies
+last epoch's response inside the decode loop, as the sample's own draft (rollout.verify=decode).
 Same recipe, seed and data order for each mode, run one after another in one process; a small
 dataset so every prompt comes back each epoch (drafts exist from epoch 2 on). Per epoch it
 reports rollout seconds, reuse ratio, generated tokens per request per decode step, decode steps

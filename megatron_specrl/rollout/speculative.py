@@ -231,15 +231,18 @@ class SpeculativeRollout:
             # else lenient, or exact where p is a point mass on y_n (rejected by rounding only):
             # position n is sampled by the extension from the full distribution
 
-        # 4. extend (plain generation for plans without a draft) in one batch
+        # 4. extend (plain generation for plans without a draft; verify=decode: every plan, with its
+        #    draft as the own draft) in one batch
         to_extend = [p for p in plans if p.needs_generation]
+        in_decode = self.verify == "decode"
         requests = [
             GenerateRequest(prompt_ids=p.prompt_ids + p.prefix_ids,
                             max_new_tokens=self.max_new_tokens - len(p.prefix_ids),
                             seed=stable_seed(self.seed, step, "gen", p.prompt_id, p.sample_idx),
                             ban_first_token=p.ban,
                             draft_key=p.prompt_id, response_start=len(p.prompt_ids), coupled_seed=p.noise_seed,
-                            own_draft=p.draft_ids if self.verify == "decode" and p.draft_ids else None)
+                            own_draft=p.draft_ids if in_decode and p.draft_ids else None,
+                            own_logprobs=p.draft.logprobs[:len(p.draft_ids)] if in_decode and p.draft_ids else None)
             for p in to_extend
         ]
         ahead = self._runahead_requests(next_prompts, n_samples, step) if requests else []
