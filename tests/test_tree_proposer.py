@@ -25,7 +25,7 @@ class Batch:
         self.num_tokens_no_spec = np.zeros(4, dtype=np.int64)
         self.req_ids, self.requests = [], {}
 
-    def add(self, req_id, prompt, key, response_start=None, own=None, own_logprobs=None):
+    def add(self, req_id, prompt, key, response_start=None, own=None):
         i = len(self.req_ids)
         self.req_ids.append(req_id)
         self.token_ids_cpu[i, :len(prompt)] = prompt
@@ -33,8 +33,6 @@ class Batch:
         extra = None if key is None else {tp.DRAFT_KEY: key, tp.RESPONSE_START: response_start or len(prompt)}
         if own is not None:
             extra[tp.OWN_DRAFT] = list(own)
-        if own_logprobs is not None:
-            extra[tp.OWN_LOGPROBS] = list(own_logprobs)
         self.requests[req_id] = SimpleNamespace(prompt_token_ids=list(prompt),
                                                 sampling_params=SimpleNamespace(extra_args=extra))
 
@@ -126,17 +124,3 @@ def test_own_draft_ends_with_it_and_is_dropped_when_the_prefix_differs(monkeypat
     assert p.propose_batch(b, b.requests, [b.sample(0, [2, 3]), b.sample(1, [5])]) == [[4, 5, 6], [6]]
     assert p.take_stats()["own_draft_tokens"] == 1
 
-
-def test_own_draft_stops_where_its_old_probability_falls_below_the_cut_off(monkeypatch):
-    """The own draft's old log-probs size it as the tree's path frequencies size tree drafts: a
-    step drafts while the old policy gave the drafted stretch a probability >= the step's cut-off."""
-    p = _proposer(monkeypatch, k=8, min_prob=0.25, token_budget=9)   # one request's 8 + 1 tokens fill the budget
-    lp = np.log([0.5, 0.9, 0.9, 0.5, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9]).tolist()
-    b = Batch()
-    b.add("a", [50], "q", own=list(range(1, 11)), own_logprobs=lp)
-    drafts = p.propose_batch(b, b.requests, [b.sample(0, [1])])
-    # from position 1: 0.9 * 0.9 * 0.5 = 0.405, then x 0.9: 0.36, 0.33, 0.30, 0.27 (token 8), 0.24 < 0.25
-    assert drafts[0] == [2, 3, 4, 5, 6, 7, 8]
-    b.add("b", [50], "q", own=[1, 2], own_logprobs=[0.0])
-    with pytest.raises(ValueError, match="1 values for 2 own draft tokens"):
-        p.propose_batch(b, b.requests, [b.sample(0, [2]), b.sample(1, [1])])

@@ -74,11 +74,8 @@ class GenerateRequest:
     # Exact verification in the decode loop (rollout.verify=decode, with tree drafting): this
     # sample's last-epoch response, which the engine drafts first for as long as the response
     # follows it; its rejection sampler accepts each drafted token y with p(y) and otherwise samples
-    # p without y, the `exact` rule. Engines without tree drafting refuse it. With its log-probs
-    # (processed, when it was sampled) a step's own draft stops where their sum falls below
-    # log(draft_min_prob): drafts that would likely be rejected cost verification compute.
+    # p without y, the `exact` rule. Engines without tree drafting refuse it.
     own_draft: list[int] | None = None
-    own_logprobs: list[float] | None = None
 
 
 @dataclass

@@ -40,7 +40,7 @@ from megatron_specrl.engines.protocol import (
     ScoreResult, WeightVersionMismatch, check_version,
 )
 from megatron_specrl.engines.logs import attach_log_file, detach_log_file, tail_lines
-from megatron_specrl.engines.tree_drafter import DRAFT_KEY, OWN_DRAFT, OWN_LOGPROBS, RESPONSE_START, settings_env
+from megatron_specrl.engines.tree_drafter import DRAFT_KEY, OWN_DRAFT, RESPONSE_START, settings_env
 
 BAN_PARAM = "specrl_ban_first_token"
 
@@ -120,8 +120,6 @@ def build_generate_payload(requests: list[GenerateRequest], sampling: SamplingSe
             custom.update({DRAFT_KEY: str(r.draft_key), RESPONSE_START: int(r.response_start)})
             if r.own_draft:
                 custom[OWN_DRAFT] = [int(t) for t in r.own_draft]
-                if r.own_logprobs is not None:
-                    custom[OWN_LOGPROBS] = [float(x) for x in r.own_logprobs]
         if custom:
             p["custom_params"] = custom
         params.append(p)

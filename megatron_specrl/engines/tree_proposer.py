@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 
 from megatron_specrl.engines.tree_drafter import (  # noqa: F401  (the names engines and patches import from here)
-    DEFAULTS, DRAFT_KEY, OWN_DRAFT, OWN_LOGPROBS, RESPONSE_START, RUNAHEAD, TreeDrafter, opts_from_params,
+    DEFAULTS, DRAFT_KEY, OWN_DRAFT, RESPONSE_START, RUNAHEAD, TreeDrafter, opts_from_params,
     read_settings, settings_env,
 )
 

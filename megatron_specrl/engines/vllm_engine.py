@@ -31,7 +31,7 @@ import torch
 
 from megatron_specrl.engines.logs import attach_log_file, detach_log_file, reattach_log_file, tail_lines
 from megatron_specrl.engines.tree_proposer import (
-    DRAFT_KEY, OWN_DRAFT, OWN_LOGPROBS, PROPOSER_CLASS, RESPONSE_START, RUNAHEAD, SETTINGS_ENV, in_worker,
+    DRAFT_KEY, OWN_DRAFT, PROPOSER_CLASS, RESPONSE_START, RUNAHEAD, SETTINGS_ENV, in_worker,
     settings_env,
 )
 from megatron_specrl.engines.protocol import (
@@ -211,8 +211,6 @@ class VLLMEngine:
                 extra[RUNAHEAD] = True
             if req.own_draft:
                 extra[OWN_DRAFT] = [int(t) for t in req.own_draft]
-                if req.own_logprobs is not None:
-                    extra[OWN_LOGPROBS] = [float(x) for x in req.own_logprobs]
         seed = req.seed
         if req.coupled_seed is not None:
             self._check_coupled(s)

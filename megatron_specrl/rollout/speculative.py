@@ -241,8 +241,7 @@ class SpeculativeRollout:
                             seed=stable_seed(self.seed, step, "gen", p.prompt_id, p.sample_idx),
                             ban_first_token=p.ban,
                             draft_key=p.prompt_id, response_start=len(p.prompt_ids), coupled_seed=p.noise_seed,
-                            own_draft=p.draft_ids if in_decode and p.draft_ids else None,
-                            own_logprobs=p.draft.logprobs[:len(p.draft_ids)] if in_decode and p.draft_ids else None)
+                            own_draft=p.draft_ids if in_decode and p.draft_ids else None)
             for p in to_extend
         ]
         ahead = self._runahead_requests(next_prompts, n_samples, step) if requests else []
