@@ -185,6 +185,17 @@ def test_tree_drafting_keys_reach_both_engines_and_sglang_refuses_runahead():
         load_config(ROOT / "examples/tiny-cpu-grpo.yaml", ["rollout.draft=ngram"])
 
 
+def test_verification_in_the_decode_loop_needs_exact_and_tree_drafting():
+    recipe = ROOT / "examples/tiny-cpu-grpo.yaml"
+    assert load_config(recipe, ["rollout.draft=tree", "rollout.verify=decode"]).rollout.verify == "decode"
+    assert load_config(recipe).rollout.verify == "prefill"
+    for overrides in (["rollout.verify=decode"], ["rollout.draft=tree", "rollout.spec_mode=lenient", "rollout.verify=decode"]):
+        with pytest.raises(ConfigError, match="rollout.verify=decode with rollout.spec_mode="):
+            load_config(recipe, overrides)
+    with pytest.raises(ConfigError, match="rollout.verify"):
+        load_config(recipe, ["rollout.draft=tree", "rollout.verify=engine"])
+
+
 def test_transport_names_have_one_source():
     """config.RESYNC_TRANSPORTS is the list: the config accepts exactly those (and auto), every name
     has a route, and the resolver takes each one it may choose."""

@@ -24,7 +24,7 @@ import torch
 
 from megatron_specrl.engines import sglang_engine as se
 from megatron_specrl.engines.protocol import GenerateRequest, SamplingSettings
-from megatron_specrl.engines.tree_drafter import DRAFT_KEY, RESPONSE_START, settings_env
+from megatron_specrl.engines.tree_drafter import DRAFT_KEY, OWN_DRAFT, RESPONSE_START, settings_env
 from patches import sglang_0_5_23_tree_proposer as patch
 from patches import sglang_engine_patches
 
@@ -292,6 +292,24 @@ def test_payload_carries_the_draft_key_in_custom_params():
     assert "custom_params" not in plain[0]
     with pytest.raises(NotImplementedError, match="run-ahead"):
         se.build_generate_payload([GenerateRequest([1], 4, draft_key="p", runahead=True)], s, draft="tree")
+
+
+def test_own_draft_travels_in_custom_params_and_is_drafted_first(worker):
+    """rollout.verify=decode through SGLang: the sample's last response rides in custom_params and
+    the NGRAM worker's drafter proposes it (not the tree's most frequent path) while the response
+    follows it."""
+    req = GenerateRequest([50, 51], 8, draft_key="q", response_start=2, own_draft=[1, 7, 8, 9])
+    custom = se.build_generate_payload([req], SamplingSettings(), draft="tree")["sampling_params"][0]["custom_params"]
+    assert custom == {DRAFT_KEY: "q", RESPONSE_START: 2, OWN_DRAFT: [1, 7, 8, 9]}
+    d = patch.drafter_of(worker)
+    for _ in range(3):
+        d.trees.insert("q", [1, 2, 3, 4])
+    b = Batch([Req("own", [50, 51], custom=custom), Req("plain", [50, 51], "q")], n=5)
+    for r in b.reqs:
+        r.output_ids.append(1)
+    assert step(worker, b) == [[7, 8, 9], [2, 3, 4]]
+    with pytest.raises(ValueError, match="own draft"):
+        se.build_generate_payload([GenerateRequest([1], 4, own_draft=[2])], SamplingSettings(), draft="tree")
 
 
 class FakeEngine:

@@ -260,11 +260,11 @@ def test_exact_in_the_decode_loop_samples_the_plain_distribution(engine, samplin
     assert all(len(s.logprobs) == len(s.response_ids) and np.isfinite(s.logprobs).all() for s in samples)
 
 
-def test_own_drafts_need_tree_drafting(tiny_llama):
-    from megatron_specrl.engines.sglang_engine import build_generate_payload
+
+def test_own_drafts_need_tree_drafting(engine):
     from megatron_specrl.rollout.speculative import SpeculativeRollout
     with pytest.raises(ValueError, match="own draft"):
-        build_generate_payload([GenerateRequest([5, 6], 4, own_draft=[7])], SamplingSettings(), None, "none")
+        engine.generate([GenerateRequest([5, 6], 4, own_draft=[7])], SamplingSettings(), 0)   # no draft key
     with pytest.raises(ValueError, match="verify=decode with rollout.spec_mode=lenient"):
-        SpeculativeRollout(object(), None, mode="lenient", lenience=1.0, sampling=SamplingSettings(),
+        SpeculativeRollout(engine, None, mode="lenient", lenience=1.0, sampling=SamplingSettings(),
                            max_new_tokens=4, seed=0, verify="decode")
