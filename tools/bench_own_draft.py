@@ -1,0 +1,101 @@
+"""Drafted generation at fixed weights, side by side: own drafts, tree drafts, plain decoding.
+
+bench-rollout measures rollouts under training, where the weights move every step and its timings
+move 15-30% between runs. This isolates the decode loop: one in-process engine with tree drafting
+on a warmed-up model, 16 prompts x 8 samples of the model's task; a first round gives every sample
+an "old" response (and fills the prompts' trees), then each round generates all 128 again under
+four arms, in alternating order (ABCD DCBA ...), with fresh seeds:
+
+- `own`:   rollout.verify=decode: each sample drafts its own old response while it follows it,
+           then the prompt's tree (GenerateRequest.own_draft);
+- `tree`:  rollout.draft=tree alone (the tree's most frequent path);
+- `plain`: no drafts.
+
+All arms are exact samples of the same policy (tests/test_tree_drafting.py); the script prints the
+median seconds per generation, engine steps, drafted and accepted tokens, and the ratios to `plain`.
+
+    python tools/bench_own_draft.py --model ~/.cache/megatron_specrl/warmup/warmup-<hash> [--rounds 12]
+
+The model: a warm-up checkpoint (the first `megatron-specrl bench-rollout` run writes one; its
+warmup.json names the task, which sets the prompts here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+ARMS = ("own", "tree", "plain")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="warm-up checkpoint dir (HF format, with warmup.json)")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--rounds", type=int, default=12)
+    args = ap.parse_args()
+    model = Path(args.model).expanduser()
+    if not (model / "warmup.json").is_file():
+        raise SystemExit(f"--model {model}: no warmup.json there (pass a dir under ~/.cache/megatron_specrl/warmup/)")
+
+    from transformers import AutoTokenizer
+
+    from megatron_specrl.data.synthetic import make_problems
+    from megatron_specrl.engines.protocol import GenerateRequest, SamplingSettings
+    from megatron_specrl.engines.vllm_engine import VLLMEngine
+
+    task = json.loads((model / "warmup.json").read_text())["task"]
+    tok = AutoTokenizer.from_pretrained(str(model))
+    problems = make_problems(args.prompts, 5, task["min_terms"], task["max_terms"], task["max_value"])
+    prompts = [tok(p.prompt)["input_ids"] for p in problems]
+    sampling = SamplingSettings(temperature=1.0)
+    L, n = args.max_new_tokens, args.samples
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = VLLMEngine(str(model), name="bench-own", seed=0, max_model_len=256, kv_cache_gb=1.0, draft="tree",
+                            draft_tokens=16, log_dir=Path(tmp) / "logs")
+
+        def requests(arm: str, seed0: int, old=None):
+            return [GenerateRequest(p, L, seed=seed0 + i * n + k, draft_key=None if arm == "plain" else f"p{i}",
+                                    response_start=len(p),
+                                    own_draft=list(old[i * n + k].token_ids) if arm == "own" else None)
+                    for i, p in enumerate(prompts) for k in range(n)]
+
+        old = engine.generate(requests("tree", 0), sampling, 0)
+        engine.generate(requests("tree", 500), sampling, 0)
+        engine.draft_stats()
+        times = {a: [] for a in ARMS}
+        stats = {a: [] for a in ARMS}
+        for r in range(args.rounds):
+            for arm in (ARMS if r % 2 == 0 else ARMS[::-1]):
+                t = time.perf_counter()
+                engine.generate(requests(arm, 10_000 * (r + 1), old), sampling, 0)
+                times[arm].append(time.perf_counter() - t)
+                stats[arm].append(engine.draft_stats())
+        engine.shutdown()
+
+    plain = statistics.median(times["plain"])
+    print(f"{args.prompts} prompts x {n} samples, <= {L} tokens, {args.rounds} rounds per arm (median):")
+    for arm in ARMS:
+        med = statistics.median(times[arm])
+
+        def mean(key):
+            return statistics.mean(s.get(key, 0.0) for s in stats[arm])
+
+        print(f"  {arm:6s} {med * 1000:7.0f} ms  {plain / med:4.2f}x plain  engine steps {mean('engine_steps'):5.1f}  "
+              f"drafted {mean('draft_tokens'):7.0f} (own {mean('own_draft_tokens'):6.0f})  "
+              f"accepted {mean('accepted_tokens'):6.0f}")
+
+
+if __name__ == "__main__":
+    main()
