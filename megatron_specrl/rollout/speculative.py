@@ -185,8 +185,9 @@ class SpeculativeRollout:
         plans = [self._plan(pid, k, ids, step) for pid, ids in prompts for k in range(n_samples)]
 
         # 2. verify every draft in one batch (rollout.verify=decode: in the engine's decode loop, in 4.)
+        in_decode = self.verify == "decode"
         drafted = [p for p in plans if p.draft_ids]
-        to_verify = drafted if self.verify == "prefill" else []
+        to_verify = [] if in_decode else drafted
         t_verify = time.perf_counter()
         scores = []
         if to_verify:
@@ -234,7 +235,6 @@ class SpeculativeRollout:
         # 4. extend (plain generation for plans without a draft; verify=decode: every plan, with its
         #    draft as the own draft) in one batch
         to_extend = [p for p in plans if p.needs_generation]
-        in_decode = self.verify == "decode"
         requests = [
             GenerateRequest(prompt_ids=p.prompt_ids + p.prefix_ids,
                             max_new_tokens=self.max_new_tokens - len(p.prefix_ids),
@@ -260,7 +260,7 @@ class SpeculativeRollout:
             else:
                 response, logprobs, finish = (p.prefix_ids + list(r.token_ids), p.prefix_logprobs + list(r.logprobs),
                                               r.finish_reason)
-            if self.verify == "decode" and p.draft_ids:
+            if in_decode and p.draft_ids:
                 p.accepted = common_prefix(p.draft_ids, response)
                 replaced += p.accepted < min(len(p.draft_ids), len(response))   # the sampler's draw without y_n
             samples.append(RolloutSample(p.prompt_id, p.sample_idx, p.prompt_ids, response, logprobs,
@@ -271,11 +271,10 @@ class SpeculativeRollout:
         response_tokens = sum(len(s.response_ids) for s in samples)
         accepted = sum(p.accepted for p in plans)
         metrics = {
-            "spec/verified_tokens": float(sum(len(p.draft_ids) for p in to_verify)),   # verify=decode: below
             "spec/accepted_tokens": float(accepted),
             # tokens sampled past the reused prefix (decode: the results also hold the accepted prefix)
             "spec/generated_tokens": float(sum(len(r.token_ids) for r in results)
-                                           - (accepted if self.verify == "decode" else 0)),
+                                           - (accepted if in_decode else 0)),
             "runahead/requests": float(len(ahead)),
             "spec/replaced_tokens": float(replaced),   # exact: first new tokens drawn by the verification
             "spec/nonfinite_logprobs": float(nonfinite),   # NaN / +inf from the engine (never accepted)
@@ -294,8 +293,10 @@ class SpeculativeRollout:
         if self.mode == "coupled":
             metrics["spec/coupled_refreshed"] = float(sum(p.refreshed for p in plans))
         metrics.update(tree_metrics(self.engine))
-        if self.verify == "decode":   # draft tokens the decode steps verified (K a step, not all of y)
-            metrics["spec/verified_tokens"] = metrics.get("tree/own_draft_tokens", 0.0)
+        # draft tokens verified: all of every draft in the prefill; in the decode loop, the own-draft
+        # tokens the engine's steps verified (K a step, not all of y)
+        metrics["spec/verified_tokens"] = (metrics.get("tree/own_draft_tokens", 0.0) if in_decode
+                                           else float(sum(len(p.draft_ids) for p in to_verify)))
         # engine decode steps of the generation batch: counted by the tree proposer when it drafts,
         # otherwise one a token of the longest continuation
         metrics["spec/decode_steps"] = metrics.get("tree/engine_steps",
