@@ -92,8 +92,16 @@ def per_epoch(rows: list[dict], steps_per_epoch: int) -> list[dict]:
         request_steps = total("tree/request_steps")
         epochs.append({
             "epoch": e + 1,
+            "rollouts": len(chunk),
             "rollout_s": total("spec/rollout_s"),
             "verify_s": total("spec/verify_s"),
+            "generate_s": total("spec/extend_s"),     # the engine's generation call(s)
+            "loop_s": total("tree/loop_s"),           # tree drafting: its decode loop, first to last step
+            "draft_s": total("tree/draft_s"),         # tree drafting: the drafter's own time
+            "draft_tokens": total("tree/draft_tokens"),
+            "draft_accepted": total("tree/accepted_tokens"),
+            # requests running in a decode step, summed over steps (one token each without drafts)
+            "request_steps": request_steps or generated,
             "generated_tokens": generated,
             "accepted_tokens": total("spec/accepted_tokens"),
             "reuse_ratio": total("spec/accepted_tokens") / max(total("spec/accepted_tokens") + generated, 1),
@@ -121,6 +129,21 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, float]:
         summary[f"tokens_per_step_{m}"] = sum(e["tokens_per_step"] for e in eps) / max(len(eps), 1)
         summary[f"decode_steps_{m}"] = sum(e["decode_steps"] for e in eps) / max(len(eps), 1)
         summary[f"verify_s_{m}"] = sum(e["verify_s"] for e in eps)
+        # where the time goes, per rollout: verification, the generation call (of which the decode
+        # loop and the drafter, when drafting from trees), and the driver's own work (the rest)
+        n = max(sum(e["rollouts"] for e in eps), 1)
+        generate = sum(e["generate_s"] for e in eps)
+        for key in ("verify_s", "generate_s", "loop_s", "draft_s"):
+            summary[f"per_rollout_{key}_{m}"] = sum(e[key] for e in eps) / n
+        summary[f"per_rollout_other_s_{m}"] = (secs[m] - summary[f"verify_s_{m}"] - generate) / n
+        steps = sum(e["decode_steps"] * e["rollouts"] for e in eps)
+        summary[f"ms_per_decode_step_{m}"] = 1000 * generate / max(steps, 1)
+        # how full the batch is: a rollout's requests running per decode step, on average; drafts
+        # finish most requests in a few steps and leave the rest of the steps to the batch's tail
+        summary[f"running_per_step_{m}"] = sum(e["request_steps"] for e in eps) / max(steps, 1)
+        drafted = sum(e["draft_tokens"] for e in eps)
+        if drafted:
+            summary[f"draft_accept_rate_{m}"] = sum(e["draft_accepted"] for e in eps) / drafted
         summary[f"reward_{m}"] = sum(e["reward"] for e in results[m]) / max(len(results[m]), 1)
         if results[m] and results[m][-1].get("eval_accuracy") is not None:
             summary[f"final_eval_accuracy_{m}"] = results[m][-1]["eval_accuracy"]
@@ -228,6 +251,29 @@ def summary_table(spreads: dict[str, dict[str, float]], modes: list[str], n_seed
     return table
 
 
+def time_table(spreads: dict[str, dict[str, float]], modes: list[str], n_seeds: int) -> Table:
+    """Where a rollout's time goes (seconds per rollout, epochs STEADY_FROM_EPOCH on, mean over seeds):
+    verification, the engine's generation call and, with tree drafting, its decode loop and the
+    drafter inside it; the call less the loop is request intake, the first prefill and outputs;
+    `other` is the driver's own work. Milliseconds per decode step = generation call / decode steps;
+    requests running per step shows how much of the loop serves the batch's tail."""
+    def cell(key, fmt="{:.3f}"):
+        return fmt.format(spreads[key]["mean"]) if key in spreads else "-"
+
+    table = Table(title=f"where the time goes, seconds per rollout, epochs {STEADY_FROM_EPOCH}+ "
+                        f"(mean of {n_seeds} seed{'s' if n_seeds > 1 else ''})")
+    for col in ["mode", "verification", "generation call", "decode loop (tree)", "drafter (tree)", "other",
+                "decode steps", "requests running / step", "ms / decode step", "draft accepted"]:
+        table.add_column(col, justify="right")
+    for m in modes:
+        table.add_row(m, cell(f"per_rollout_verify_s_{m}"), cell(f"per_rollout_generate_s_{m}"),
+                      cell(f"per_rollout_loop_s_{m}"), cell(f"per_rollout_draft_s_{m}"),
+                      cell(f"per_rollout_other_s_{m}"), cell(f"decode_steps_{m}", "{:.1f}"),
+                      cell(f"running_per_step_{m}", "{:.1f}"),
+                      cell(f"ms_per_decode_step_{m}", "{:.1f}"), cell(f"draft_accept_rate_{m}", "{:.0%}"))
+    return table
+
+
 def bench_rollout_main(argv: list[str]) -> int:
     from megatron_specrl.config import load_config, resolve_recipe
 
@@ -251,6 +297,7 @@ def bench_rollout_main(argv: list[str]) -> int:
         runs.append({"seed": seed, "epochs": results, "summary": summarize(results)})
     spreads = spread([r["summary"] for r in runs])
     console.print(summary_table(spreads, modes, len(runs)))
+    console.print(time_table(spreads, modes, len(runs)))
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({
             "runs": runs, "spread": spreads,

@@ -16,7 +16,9 @@ def test_per_epoch_groups_steps_and_picks_the_epoch_end_eval():
     rows = [{"step": 0, "eval/accuracy": 0.25}]          # the step-0 eval row has no rollout
     rows += [_row(s, 1.0, 0, 100, **{"spec/decode_steps": 50.0}) for s in (1, 2)]
     rows += [_row(s, 0.5, 60, 40, **{"spec/decode_steps": 10.0, "spec/verify_s": 0.1, "tree/generated_tokens": 40.0,
-                                     "tree/request_steps": 10.0}, **({"eval/accuracy": 0.5} if s == 4 else {}))
+                                     "tree/request_steps": 10.0, "spec/extend_s": 0.3, "tree/loop_s": 0.25,
+                                     "tree/draft_s": 0.02, "tree/draft_tokens": 30.0, "tree/accepted_tokens": 12.0},
+                  **({"eval/accuracy": 0.5} if s == 4 else {}))
              for s in (3, 4)]
     eps = per_epoch(rows, steps_per_epoch=2)
     assert [e["epoch"] for e in eps] == [1, 2]
@@ -26,20 +28,37 @@ def test_per_epoch_groups_steps_and_picks_the_epoch_end_eval():
     assert eps[0]["tokens_per_step"] == 1.0 and eps[1]["tokens_per_step"] == pytest.approx(4.0)
     assert eps[0]["decode_steps"] == 50.0 and eps[1]["decode_steps"] == 10.0
     assert eps[1]["verify_s"] == pytest.approx(0.2)
+    assert eps[1]["rollouts"] == 2 and eps[1]["generate_s"] == pytest.approx(0.6)
+    assert eps[1]["loop_s"] == pytest.approx(0.5) and eps[1]["draft_s"] == pytest.approx(0.04)
+    assert (eps[1]["draft_tokens"], eps[1]["draft_accepted"]) == (60.0, 24.0)
+    assert eps[0]["loop_s"] == eps[0]["generate_s"] == 0.0 and eps[0]["draft_tokens"] == 0.0   # not drafting
+    assert eps[0]["request_steps"] == 200 and eps[1]["request_steps"] == 20   # a token each, or the drafter's count
 
 
 def test_summary_counts_only_steady_epochs():
-    common = {"tokens_per_step": 1.0, "decode_steps": 60.0, "reward": 0.4}
+    common = {"tokens_per_step": 1.0, "decode_steps": 60.0, "reward": 0.4, "rollouts": 2, "request_steps": 480}
     off = [{"epoch": e, "rollout_s": 4.0, "accepted_tokens": 0, "generated_tokens": 100, "verify_s": 0.0,
+            "generate_s": 3.5, "loop_s": 0.0, "draft_s": 0.0, "draft_tokens": 0.0, "draft_accepted": 0.0,
             "eval_accuracy": 0.3, **common} for e in range(1, 5)]
     fast = [{"epoch": e, "rollout_s": 4.0 if e < 3 else 1.0, "accepted_tokens": 0 if e < 3 else 90,
-             "generated_tokens": 100 if e < 3 else 10, "verify_s": 0.4, "eval_accuracy": 0.35, **common}
+             "generated_tokens": 100 if e < 3 else 10, "verify_s": 0.4, "generate_s": 0.5, "loop_s": 0.3,
+             "draft_s": 0.05, "draft_tokens": 100.0, "draft_accepted": 40.0, "eval_accuracy": 0.35, **common}
             for e in range(1, 5)]
     s = summarize({"off": off, "lenient": fast})
     assert s["speedup_lenient"] == pytest.approx(4.0)       # epochs 1-2 (slow) are not counted
     assert s["reuse_ratio_lenient"] == pytest.approx(0.9)
     assert s["final_eval_accuracy_lenient"] == 0.35
     assert s["verify_share_lenient"] == pytest.approx(0.8 / 8.0)   # verification vs off's steady rollout time
+    # where the time goes, per rollout over the 4 steady rollouts: 0.2 verify + 0.25 generate + 0.05 other
+    assert s["per_rollout_verify_s_lenient"] == pytest.approx(0.2)
+    assert s["per_rollout_generate_s_lenient"] == pytest.approx(0.25)
+    assert s["per_rollout_loop_s_lenient"] == pytest.approx(0.15) and s["per_rollout_draft_s_lenient"] == pytest.approx(0.025)
+    assert s["per_rollout_other_s_lenient"] == pytest.approx(0.05)
+    assert s["per_rollout_other_s_off"] == pytest.approx(0.25)
+    assert s["ms_per_decode_step_lenient"] == pytest.approx(1000 * 1.0 / 240)
+    assert s["ms_per_decode_step_off"] == pytest.approx(1000 * 7.0 / 240)
+    assert s["draft_accept_rate_lenient"] == pytest.approx(0.4) and "draft_accept_rate_off" not in s
+    assert s["running_per_step_lenient"] == pytest.approx(2 * 480 / 240)
 
 
 def test_modes_and_seed_spread():
@@ -77,5 +96,11 @@ def test_bench_smoke_run_writes_json(tmp_path):
     assert run["summary"]["tokens_per_step_off"] == 1.0
     assert run["summary"]["tokens_per_step_tree"] >= 1.0          # counted by the engine's tree proposer
     assert 0 < run["summary"]["decode_steps_tree"] <= 16 + 1
+    # the engine's clocks: its decode loop lies inside the generation call, the drafter inside the loop
+    t = run["summary"]
+    assert 0 < t["per_rollout_draft_s_tree"] < t["per_rollout_loop_s_tree"] < t["per_rollout_generate_s_tree"]
+    assert t["per_rollout_loop_s_off"] == 0.0 and t["per_rollout_generate_s_off"] > 0
+    assert 0 <= t["draft_accept_rate_tree"] <= 1 and t["ms_per_decode_step_tree"] > 0
+    assert 1 <= t["running_per_step_off"] <= 16 and 1 <= t["running_per_step_tree"] <= 16   # 4 prompts x 4 samples
     assert all(e["eval_accuracy"] is not None for e in run["epochs"]["off"])
     assert data["spread"]["speedup_tree"]["min"] == data["spread"]["speedup_tree"]["max"]

@@ -69,6 +69,25 @@ def test_siblings_draft_from_each_other_and_the_counters_add_up(monkeypatch):
     assert p.take_stats()["draft_tokens"] == 0                   # counters reset on read
 
 
+def test_clocks_span_the_decode_loop_of_our_requests_only(monkeypatch):
+    import time
+
+    p = _proposer(monkeypatch, k=4, min_prob=0.0)
+    b = Batch()
+    b.add("eval", [50, 51], None)
+    p.propose_batch(b, b.requests, [b.sample(0, [9])])     # a step with none of ours: no loop yet
+    time.sleep(0.3)
+    b.add("a", [50, 51], "q")
+    p.propose_batch(b, b.requests, [b.sample(0, [9]), b.sample(1, [1])])
+    time.sleep(0.05)                                       # the engine's forward between two steps
+    p.propose_batch(b, b.requests, [b.sample(0, [9]), b.sample(1, [2])])
+    stats = p.take_stats()
+    assert 0.05 <= stats["loop_s"] < 0.3                   # first to last step of ours, not the eval-only step
+    assert 0 < stats["draft_s"] < 0.05                     # the drafter's own time, not the forward between
+    again = p.take_stats()
+    assert again["loop_s"] == 0.0 and again["draft_s"] == 0.0   # reset on read
+
+
 def test_prefix_tokens_belong_to_the_response(monkeypatch):
     """An extension request's prompt ends with its accepted draft prefix: the tree sees it as response."""
     p = _proposer(monkeypatch, k=4, min_prob=0.0)

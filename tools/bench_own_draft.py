@@ -12,7 +12,8 @@ four arms, in alternating order (ABCD DCBA ...), with fresh seeds:
 - `plain`: no drafts.
 
 All arms are exact samples of the same policy (tests/test_tree_drafting.py); the script prints the
-median seconds per generation, engine steps, drafted and accepted tokens, and the ratios to `plain`.
+median seconds per generation, engine steps, drafted and accepted tokens, requests running per engine
+step (how much of the loop is the batch's tail) and the ratios to `plain`.
 
     python tools/bench_own_draft.py --model ~/.cache/megatron_specrl/warmup/warmup-<hash> [--rounds 12]
 
@@ -94,7 +95,8 @@ def main() -> None:
 
         print(f"  {arm:6s} {med * 1000:7.0f} ms  {plain / med:4.2f}x plain  engine steps {mean('engine_steps'):5.1f}  "
               f"drafted {mean('draft_tokens'):7.0f} (own {mean('own_draft_tokens'):6.0f})  "
-              f"accepted {mean('accepted_tokens'):6.0f}")
+              f"accepted {mean('accepted_tokens'):6.0f}  requests running / step "
+              f"{mean('request_steps') / max(mean('engine_steps'), 1):5.1f}")
 
 
 if __name__ == "__main__":

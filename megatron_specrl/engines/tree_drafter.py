@@ -26,11 +26,17 @@ Per engine step:
   `exact` rule's verification, done a few tokens per decode step instead of in one prefill. The own
   draft is not cut by probability: stopping it where its old log-probs fall below `min_prob` drafted
   6% fewer tokens but took more engine steps and was no faster on this CPU (README).
+
+Besides the token counters, two clocks (seconds since the last take_stats, in the engine's process):
+`draft_s`, the drafter's own time inside its steps, and `loop_s`, from the first to the last step in
+which a request of ours ran: the engine's decode loop for the batch, without its intake and the
+first prefill. bench-rollout reads them to show where a rollout's time goes.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -45,7 +51,7 @@ DEFAULTS = {"max_depth": 40, "max_match": 16, "max_nodes": 4_000_000, "min_prob"
             "token_budget": 2048}
 
 COUNTERS = ("draft_tokens", "accepted_tokens", "generated_tokens", "request_steps", "engine_steps",
-            "runahead_tokens", "own_draft_tokens")
+            "runahead_tokens", "own_draft_tokens", "draft_s")
 
 
 def settings_env(**overrides) -> str:
@@ -93,6 +99,8 @@ class TreeDrafter:
         self._own: dict[str, tuple[int, ...]] = {}   # request id -> own draft, while its response follows it
         self.counters = dict.fromkeys(COUNTERS, 0)
         self._k_max, self._step_min_prob, self._seen, self._drafting = 0, 0.0, set(), False
+        self._step_t0 = 0.0
+        self._loop: list[float] | None = None   # [first, last] drafting step's clock since take_stats
 
     # -- draft length rules ----------------------------------------------------------------
     def draft_len(self, running: int) -> int:
@@ -107,6 +115,7 @@ class TreeDrafter:
 
     # -- one engine step ---------------------------------------------------------------------
     def begin_step(self, running: int) -> None:
+        self._step_t0 = time.perf_counter()
         self._k_max, self._step_min_prob = self.draft_len(running), self.draft_min_prob(running)
         self._seen, self._drafting = set(), False
 
@@ -154,6 +163,10 @@ class TreeDrafter:
 
     def end_step(self) -> None:
         self.counters["engine_steps"] += self._drafting   # only steps where a request of ours ran
+        if self._drafting:
+            now = time.perf_counter()
+            self.counters["draft_s"] += now - self._step_t0
+            self._loop = [self._loop[0] if self._loop else self._step_t0, now]
         for req_id in [r for r in self._live if r not in self._seen]:
             self._own.pop(req_id, None)
             if self._live.pop(req_id) is not None:
@@ -175,7 +188,8 @@ class TreeDrafter:
     def take_stats(self) -> dict[str, float]:
         """Counters since the last call, and the trees' size now."""
         out = {k: float(v) for k, v in self.counters.items()}
-        self.counters = dict.fromkeys(COUNTERS, 0)
+        out["loop_s"] = self._loop[1] - self._loop[0] if self._loop else 0.0
+        self.counters, self._loop = dict.fromkeys(COUNTERS, 0), None
         st = self.trees.stats()
         out["nodes"] = float(st["nodes"])
         out["memory_mb"] = st["memory_bytes"] / 2**20

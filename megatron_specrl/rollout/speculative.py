@@ -86,7 +86,7 @@ def stable_seed(*parts) -> int:
 def tree_metrics(engine) -> dict[str, float]:
     """`tree/*` metrics of this rollout from engines that draft from trees (rollout.draft=tree):
     tokens drafted and accepted, generated tokens per request per engine step (1 without drafts),
-    engine steps, and the trees' size."""
+    engine steps, the decode loop's and the drafter's seconds, and the trees' size."""
     stats = engine.draft_stats() if hasattr(engine, "draft_stats") else {}
     if not stats:
         return {}
@@ -98,6 +98,8 @@ def tree_metrics(engine) -> dict[str, float]:
             "tree/generated_tokens": stats["generated_tokens"], "tree/request_steps": stats["request_steps"],
             "tree/engine_steps": stats["engine_steps"],
             "tree/own_draft_tokens": stats.get("own_draft_tokens", 0.0),
+            # the engine's decode loop for the batch (first to last drafting step) and the drafter's share
+            "tree/loop_s": stats.get("loop_s", 0.0), "tree/draft_s": stats.get("draft_s", 0.0),
             "runahead/tokens": stats.get("runahead_tokens", 0.0)}
 
 
