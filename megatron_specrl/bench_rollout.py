@@ -198,7 +198,7 @@ def run_mode(args, mode: str, seed: int, root: Path, steps_per_epoch: int, conso
         f"data.num_synthetic={args.prompts}", f"trainer.prompts_per_step={args.prompts_per_step}",
         f"trainer.total_steps={steps_per_epoch * args.epochs}", "trainer.resume=never",
         "trainer.checkpoint_every=0", f"trainer.eval_every={steps_per_epoch if args.eval_prompts else 0}",
-        f"data.num_eval={args.eval_prompts}", "trainer.export_hf=false",
+        f"data.num_eval={args.eval_prompts}", "trainer.export_hf=false", f"trainer.rollout_data_dir={out / 'rollouts'}",
         "logging.wandb=false", "logging.plots=false",
     ])
     train(cfg)

@@ -221,6 +221,8 @@ class TrainerConfig(_Strict):
     # store (any host), broadcast = one process group (gloo on CPU, NCCL on GPU), cuda_ipc = colocated GPU.
     resync_transport: Literal[("auto", *RESYNC_TRANSPORTS)] = "auto"
     export_hf: bool = True
+    # verl's key: write every step's samples (text, score, token ids) to <dir>/<step>.jsonl; null: off
+    rollout_data_dir: str | None = None
 
 
 class LoggingConfig(_Strict):

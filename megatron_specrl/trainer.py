@@ -17,6 +17,7 @@ from megatron_specrl.algorithms.rewards_step import group_ids_of, score_samples
 from megatron_specrl.config import RunConfig
 from megatron_specrl.resync.lifecycle import engines_of, release_engine_memory
 from megatron_specrl.rollout.batch import build_batch
+from megatron_specrl.rollout.dump import dump_rollouts
 from megatron_specrl.rollout.dynamic import filter_rounds
 from megatron_specrl.run_setup import Run, build_run, evaluate, save_run_checkpoint, with_engine_recovery
 
@@ -42,6 +43,8 @@ def train_step(run: Run, step: int, hooks: faults.PhaseHooks = faults.PhaseHooks
     hooks.before("rollout", step)
     samples, rewards, metrics = with_engine_recovery(run, step, collect)   # a dead engine: restart, retry once
     run.record_data_order(step, samples)
+    if cfg.trainer.rollout_data_dir:   # verl's rollout dump: the step's samples and rewards as JSON lines
+        dump_rollouts(cfg.trainer.rollout_data_dir, step, samples, rewards.tolist(), run.tokenizer)
 
     # 4. advantages: per sample, group-relative (GRPO, DAPO), or per token from the critic (PPO)
     if alg.name == "ppo":

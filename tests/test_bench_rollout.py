@@ -103,4 +103,9 @@ def test_bench_smoke_run_writes_json(tmp_path):
     assert 0 <= t["draft_accept_rate_tree"] <= 1 and t["ms_per_decode_step_tree"] > 0
     assert 1 <= t["running_per_step_off"] <= 16 and 1 <= t["running_per_step_tree"] <= 16   # 4 prompts x 4 samples
     assert all(e["eval_accuracy"] is not None for e in run["epochs"]["off"])
+    # every mode dumps its rollouts (trainer.rollout_data_dir), one file a step, every sample's tokens
+    from megatron_specrl.rollout.dump import read_rollouts
+    dumped = read_rollouts(tmp_path / "runs" / f"seed{data['config']['seeds'][0]}" / "tree" / "rollouts")
+    assert list(dumped) == [1, 2, 3] and all(len(rows) == 16 for rows in dumped.values())
+    assert all(0 < len(r["response_ids"]) <= 16 and isinstance(r["score"], float) for r in dumped[3])
     assert data["spread"]["speedup_tree"]["min"] == data["spread"]["speedup_tree"]["max"]

@@ -1,0 +1,38 @@
+"""tools/replay_drafts.py: the engine's decode loop replayed through a TreeDrafter on known tokens."""
+
+import importlib.util
+from pathlib import Path
+
+spec = importlib.util.spec_from_file_location("replay_drafts", Path(__file__).parent.parent / "tools" / "replay_drafts.py")
+replay_drafts = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(replay_drafts)
+
+SETTINGS = {"token_budget": 2048, "min_prob": 0.0}
+
+
+def _rows(step, responses, prompt_id="p"):
+    return [{"step": step, "prompt_id": prompt_id, "sample_idx": k, "prompt_ids": [100, 101], "response_ids": r}
+            for k, r in enumerate(responses)]
+
+
+def test_a_repeated_rollout_is_drafted_whole_and_a_new_one_token_by_token():
+    resp = list(range(1, 21))
+    steps = {1: _rows(1, [resp, resp]), 2: _rows(2, [resp, resp])}
+    out = replay_drafts.replay(steps, window=0, own_draft=False, settings=SETTINGS, max_k=4, max_model_len=256)
+    # step 1: the siblings run in lockstep, neither ahead of the other: one token per engine step
+    assert out[1]["steps"] == 20 and out[1]["accepted"] == 0
+    # step 2: the tree holds the response: prefill + ceil(19 / (4 + 1)) steps, every draft token accepted
+    assert out[2]["steps"] == 1 + 4 and out[2]["accepted"] == 2 * 4 * 4 and out[2]["drafted"] == 2 * 4 * 4
+    assert out[2]["verified"] == 2 * 4 * (1 + 4)    # per request and step: its draft and one sampled token
+
+
+def test_window_keeps_only_the_last_rollouts_and_own_drafts_follow_the_sample():
+    a, b = [1, 2, 3, 4, 5, 6], [1, 2, 9, 9, 9, 9]
+    steps = {1: _rows(1, [a]), 2: _rows(2, [b]), 3: _rows(3, [a]), 4: _rows(4, [a])}
+    full = replay_drafts.replay(steps, window=0, own_draft=False, settings=SETTINGS, max_k=8, max_model_len=256)
+    last = replay_drafts.replay(steps, window=1, own_draft=False, settings=SETTINGS, max_k=8, max_model_len=256)
+    assert full[3]["steps"] < last[3]["steps"]      # step 3 repeats step 1, which a window of 1 has dropped
+    assert full[4]["steps"] == last[4]["steps"] == 2   # step 3 is in both: prefill + one step drafting the rest
+    # own draft: sample 0 of step 3 drafts its previous response (b) first, which leaves a after 2 tokens
+    own = replay_drafts.replay(steps, window=1, own_draft=True, settings=SETTINGS, max_k=8, max_model_len=256)
+    assert own[3]["drafted"] > 0 and own[3]["accepted"] == 1    # "2" accepted, "9" rejected

@@ -1,0 +1,141 @@
+"""Replay a run's rollouts through the draft trees: decode steps without an engine and without timing noise.
+
+A tree-drafted rollout is exact, so its tokens do not depend on the drafts; and with a point-mass
+draft vLLM's rejection sampler outputs the draft token exactly when it accepts it. So given the
+tokens a run really sampled (`trainer.rollout_data_dir`; bench-rollout writes them per mode), the
+drafts a `TreeDrafter` would have proposed and how many of them the engine would have accepted
+follow without running the model: each simulated engine step, every running request drafts from
+the trees (the same `TreeDrafter` the engines run, fed the same way: siblings' tokens in flight,
+earlier steps' responses kept), keeps the draft's common prefix with its real next tokens plus
+one sampled token, and the batch's rollout takes as many steps as its slowest request.
+
+Compares drafting policies on the same tokens: `--window W` keeps only the responses of each
+prompt's last W rollouts in its tree (0: all, what the engine does), `--own-draft` drafts each
+sample's previous response first (rollout.verify=decode), and the length settings. It prints, per
+setting, decode steps per rollout, tokens verified per step (draft tokens + running requests: what
+a step costs on a CPU), requests running per step, and draft acceptance. The first rollout of each
+prompt has no earlier responses; `--from-step` (default: the first step at which every prompt of
+the step has been seen before) sets where the summary starts.
+
+    python tools/replay_drafts.py <dir with <step>.jsonl> [--window 0,1,2] [--own-draft]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections import defaultdict, deque
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from megatron_specrl.engines.tree_drafter import RequestOpts, TreeDrafter  # noqa: E402
+from megatron_specrl.rollout.dump import read_rollouts  # noqa: E402
+
+
+def replay_step(drafter: TreeDrafter, rows: list[dict], tag: str, own: dict | None = None) -> dict:
+    """One rollout's decode loop: returns engine steps, request steps, drafted/accepted tokens and the
+    tokens verified per step (drafts + one per running request)."""
+    reqs = {f"{tag}/{i}": r for i, r in enumerate(rows)}
+    pos = dict.fromkeys(reqs, 1)            # the prefill step samples every request's first token
+    gained = dict.fromkeys(reqs, 1)
+    running = [rid for rid, r in reqs.items() if r["response_ids"]]
+    steps, request_steps, drafted, accepted, verified = 1, 0, 0, 0, 0
+    while running:
+        drafter.begin_step(len(running))
+        drafts = {}
+        for rid in running:
+            r = reqs[rid]
+            prompt, resp = r["prompt_ids"], r["response_ids"]
+            own_draft = tuple(own.get((r["prompt_id"], r["sample_idx"]), ())) if own is not None else ()
+            opts = RequestOpts(r["prompt_id"], len(prompt), len(prompt), False, own_draft)
+            seq = prompt + resp
+            drafts[rid] = drafter.request(rid, lambda o=opts: o, lambda a, b, s=seq: s[a:b],
+                                          len(prompt) + pos[rid], gained[rid]) or []
+        drafter.end_step()
+        running = [rid for rid in running if pos[rid] < len(reqs[rid]["response_ids"])]
+        if not running:
+            break
+        steps += 1
+        verified += len(running)
+        for rid in running:
+            resp, d = reqs[rid]["response_ids"], drafts[rid]
+            rest = resp[pos[rid]:]
+            match = 0
+            while match < min(len(d), len(rest)) and d[match] == rest[match]:
+                match += 1
+            gained[rid] = min(match + 1, len(rest))
+            pos[rid] += gained[rid]
+            request_steps += 1
+            drafted += len(d)
+            accepted += min(match, gained[rid])
+            verified += len(d)
+    drafter.begin_step(0)
+    drafter.end_step()                       # every request has ended: its tokens stay in the trees
+    return {"steps": steps, "request_steps": request_steps, "drafted": drafted, "accepted": accepted,
+            "verified": verified}
+
+
+def replay(steps: dict[int, list[dict]], window: int, own_draft: bool, settings: dict, max_k: int,
+           max_model_len: int) -> dict[int, dict]:
+    """Every step in order under one policy; window 0 keeps one drafter for the whole run."""
+    history: dict[str, deque] = defaultdict(lambda: deque(maxlen=window or None))
+    last: dict[tuple, list[int]] = {}
+    drafter = TreeDrafter(max_k, max_model_len, settings)
+    out = {}
+    for step, rows in steps.items():
+        if window:
+            drafter = TreeDrafter(max_k, max_model_len, settings)
+            for pid in dict.fromkeys(r["prompt_id"] for r in rows):
+                for old_rows in history[pid]:
+                    for resp in old_rows:
+                        drafter.trees.insert(pid, resp)
+        out[step] = replay_step(drafter, rows, f"s{step}", last if own_draft else None)
+        by_prompt = defaultdict(list)
+        for r in rows:
+            by_prompt[r["prompt_id"]].append(r["response_ids"])
+            last[(r["prompt_id"], r["sample_idx"])] = r["response_ids"]
+        for pid, resps in by_prompt.items():
+            history[pid].append(resps)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("rollouts", help="a trainer.rollout_data_dir (bench-rollout: <output>/seed<N>/<mode>/rollouts)")
+    ap.add_argument("--window", default="0", help="comma-separated W values: last W rollouts per prompt (0: all)")
+    ap.add_argument("--own-draft", action="store_true", help="draft each sample's previous response first")
+    ap.add_argument("--draft-tokens", type=int, default=16)
+    ap.add_argument("--token-budget", type=int, default=2048)
+    ap.add_argument("--min-prob", type=float, default=0.1)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--from-step", type=int, default=None)
+    args = ap.parse_args()
+
+    steps = read_rollouts(args.rollouts)
+    seen, first_full = set(), None
+    for step, rows in steps.items():
+        ids = {r["prompt_id"] for r in rows}
+        if first_full is None and ids <= seen:
+            first_full = step
+        seen |= ids
+    start = args.from_step if args.from_step is not None else first_full
+    if start is None:
+        raise SystemExit(f"{args.rollouts}: no step whose prompts all came before; pass --from-step")
+    settings = {"token_budget": args.token_budget, "min_prob": args.min_prob}
+    print(f"{args.rollouts}: {len(steps)} rollouts of {len(next(iter(steps.values())))} samples; summary from step "
+          f"{start}")
+    for w in (int(x) for x in args.window.split(",")):
+        res = [r for s, r in replay(steps, w, args.own_draft, settings, args.draft_tokens,
+                                    args.max_model_len).items() if s >= start]
+        total = lambda k: sum(r[k] for r in res)
+        print(f"  window {w or 'all':>3}{' +own' if args.own_draft else ''}: decode steps / rollout "
+              f"{statistics.fmean(r['steps'] for r in res):5.1f}  tokens verified / step "
+              f"{total('verified') / max(total('steps') - len(res), 1):6.0f}  requests running / step "
+              f"{total('request_steps') / max(total('steps'), 1):5.1f}  draft accepted "
+              f"{total('accepted') / max(total('drafted'), 1):4.0%}")
+
+
+if __name__ == "__main__":
+    main()
