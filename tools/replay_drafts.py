@@ -32,12 +32,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron_specrl.engines.tree_drafter import RequestOpts, TreeDrafter  # noqa: E402
 from megatron_specrl.rollout.dump import read_rollouts  # noqa: E402
+from megatron_specrl.rollout.speculative import common_prefix  # noqa: E402
 
 
 def replay_step(drafter: TreeDrafter, rows: list[dict], tag: str, own: dict | None = None) -> dict:
     """One rollout's decode loop: returns engine steps, request steps, drafted/accepted tokens and the
     tokens verified per step (drafts + one per running request)."""
     reqs = {f"{tag}/{i}": r for i, r in enumerate(rows)}
+    # per request: its drafting options (own draft: the sample's previous response) and all its tokens
+    opts = {rid: RequestOpts(r["prompt_id"], len(r["prompt_ids"]), len(r["prompt_ids"]), False,
+                             tuple(own.get((r["prompt_id"], r["sample_idx"]), ())) if own is not None else ())
+            for rid, r in reqs.items()}
+    seqs = {rid: r["prompt_ids"] + r["response_ids"] for rid, r in reqs.items()}
     pos = dict.fromkeys(reqs, 1)            # the prefill step samples every request's first token
     gained = dict.fromkeys(reqs, 1)
     running = [rid for rid, r in reqs.items() if r["response_ids"]]
@@ -46,13 +52,8 @@ def replay_step(drafter: TreeDrafter, rows: list[dict], tag: str, own: dict | No
         drafter.begin_step(len(running))
         drafts = {}
         for rid in running:
-            r = reqs[rid]
-            prompt, resp = r["prompt_ids"], r["response_ids"]
-            own_draft = tuple(own.get((r["prompt_id"], r["sample_idx"]), ())) if own is not None else ()
-            opts = RequestOpts(r["prompt_id"], len(prompt), len(prompt), False, own_draft)
-            seq = prompt + resp
-            drafts[rid] = drafter.request(rid, lambda o=opts: o, lambda a, b, s=seq: s[a:b],
-                                          len(prompt) + pos[rid], gained[rid]) or []
+            drafts[rid] = drafter.request(rid, lambda o=opts[rid]: o, lambda a, b, s=seqs[rid]: s[a:b],
+                                          opts[rid].prompt_len + pos[rid], gained[rid]) or []
         drafter.end_step()
         running = [rid for rid in running if pos[rid] < len(reqs[rid]["response_ids"])]
         if not running:
@@ -62,14 +63,12 @@ def replay_step(drafter: TreeDrafter, rows: list[dict], tag: str, own: dict | No
         for rid in running:
             resp, d = reqs[rid]["response_ids"], drafts[rid]
             rest = resp[pos[rid]:]
-            match = 0
-            while match < min(len(d), len(rest)) and d[match] == rest[match]:
-                match += 1
+            match = common_prefix(d, rest)     # the engine outputs a draft token iff it accepts it
             gained[rid] = min(match + 1, len(rest))
             pos[rid] += gained[rid]
             request_steps += 1
             drafted += len(d)
-            accepted += min(match, gained[rid])
+            accepted += match
             verified += len(d)
     drafter.begin_step(0)
     drafter.end_step()                       # every request has ended: its tokens stay in the trees
