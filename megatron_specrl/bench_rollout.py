@@ -32,6 +32,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from megatron_specrl.engines.tree_drafter import STEP_COST_SUMS, fit_step_cost
+
 MODES = ("off", "exact", "lenient", "coupled", "tree", "exact+tree", "lenient+tree", "coupled+tree")
 STEADY_FROM_EPOCH = 3
 
@@ -100,6 +102,8 @@ def per_epoch(rows: list[dict], steps_per_epoch: int) -> list[dict]:
             "draft_s": total("tree/draft_s"),         # tree drafting: the drafter's own time
             "draft_tokens": total("tree/draft_tokens"),
             "draft_accepted": total("tree/accepted_tokens"),
+            # sums of the decode-step cost fit (tree drafting): ms = a + b requests + c draft tokens
+            "step_cost_sums": {k: total(f"tree_cost/{k.removeprefix('cost_')}") for k in STEP_COST_SUMS},
             # requests running in a decode step, summed over steps (one token each without drafts)
             "request_steps": request_steps or generated,
             "generated_tokens": generated,
@@ -141,6 +145,10 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, float]:
         # how full the batch is: a rollout's requests running per decode step, on average; drafts
         # finish most requests in a few steps and leave the rest of the steps to the batch's tail
         summary[f"running_per_step_{m}"] = sum(e["request_steps"] for e in eps) / max(steps, 1)
+        fit = fit_step_cost({k: sum(e.get("step_cost_sums", {}).get(k, 0.0) for e in eps) for k in STEP_COST_SUMS})
+        if fit is not None:
+            for name, value in zip(("ms", "ms_per_request", "ms_per_draft_token"), fit):
+                summary[f"step_cost_{name}_{m}"] = value
         drafted = sum(e["draft_tokens"] for e in eps)
         if drafted:
             summary[f"draft_accept_rate_{m}"] = sum(e["draft_accepted"] for e in eps) / drafted
@@ -256,21 +264,26 @@ def time_table(spreads: dict[str, dict[str, float]], modes: list[str], n_seeds: 
     verification, the engine's generation call and, with tree drafting, its decode loop and the
     drafter inside it; the call less the loop is request intake, the first prefill and outputs;
     `other` is the driver's own work. Milliseconds per decode step = generation call / decode steps;
-    requests running per step shows how much of the loop serves the batch's tail."""
+    requests running per step shows how much of the loop serves the batch's tail; with tree drafting,
+    what a decode step costs, fitted over its steps: ms = a + b x requests + c x draft tokens."""
     def cell(key, fmt="{:.3f}"):
         return fmt.format(spreads[key]["mean"]) if key in spreads else "-"
 
     table = Table(title=f"where the time goes, seconds per rollout, epochs {STEADY_FROM_EPOCH}+ "
                         f"(mean of {n_seeds} seed{'s' if n_seeds > 1 else ''})")
     for col in ["mode", "verification", "generation call", "decode loop (tree)", "drafter (tree)", "other",
-                "decode steps", "requests running / step", "ms / decode step", "draft accepted"]:
+                "decode steps", "requests running / step", "ms / decode step", "draft accepted",
+                "step cost, ms (r: requests, d: draft tokens)"]:
         table.add_column(col, justify="right")
     for m in modes:
         table.add_row(m, cell(f"per_rollout_verify_s_{m}"), cell(f"per_rollout_generate_s_{m}"),
                       cell(f"per_rollout_loop_s_{m}"), cell(f"per_rollout_draft_s_{m}"),
                       cell(f"per_rollout_other_s_{m}"), cell(f"decode_steps_{m}", "{:.1f}"),
                       cell(f"running_per_step_{m}", "{:.1f}"),
-                      cell(f"ms_per_decode_step_{m}", "{:.1f}"), cell(f"draft_accept_rate_{m}", "{:.0%}"))
+                      cell(f"ms_per_decode_step_{m}", "{:.1f}"), cell(f"draft_accept_rate_{m}", "{:.0%}"),
+                      "-" if f"step_cost_ms_{m}" not in spreads else
+                      f"{cell(f'step_cost_ms_{m}', '{:.1f}')} + {cell(f'step_cost_ms_per_request_{m}', '{:.3f}')} r "
+                      f"+ {cell(f'step_cost_ms_per_draft_token_{m}', '{:.4f}')} d")
     return table
 
 

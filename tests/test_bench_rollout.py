@@ -35,6 +35,28 @@ def test_per_epoch_groups_steps_and_picks_the_epoch_end_eval():
     assert eps[0]["request_steps"] == 200 and eps[1]["request_steps"] == 20   # a token each, or the drafter's count
 
 
+def test_step_cost_sums_add_over_steps_and_epochs_and_fit_per_mode():
+    """The engine's decode-step cost sums (tree_cost/*) are summed per epoch, the steady epochs' sums
+    fitted per mode: ms = a + b requests + c draft tokens."""
+    from megatron_specrl.engines.tree_drafter import add_step_cost
+
+    rows = []
+    for step in range(1, 7):
+        sums = {}
+        for r in range(1, 20):
+            add_step_cost(sums, r, 10 * r + step, (6 + 0.1 * r + 0.02 * (10 * r + step)) / 1000)
+        rows.append(_row(step, 1.0, 0, 10, **{f"tree_cost/{k[5:]}": v for k, v in sums.items()}))
+    eps = per_epoch(rows, steps_per_epoch=2)
+    assert eps[0]["step_cost_sums"]["cost_n"] == 2 * 19 and eps[2]["step_cost_sums"]["cost_d"] == sum(
+        10 * r + s for s in (5, 6) for r in range(1, 20))
+    common = {"verify_s": 0.0, "generate_s": 0.5, "loop_s": 0.4, "draft_s": 0.0, "draft_tokens": 1.0,
+              "draft_accepted": 1.0, "eval_accuracy": None}
+    s = summarize({"tree": [dict(e, **common) for e in eps]})
+    assert (s["step_cost_ms_tree"], s["step_cost_ms_per_request_tree"], s["step_cost_ms_per_draft_token_tree"]) == \
+        pytest.approx((6, 0.1, 0.02))
+    assert "step_cost_ms_off" not in summarize({"off": [dict(eps[0], step_cost_sums={}, **common)] * 3})
+
+
 def test_summary_counts_only_steady_epochs():
     common = {"tokens_per_step": 1.0, "decode_steps": 60.0, "reward": 0.4, "rollouts": 2, "request_steps": 480}
     off = [{"epoch": e, "rollout_s": 4.0, "accepted_tokens": 0, "generated_tokens": 100, "verify_s": 0.0,
@@ -101,6 +123,10 @@ def test_bench_smoke_run_writes_json(tmp_path):
     assert 0 < t["per_rollout_draft_s_tree"] < t["per_rollout_loop_s_tree"] < t["per_rollout_generate_s_tree"]
     assert t["per_rollout_loop_s_off"] == 0.0 and t["per_rollout_generate_s_off"] > 0
     assert 0 <= t["draft_accept_rate_tree"] <= 1 and t["ms_per_decode_step_tree"] > 0
+    # decode-step cost sums: steps timed inside the decode loop, by the tree drafter only
+    for e in run["epochs"]["tree"]:
+        assert 0 < e["step_cost_sums"]["cost_n"] < e["decode_steps"] * e["rollouts"] and 0 < e["step_cost_sums"]["cost_y"] <= e["loop_s"]
+    assert all(e["step_cost_sums"]["cost_n"] == 0 for e in run["epochs"]["off"]) and "step_cost_ms_off" not in t
     assert 1 <= t["running_per_step_off"] <= 16 and 1 <= t["running_per_step_tree"] <= 16   # 4 prompts x 4 samples
     assert all(e["eval_accuracy"] is not None for e in run["epochs"]["off"])
     # every mode dumps its rollouts (trainer.rollout_data_dir), one file a step, every sample's tokens

@@ -36,3 +36,14 @@ def test_window_keeps_only_the_last_rollouts_and_own_drafts_follow_the_sample():
     # own draft: sample 0 of step 3 drafts its previous response (b) first, which leaves a after 2 tokens
     own = replay_drafts.replay(steps, window=1, own_draft=True, settings=SETTINGS, max_k=8, max_model_len=256)
     assert own[3]["drafted"] > 0 and own[3]["accepted"] == 1    # "2" accepted, "9" rejected
+
+
+def test_step_cost_turns_replayed_steps_into_decode_loop_time():
+    resp = list(range(1, 21))
+    out = replay_drafts.replay({1: _rows(1, [resp, resp]), 2: _rows(2, [resp, resp])}, window=0, own_draft=False,
+                               settings=SETTINGS, max_k=4, max_model_len=256)
+    # step 2: 4 decode steps after the prefill, 2 requests in each, 32 draft tokens in all
+    assert out[2]["request_steps"] == 8 and out[2]["drafted"] == 32
+    assert replay_drafts.loop_ms([out[2]], (5.0, 0.1, 0.01)) == 5.0 * 4 + 0.1 * 8 + 0.01 * 32
+    # one draft token costing as much as a step: the drafted rollout's loop is dearer than the plain one's
+    assert replay_drafts.loop_ms([out[2]], (1.0, 0.0, 1.0)) > replay_drafts.loop_ms([out[1]], (1.0, 0.0, 1.0))

@@ -88,6 +88,59 @@ def test_clocks_span_the_decode_loop_of_our_requests_only(monkeypatch):
     assert again["loop_s"] == 0.0 and again["draft_s"] == 0.0   # reset on read
 
 
+def test_step_cost_sums_take_each_steps_cycle_and_leave_out_prefills_and_gaps(monkeypatch):
+    """A step's seconds run from its drafter call to the next one's, and count against that step's
+    requests and draft tokens; the first step of a batch, a step that took in a request (its prefill
+    was in the interval) and the gap between two batches are not steps of the fit."""
+    from megatron_specrl.engines import tree_drafter
+
+    clock = [100.0]
+    monkeypatch.setattr(tree_drafter.time, "perf_counter", lambda: clock[0])
+    p = _proposer(monkeypatch, k=4, min_prob=0.0)
+    p.trees.insert("q", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    b = Batch()
+    b.add("a", [50, 51], "q")
+    b.add("b", [50, 51], "q")
+    drafts = p.propose_batch(b, b.requests, [b.sample(0, [1]), b.sample(1, [1])])   # first step: a start
+    assert drafts == [[2, 3, 4, 5], [2, 3, 4, 5]]
+    clock[0] += 0.020                                    # its cycle: 2 requests, 8 draft tokens
+    drafts = p.propose_batch(b, b.requests, [b.sample(0, [2, 3, 4, 5, 6, 7]), b.sample(1, [2])])
+    assert drafts == [[8, 9], [3, 4, 5, 6]]
+    clock[0] += 0.015                                    # 2 requests, 6 draft tokens
+    b.add("c", [50, 51], "q")                            # joins: its prefill is in the next interval
+    drafts = p.propose_batch(b, b.requests, [b.sample(0, [8]), b.sample(1, [3]), b.sample(2, [1])])
+    assert drafts == [[9], [4, 5, 6, 7], [2, 3, 4, 5]]
+    clock[0] += 0.030                                    # 3 requests, 9 draft tokens
+    p.propose_batch(b, b.requests, [b.sample(0, [9]), b.sample(1, [4]), b.sample(2, [2])])
+    clock[0] += 5.0                                      # the batch ended; the next one starts later
+    b2 = Batch()
+    b2.add("d", [50, 51], "q")
+    p.propose_batch(b2, b2.requests, [b2.sample(0, [1])])
+    s = p.take_stats()
+    assert s["cost_n"] == 2 and s["cost_r"] == 2 + 3 and s["cost_d"] == 8 + 9
+    assert s["cost_y"] == pytest.approx(0.050) and s["cost_dy"] == pytest.approx(8 * 0.020 + 9 * 0.030)
+    assert p.take_stats()["cost_n"] == 0                 # reset on read
+
+
+def test_step_cost_fit_recovers_a_known_cost():
+    from megatron_specrl.engines.tree_drafter import add_step_cost, fit_step_cost
+
+    rng = np.random.default_rng(0)
+    sums = {}
+    for _ in range(400):
+        r, d = rng.integers(1, 129), rng.integers(0, 2000)
+        add_step_cost(sums, r, d, (7.5 + 0.1 * r + 0.0167 * d + rng.normal(0, 0.3)) / 1000)
+    a, b, c = fit_step_cost(sums)
+    assert a == pytest.approx(7.5, abs=0.2) and b == pytest.approx(0.1, abs=0.005)
+    assert c == pytest.approx(0.0167, abs=0.0005)
+    assert fit_step_cost({k: v / 400 * 5 for k, v in sums.items()}) is None      # 5 steps: no fit
+    flat = {}                                             # no step drafted: c cannot be told, and is 0
+    for r in range(1, 50):
+        add_step_cost(flat, r, 0, (5 + 0.07 * r) / 1000)
+    a, b, c = fit_step_cost(flat)
+    assert a == pytest.approx(5) and b == pytest.approx(0.07) and c == 0
+
+
 def test_prefix_tokens_belong_to_the_response(monkeypatch):
     """An extension request's prompt ends with its accepted draft prefix: the tree sees it as response."""
     p = _proposer(monkeypatch, k=4, min_prob=0.0)

@@ -13,7 +13,10 @@ Compares drafting policies on the same tokens: `--window W` keeps only the respo
 prompt's last W rollouts in its tree (0: all, what the engine does), `--own-draft` drafts each
 sample's previous response first (rollout.verify=decode), and the length settings. It prints, per
 setting, decode steps per rollout, tokens verified per step (draft tokens + running requests: what
-a step costs on a CPU), requests running per step, and draft acceptance. The first rollout of each
+a step costs on a CPU), requests running per step, and draft acceptance. With `--step-cost A,B,C`
+(bench-rollout's fitted decode-step cost on the machine in question: A ms a step + B ms a request
++ C ms a draft token) it also prints what the decode loop would take per rollout, so a drafting
+policy (`--token-budget`, `--min-prob`, `--draft-tokens`) can be chosen for that machine. The first rollout of each
 prompt has no earlier responses; `--from-step` (default: the first step at which every prompt of
 the step has been seen before) sets where the summary starts.
 
@@ -110,7 +113,18 @@ def main() -> None:
     ap.add_argument("--min-prob", type=float, default=0.1)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--from-step", type=int, default=None)
+    ap.add_argument("--step-cost", default=None, metavar="A,B,C",
+                    help="ms per decode step, per request in it, per draft token (bench-rollout's step cost fit)")
     args = ap.parse_args()
+    cost = None
+    if args.step_cost is not None:
+        try:
+            cost = tuple(float(x) for x in args.step_cost.split(","))
+        except ValueError:
+            cost = ()
+        if len(cost) != 3:
+            raise SystemExit(f"--step-cost {args.step_cost!r}: expected three numbers A,B,C (ms per step, per "
+                             "request, per draft token)")
 
     steps = read_rollouts(args.rollouts)
     seen, first_full = set(), None
@@ -133,7 +147,15 @@ def main() -> None:
               f"{statistics.fmean(r['steps'] for r in res):5.1f}  tokens verified / step "
               f"{total('verified') / max(total('steps') - len(res), 1):6.0f}  requests running / step "
               f"{total('request_steps') / max(total('steps'), 1):5.1f}  draft accepted "
-              f"{total('accepted') / max(total('drafted'), 1):4.0%}")
+              f"{total('accepted') / max(total('drafted'), 1):4.0%}"
+              + ("" if cost is None else f"  decode loop ~{loop_ms(res, cost):6.0f} ms / rollout"))
+
+
+def loop_ms(results: list[dict], cost: tuple[float, float, float]) -> float:
+    """Mean decode-loop milliseconds per rollout under the cost model: every step after the first
+    (the prefill's), each running request, each draft token."""
+    a, b, c = cost
+    return statistics.fmean(a * (r["steps"] - 1) + b * r["request_steps"] + c * r["drafted"] for r in results)
 
 
 if __name__ == "__main__":

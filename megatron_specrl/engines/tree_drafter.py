@@ -31,6 +31,14 @@ Besides the token counters, two clocks (seconds since the last take_stats, in th
 `draft_s`, the drafter's own time inside its steps, and `loop_s`, from the first to the last step in
 which a request of ours ran: the engine's decode loop for the batch, without its intake and the
 first prefill. bench-rollout reads them to show where a rollout's time goes.
+
+And what a decode step costs: each engine step's seconds (from one call of the drafter to the next:
+the forward that verifies the drafts, sampling, scheduling, drafting) against the requests it ran and
+the draft tokens it verified, kept as the sums of a least-squares fit (`STEP_COST_SUMS`; sums add
+across engines and rollouts) so that `fit_step_cost` gives ms = a + b x requests + c x draft tokens.
+On a GPU c should be near 0 (a decode step is memory-bound); on this CPU a draft token costs about
+a sixth of a request (README). Steps whose interval held anything else are left out: the first step
+of a batch, a step that took in a new request (its prefill), and the gap between two batches.
 """
 
 from __future__ import annotations
@@ -50,8 +58,36 @@ OWN_DRAFT = "specrl_own_draft"        # token ids drafted first, while the respo
 DEFAULTS = {"max_depth": 40, "max_match": 16, "max_nodes": 4_000_000, "min_prob": 0.1,
             "token_budget": 2048}
 
+# least-squares sums over steps for seconds = a + b r + c d (r: requests in the step, d: draft tokens)
+STEP_COST_SUMS = ("cost_n", "cost_r", "cost_d", "cost_rr", "cost_rd", "cost_dd", "cost_y", "cost_ry", "cost_dy")
 COUNTERS = ("draft_tokens", "accepted_tokens", "generated_tokens", "request_steps", "engine_steps",
-            "runahead_tokens", "own_draft_tokens", "draft_s")
+            "runahead_tokens", "own_draft_tokens", "draft_s", *STEP_COST_SUMS)
+
+
+def add_step_cost(sums: dict, requests: float, drafts: float, seconds: float) -> None:
+    """One step into the fit's sums (the TreeDrafter's counters, or any dict of STEP_COST_SUMS)."""
+    r, d, y = float(requests), float(drafts), float(seconds)
+    for key, v in (("cost_n", 1.0), ("cost_r", r), ("cost_d", d), ("cost_rr", r * r), ("cost_rd", r * d),
+                   ("cost_dd", d * d), ("cost_y", y), ("cost_ry", r * y), ("cost_dy", d * y)):
+        sums[key] = sums.get(key, 0.0) + v
+
+
+def fit_step_cost(sums: dict) -> tuple[float, float, float] | None:
+    """(ms per step, ms per request, ms per draft token) from STEP_COST_SUMS, least squares; None with
+    fewer than 10 steps. A coefficient the steps cannot tell apart (no step drafted, or every step ran
+    as many requests) gets the minimum-norm solution, so read it with the steps' ranges."""
+    import numpy as np
+
+    g = {k: float(sums.get(k, 0.0)) for k in STEP_COST_SUMS}
+    if g["cost_n"] < 10:
+        return None
+    xtx = np.array([[g["cost_n"], g["cost_r"], g["cost_d"]],
+                    [g["cost_r"], g["cost_rr"], g["cost_rd"]],
+                    [g["cost_d"], g["cost_rd"], g["cost_dd"]]])
+    xty = np.array([g["cost_y"], g["cost_ry"], g["cost_dy"]])
+    scale = np.sqrt(np.maximum(np.diag(xtx), 1e-30))          # columns of very different size
+    coef = np.linalg.lstsq(xtx / np.outer(scale, scale), xty / scale, rcond=1e-10)[0] / scale
+    return tuple(float(1000 * c) for c in coef)
 
 
 def settings_env(**overrides) -> str:
@@ -101,6 +137,11 @@ class TreeDrafter:
         self._k_max, self._step_min_prob, self._seen, self._drafting = 0, 0.0, set(), False
         self._step_t0 = 0.0
         self._loop: list[float] | None = None   # [first, last] drafting step's clock since take_stats
+        # the last drafting step, for the step-cost fit: [its clock, requests, draft tokens], its request
+        # ids, and whether this step took in a new request (a prefill in the interval: left out)
+        self._last_step: list[float] | None = None
+        self._last_ids: set = set()
+        self._step_running, self._step_drafts, self._step_joined = 0, 0, False
 
     # -- draft length rules ----------------------------------------------------------------
     def draft_len(self, running: int) -> int:
@@ -118,6 +159,7 @@ class TreeDrafter:
         self._step_t0 = time.perf_counter()
         self._k_max, self._step_min_prob = self.draft_len(running), self.draft_min_prob(running)
         self._seen, self._drafting = set(), False
+        self._step_running, self._step_drafts, self._step_joined = running, 0, False
 
     def request(self, req_id: str, opts: Callable[[], RequestOpts | None],
                 seq: Callable[[int, int], Sequence[int]], end: int, gained: int | None = None) -> list[int] | None:
@@ -128,6 +170,7 @@ class TreeDrafter:
         live = self._live.get(req_id, 0)
         if live == 0:
             live = self._start(req_id, opts(), seq)
+            self._step_joined = True
         if live is None:
             return None
         if gained == 0:
@@ -159,14 +202,22 @@ class TreeDrafter:
             draft = self.trees.propose(req_id, k, self._step_min_prob) if k > 0 else []
         live[2] = len(draft)
         c["draft_tokens"] += len(draft)
+        self._step_drafts += len(draft)
         return draft
 
     def end_step(self) -> None:
         self.counters["engine_steps"] += self._drafting   # only steps where a request of ours ran
+        last, self._last_step = self._last_step, None
         if self._drafting:
             now = time.perf_counter()
             self.counters["draft_s"] += now - self._step_t0
             self._loop = [self._loop[0] if self._loop else self._step_t0, now]
+            # the interval since the last step's call is that step's cycle: its drafts verified in this
+            # step's forward, if the two steps are consecutive steps of one batch without a prefill
+            if last is not None and not self._step_joined and self._seen & self._last_ids:
+                add_step_cost(self.counters, last[1], last[2], self._step_t0 - last[0])
+            self._last_step = [self._step_t0, self._step_running, self._step_drafts]
+        self._last_ids = self._seen
         for req_id in [r for r in self._live if r not in self._seen]:
             self._own.pop(req_id, None)
             if self._live.pop(req_id) is not None:
@@ -189,7 +240,7 @@ class TreeDrafter:
         """Counters since the last call, and the trees' size now."""
         out = {k: float(v) for k, v in self.counters.items()}
         out["loop_s"] = self._loop[1] - self._loop[0] if self._loop else 0.0
-        self.counters, self._loop = dict.fromkeys(COUNTERS, 0), None
+        self.counters, self._loop, self._last_step = dict.fromkeys(COUNTERS, 0), None, None
         st = self.trees.stats()
         out["nodes"] = float(st["nodes"])
         out["memory_mb"] = st["memory_bytes"] / 2**20

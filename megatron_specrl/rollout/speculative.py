@@ -42,6 +42,7 @@ from megatron_specrl.engines.protocol import (
     GenerateRequest, RolloutEngine, SamplingSettings, ScoreRequest, samples_coupled, untruncated_t1,
     verifies_processed_distribution,
 )
+from megatron_specrl.engines.tree_drafter import STEP_COST_SUMS
 from megatron_specrl.rollout.acceptance import MODES, coupled_prefix, decide
 from megatron_specrl.rollout.store import Trajectory, TrajectoryStore
 
@@ -86,7 +87,8 @@ def stable_seed(*parts) -> int:
 def tree_metrics(engine) -> dict[str, float]:
     """`tree/*` metrics of this rollout from engines that draft from trees (rollout.draft=tree):
     tokens drafted and accepted, generated tokens per request per engine step (1 without drafts),
-    engine steps, the decode loop's and the drafter's seconds, and the trees' size."""
+    engine steps, the decode loop's and the drafter's seconds, the trees' size, and `tree_cost/*`: the
+    sums of the decode-step cost fit (engines/tree_drafter.fit_step_cost; they add across steps)."""
     stats = engine.draft_stats() if hasattr(engine, "draft_stats") else {}
     if not stats:
         return {}
@@ -100,7 +102,8 @@ def tree_metrics(engine) -> dict[str, float]:
             "tree/own_draft_tokens": stats.get("own_draft_tokens", 0.0),
             # the engine's decode loop for the batch (first to last drafting step) and the drafter's share
             "tree/loop_s": stats.get("loop_s", 0.0), "tree/draft_s": stats.get("draft_s", 0.0),
-            "runahead/tokens": stats.get("runahead_tokens", 0.0)}
+            "runahead/tokens": stats.get("runahead_tokens", 0.0),
+            **{f"tree_cost/{k.removeprefix('cost_')}": stats.get(k, 0.0) for k in STEP_COST_SUMS}}
 
 
 def common_prefix(a, b) -> int:
