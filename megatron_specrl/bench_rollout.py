@@ -273,7 +273,7 @@ def time_table(spreads: dict[str, dict[str, float]], modes: list[str], n_seeds: 
                         f"(mean of {n_seeds} seed{'s' if n_seeds > 1 else ''})")
     for col in ["mode", "verification", "generation call", "decode loop (tree)", "drafter (tree)", "other",
                 "decode steps", "requests running / step", "ms / decode step", "draft accepted",
-                "step cost, ms (r: requests, d: draft tokens)"]:
+                "ms / step (fit)"]:
         table.add_column(col, justify="right")
     for m in modes:
         table.add_row(m, cell(f"per_rollout_verify_s_{m}"), cell(f"per_rollout_generate_s_{m}"),
@@ -282,8 +282,10 @@ def time_table(spreads: dict[str, dict[str, float]], modes: list[str], n_seeds: 
                       cell(f"running_per_step_{m}", "{:.1f}"),
                       cell(f"ms_per_decode_step_{m}", "{:.1f}"), cell(f"draft_accept_rate_{m}", "{:.0%}"),
                       "-" if f"step_cost_ms_{m}" not in spreads else
-                      f"{cell(f'step_cost_ms_{m}', '{:.1f}')} + {cell(f'step_cost_ms_per_request_{m}', '{:.3f}')} r "
-                      f"+ {cell(f'step_cost_ms_per_draft_token_{m}', '{:.4f}')} d")
+                      f"{cell(f'step_cost_ms_{m}', '{:.1f}')}+{cell(f'step_cost_ms_per_request_{m}', '{:.3f}')}r"
+                      f"+{cell(f'step_cost_ms_per_draft_token_{m}', '{:.4f}')}d")
+    table.caption = ("ms / step (fit): a decode step's cost fitted over the tree drafter's steps, r = requests in "
+                     "the step, d = draft tokens it verifies")
     return table
 
 

@@ -13,7 +13,8 @@ four arms, in alternating order (ABCD DCBA ...), with fresh seeds:
 
 All arms are exact samples of the same policy (tests/test_tree_drafting.py); the script prints the
 median seconds per generation, engine steps, drafted and accepted tokens, requests running per engine
-step (how much of the loop is the batch's tail) and the ratios to `plain`.
+step (how much of the loop is the batch's tail), the ratios to `plain`, and for the drafting arms the
+fitted cost of a decode step (ms = a + b x requests + c x draft tokens, as bench-rollout prints it).
 
     python tools/bench_own_draft.py --model ~/.cache/megatron_specrl/warmup/warmup-<hash> [--rounds 12]
 
@@ -54,6 +55,7 @@ def main() -> None:
 
     from megatron_specrl.data.synthetic import make_problems
     from megatron_specrl.engines.protocol import GenerateRequest, SamplingSettings
+    from megatron_specrl.engines.tree_drafter import STEP_COST_SUMS, fit_step_cost
     from megatron_specrl.engines.vllm_engine import VLLMEngine
 
     task = json.loads((model / "warmup.json").read_text())["task"]
@@ -97,6 +99,10 @@ def main() -> None:
               f"drafted {mean('draft_tokens'):7.0f} (own {mean('own_draft_tokens'):6.0f})  "
               f"accepted {mean('accepted_tokens'):6.0f}  requests running / step "
               f"{mean('request_steps') / max(mean('engine_steps'), 1):5.1f}")
+        fit = fit_step_cost({k: sum(s.get(k, 0.0) for s in stats[arm]) for k in STEP_COST_SUMS})
+        if fit is not None:
+            print(f"         decode step cost (fit over its steps): {fit[0]:.1f} ms + {fit[1]:.3f} ms x requests + "
+                  f"{fit[2]:.4f} ms x draft tokens")
 
 
 if __name__ == "__main__":
