@@ -36,8 +36,8 @@ And what a decode step costs: each engine step's seconds (from one call of the d
 the forward that verifies the drafts, sampling, scheduling, drafting) against the requests it ran and
 the draft tokens it verified, kept as the sums of a least-squares fit (`STEP_COST_SUMS`; sums add
 across engines and rollouts) so that `fit_step_cost` gives ms = a + b x requests + c x draft tokens.
-On a GPU c should be near 0 (a decode step is memory-bound); on this CPU a draft token costs about
-a sixth of a request (README). Steps whose interval held anything else are left out: the first step
+On a GPU c should be near 0 (a decode step is memory-bound); on this CPU a step costs 5-9 ms
+whatever it holds and a draft token about a twentieth of a request (README). Steps whose interval held anything else are left out: the first step
 of a batch, a step that took in a new request (its prefill), and the gap between two batches.
 """
 
@@ -47,6 +47,8 @@ import json
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
+
+import numpy as np
 
 from megatron_specrl.rollout.draft_tree import DraftTrees
 
@@ -76,8 +78,6 @@ def fit_step_cost(sums: dict) -> tuple[float, float, float] | None:
     """(ms per step, ms per request, ms per draft token) from STEP_COST_SUMS, least squares; None with
     fewer than 10 steps. A coefficient the steps cannot tell apart (no step drafted, or every step ran
     as many requests) gets the minimum-norm solution, so read it with the steps' ranges."""
-    import numpy as np
-
     g = {k: float(sums.get(k, 0.0)) for k in STEP_COST_SUMS}
     if g["cost_n"] < 10:
         return None
