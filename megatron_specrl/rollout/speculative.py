@@ -42,7 +42,6 @@ from megatron_specrl.engines.protocol import (
     GenerateRequest, RolloutEngine, SamplingSettings, ScoreRequest, samples_coupled, untruncated_t1,
     verifies_processed_distribution,
 )
-from megatron_specrl.engines.tree_drafter import STEP_COST_SUMS
 from megatron_specrl.rollout.acceptance import MODES, coupled_prefix, decide
 from megatron_specrl.rollout.store import Trajectory, TrajectoryStore
 
@@ -103,7 +102,7 @@ def tree_metrics(engine) -> dict[str, float]:
             # the engine's decode loop for the batch (first to last drafting step) and the drafter's share
             "tree/loop_s": stats.get("loop_s", 0.0), "tree/draft_s": stats.get("draft_s", 0.0),
             "runahead/tokens": stats.get("runahead_tokens", 0.0),
-            **{f"tree_cost/{k.removeprefix('cost_')}": stats.get(k, 0.0) for k in STEP_COST_SUMS}}
+            **{f"tree_cost/{k.removeprefix('cost_')}": v for k, v in stats.items() if k.startswith("cost_")}}
 
 
 def common_prefix(a, b) -> int:
