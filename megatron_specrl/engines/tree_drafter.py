@@ -37,8 +37,9 @@ the forward that verifies the drafts, sampling, scheduling, drafting) against th
 the draft tokens it verified, kept as the sums of a least-squares fit (`STEP_COST_SUMS`; sums add
 across engines and rollouts) so that `fit_step_cost` gives ms = a + b x requests + c x draft tokens.
 On a GPU c should be near 0 (a decode step is memory-bound); on this CPU a step costs 5-9 ms
-whatever it holds and a draft token about a twentieth of a request (README). Steps whose interval held anything else are left out: the first step
-of a batch, a step that took in a new request (its prefill), and the gap between two batches.
+whatever it holds and a draft token about a twentieth of a request (README). Steps whose interval
+held anything else are left out: the first step of a batch, a step that took in a new request (its
+prefill), and the gap between two batches.
 """
 
 from __future__ import annotations
