@@ -47,3 +47,13 @@ def test_step_cost_turns_replayed_steps_into_decode_loop_time():
     assert replay_drafts.loop_ms([out[2]], (5.0, 0.1, 0.01)) == 5.0 * 4 + 0.1 * 8 + 0.01 * 32
     # one draft token costing as much as a step: the drafted rollout's loop is dearer than the plain one's
     assert replay_drafts.loop_ms([out[2]], (1.0, 0.0, 1.0)) > replay_drafts.loop_ms([out[1]], (1.0, 0.0, 1.0))
+
+
+def test_a_bad_step_cost_is_refused_before_any_work(tmp_path):
+    import subprocess
+    import sys
+
+    tool = Path(__file__).parent.parent / "tools" / "replay_drafts.py"
+    out = subprocess.run([sys.executable, str(tool), str(tmp_path), "--step-cost", "8.4,0.18"],
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and "--step-cost '8.4,0.18': expected three numbers" in out.stderr
