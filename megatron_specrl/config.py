@@ -115,6 +115,10 @@ class RolloutConfig(_Strict):
     draft_min_prob: float = Field(0.1, ge=0, le=1)       # stop a draft where its path frequency drops below
     draft_token_budget: int = Field(2048, ge=1)          # about how many tokens one engine step verifies
     draft_max_nodes: int = Field(4_000_000, ge=1000)     # tree memory bound (least recently used prompts go first)
+    # A shared tree over the recent responses of all prompts drafts beside each prompt's own tree
+    # (SuffixDecoding's global tree): a request takes the draft expected to be accepted further.
+    # Rebuilt from its newest half once it passes this many states (within draft_max_nodes). 0: off.
+    draft_shared_nodes: int = Field(1_000_000, ge=0)
     # Run-ahead (SRT): up to this many requests for the next step's prompts join the tail of each
     # generation (when a quarter of the batch or less still runs) and are aborted when it ends;
     # their tokens only feed the draft trees. 0: off. Needs draft=tree.
@@ -295,6 +299,9 @@ class RunConfig(_Strict):
         if r.spec_mode == "coupled" and r.engine != "vllm":
             raise ValueError(f"rollout.spec_mode=coupled with rollout.engine={r.engine}: position-keyed sampling "
                              "is built into the vLLM engine only; use rollout.engine=vllm or another spec_mode")
+        if r.draft_shared_nodes >= r.draft_max_nodes:
+            raise ValueError(f"rollout.draft_shared_nodes={r.draft_shared_nodes} must be below rollout.draft_max_nodes="
+                             f"{r.draft_max_nodes}: the shared tree lives within the trees' memory bound")
         if r.runahead and r.draft != "tree":
             raise ValueError(f"rollout.runahead={r.runahead} with rollout.draft={r.draft}: run-ahead tokens only "
                              "feed draft trees; set rollout.draft=tree or rollout.runahead=0")

@@ -94,7 +94,11 @@ def test_modes_and_seed_spread():
     assert mode_overrides("exact+tree+decode+runahead")[2:] == ["rollout.runahead=64", "rollout.verify=decode"]
     assert mode_overrides("tree+runahead")[1:3] == ["rollout.draft=tree", "rollout.runahead=64"]
     assert mode_overrides("coupled+tree+runahead")[0] == "rollout.spec_mode=coupled"
-    for bad in ("exact+ngram", "exact+runahead", "coupled+runahead+tree", "lenient+tree+decode", "exact+decode"):
+    assert mode_overrides("tree+noshared") == ["rollout.spec_mode=off", "rollout.draft=tree", *pre,
+                                               "rollout.draft_shared_nodes=0"]
+    assert mode_overrides("exact+tree+decode+noshared")[-2:] == ["rollout.verify=decode", "rollout.draft_shared_nodes=0"]
+    for bad in ("exact+ngram", "exact+runahead", "coupled+runahead+tree", "lenient+tree+decode", "exact+decode",
+                "exact+noshared", "noshared", "tree+noshared+runahead"):
         with pytest.raises(SystemExit, match="unknown bench mode"):
             mode_overrides(bad)
     sp = spread([{"speedup_x": 2.0, "only_one": 1.0}, {"speedup_x": 3.0}])

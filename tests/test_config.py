@@ -183,6 +183,10 @@ def test_tree_drafting_keys_reach_both_engines_and_sglang_refuses_runahead():
                     ["rollout.draft=tree", "rollout.engine=sglang", "rollout.runahead=2"])
     with pytest.raises(ConfigError, match="rollout.draft"):
         load_config(ROOT / "examples/tiny-cpu-grpo.yaml", ["rollout.draft=ngram"])
+    cfg = load_config(ROOT / "examples/tiny-cpu-grpo.yaml", ["rollout.draft=tree", "rollout.draft_shared_nodes=0"])
+    assert engine_kwargs(cfg.rollout, "m", "logs", 0, 0)[1]["draft_settings"]["shared_nodes"] == 0
+    with pytest.raises(ConfigError, match="rollout.draft_shared_nodes=4000000 must be below rollout.draft_max_nodes"):
+        load_config(ROOT / "examples/tiny-cpu-grpo.yaml", ["rollout.draft_shared_nodes=4000000"])
 
 
 def test_verification_in_the_decode_loop_needs_exact_and_tree_drafting():

@@ -442,3 +442,85 @@ def test_counts_match_brute_force_in_repetitive_interleaved_sequences():
             n = len(sub)
             expected = sum(s[p:p + n] == list(sub) for s in seqs for p in range(len(s) - n + 1))
             assert t.count("k", sub) == (expected if n <= max_depth else 0), (trial, sub)
+
+
+def reference_scored(seqs, ctx, max_tokens, min_prob, max_match, max_depth):
+    """reference_propose's draft and the sum of the path probability up to each of its tokens."""
+    draft = reference_propose(seqs, ctx, max_tokens, min_prob, max_match, max_depth)
+    if not draft:
+        return [], 0.0
+    for L in range(min(max_match, len(ctx)), 0, -1):
+        occ = [(s, p) for s in seqs for p in range(L - 1, len(s) - 1) if s[p - L + 1:p + 1] == ctx[-L:]]
+        if occ:
+            break
+    prob, score = 1.0, 0.0
+    for c in draft:
+        nxt = [(s, p + 1) for s, p in occ if p + 1 < len(s)]
+        hit = [(s, p) for s, p in nxt if s[p] == c]
+        prob *= len(hit) / len(nxt)
+        score += prob
+        occ = hit
+    return draft, score
+
+
+def test_scored_proposal_is_the_expected_accepted_length():
+    rng = random.Random(11)
+    for trial in range(200):
+        vocab = rng.choice([2, 3, 4])
+        t = DraftTrees(max_depth=12, max_match=4)
+        seqs = [[rng.randrange(vocab) for _ in range(rng.randint(0, 10))] for _ in range(rng.randint(1, 5))]
+        for s in seqs:
+            t.insert("k", s)
+        ctx = [rng.randrange(vocab) for _ in range(rng.randint(1, 4))]
+        t.start(trial, "k", ctx)
+        mt, mp = rng.randint(0, 6), rng.choice([0.0, 0.3])
+        draft, score = t.propose_scored(trial, mt, mp)
+        want, want_score = reference_scored(seqs + [ctx], ctx, mt, mp, 4, 12)
+        assert draft == want == t.propose(trial, mt, mp)
+        assert score == pytest.approx(want_score)
+        assert (score > 0) == bool(draft) and score <= len(draft) + 1e-12
+
+
+def test_keep_newest_rebuilds_from_the_newest_sequences_and_live_requests_go_on():
+    """A bounded shared tree: after keep_newest the key answers as if only the newest finished
+    sequences (2 states a token within the bound) and the live ones had been inserted, and the live
+    requests keep extending and drafting; checked against the brute-force reference throughout."""
+    rng = random.Random(5)
+    for trial in range(40):
+        vocab, max_match, max_depth = rng.choice([2, 3]), 3, 8
+        t = DraftTrees(max_depth=max_depth, max_match=max_match)
+        t.insert("other", [1, 2, 1, 2])
+        seqs, live = [], {}
+        for step in range(60):
+            op = rng.random()
+            if op < 0.2 or not live:
+                rid = (trial, step)
+                s = [rng.randrange(vocab) for _ in range(rng.randint(0, 3))]
+                t.start(rid, "k", s)
+                seqs.append(s)
+                live[rid] = s
+            elif op < 0.35:
+                t.finish(rid := rng.choice(list(live)))
+                del live[rid]
+            elif op < 0.45:
+                bound = rng.randint(0, 60)
+                ids = {id(s) for s in live.values()}
+                room = bound - sum(2 * len(s) for s in live.values())
+                finished, kept = [s for s in seqs if id(s) not in ids], []
+                for s in reversed(finished):
+                    if 2 * len(s) > room:
+                        break
+                    room -= 2 * len(s)
+                    kept.append(s)
+                assert t.keep_newest("k", bound) == len(finished) - len(kept)
+                seqs = kept[::-1] + [s for s in seqs if id(s) in ids]
+            else:
+                rid = rng.choice(list(live))
+                toks = [rng.randrange(vocab) for _ in range(rng.randint(1, 3))]
+                t.extend(rid, toks)
+                live[rid].extend(toks)
+            for rid, s in live.items():
+                mt = rng.randint(0, 5)
+                assert t.propose(rid, mt, 0.0) == reference_propose(seqs, s, mt, 0.0, max_match, max_depth)
+            assert t.stats()["nodes"] == t.nodes_of("k") + t.nodes_of("other")
+    assert t.keep_newest("absent", 10) == 0 and t.count("other", [1, 2]) == 2

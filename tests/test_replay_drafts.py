@@ -57,3 +57,18 @@ def test_a_bad_step_cost_is_refused_before_any_work(tmp_path):
     out = subprocess.run([sys.executable, str(tool), str(tmp_path), "--step-cost", "8.4,0.18"],
                          capture_output=True, text=True)
     assert out.returncode != 0 and "--step-cost '8.4,0.18': expected three numbers" in out.stderr
+
+
+def test_the_shared_tree_drafts_a_response_another_prompt_wrote():
+    resp = list(range(1, 21))
+    steps = {1: _rows(1, [resp], prompt_id="p"), 2: _rows(2, [resp], prompt_id="q")}
+    shared = replay_drafts.replay(steps, window=0, own_draft=False, settings=dict(SETTINGS, shared_nodes=1000),
+                                  max_k=4, max_model_len=256)
+    alone = replay_drafts.replay(steps, window=0, own_draft=False, settings=dict(SETTINGS, shared_nodes=0),
+                                 max_k=4, max_model_len=256)
+    assert alone[2]["steps"] == 20 and alone[2]["drafted"] == 0      # q's own tree is empty
+    assert shared[2]["steps"] == 1 + 4 and shared[2]["accepted"] == 16
+    # with a window, the kept rollouts enter the shared tree too
+    windowed = replay_drafts.replay(steps, window=1, own_draft=False, settings=dict(SETTINGS, shared_nodes=1000),
+                                    max_k=4, max_model_len=256)
+    assert windowed[2]["steps"] == 20      # a window rebuilds per prompt: p's rollout is not q's history

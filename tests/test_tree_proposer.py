@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from megatron_specrl.engines import tree_proposer as tp
+from megatron_specrl.engines.tree_drafter import SHARED_KEY
 
 
 def _proposer(monkeypatch, k=8, **settings):
@@ -156,7 +157,7 @@ def test_finished_requests_are_forgotten_and_settings_are_checked(monkeypatch):
     b = Batch()
     b.add("a", [1, 2], "q")
     p.propose_batch(b, b.requests, [b.sample(0, [3])])
-    assert p.trees.stats()["active_requests"] == 1
+    assert p.trees.stats()["active_requests"] == 2     # in its prompt's tree and in the shared tree
     empty = Batch()
     p.propose_batch(empty, {}, [])
     assert p.trees.stats()["active_requests"] == 0 and p.trees.has_key("q")
@@ -196,3 +197,56 @@ def test_own_draft_ends_with_it_and_is_dropped_when_the_prefix_differs(monkeypat
     assert p.propose_batch(b, b.requests, [b.sample(0, [2, 3]), b.sample(1, [5])]) == [[4, 5, 6], [6]]
     assert p.take_stats()["own_draft_tokens"] == 1
 
+
+
+def test_shared_tree_drafts_what_other_prompts_wrote(monkeypatch):
+    """A request whose own prompt's tree has no continuation drafts from the shared tree of all
+    prompts' responses; with draft_shared_nodes=0 it gets nothing."""
+    for shared, want in ((1000, [[3, 4, 5]]), (0, [[]])):
+        p = _proposer(monkeypatch, k=3, min_prob=0.0, shared_nodes=shared)
+        b = Batch()
+        b.add("a", [50], "q1")
+        p.propose_batch(b, b.requests, [b.sample(0, [1, 2, 3, 4, 5])])
+        p.propose_batch(Batch(), {}, [])                  # a finished; its tokens stay in both trees
+        c = Batch()
+        c.add("b", [60], "q2")
+        assert p.propose_batch(c, c.requests, [c.sample(0, [1, 2])]) == want
+        assert p.take_stats()["shared_draft_tokens"] == len(want[0])
+
+
+def test_prompt_draft_is_kept_where_it_expects_more_accepted_tokens(monkeypatch):
+    """Both trees draft; the shared tree's draft is taken unless the prompt's own draft has the higher
+    expected accepted length (sum of path probabilities)."""
+    p = _proposer(monkeypatch, k=4, min_prob=0.0)
+    for _ in range(3):                                   # other prompts: 1 2 -> 3 4 5 6
+        p.trees.insert(SHARED_KEY, [1, 2, 3, 4, 5, 6])
+    p.trees.insert(SHARED_KEY, [1, 2, 7, 7, 7, 7])
+    p.trees.insert("long", [1, 2, 7, 7, 7, 7])           # own path 7 7 7 7: score 4 > 0.75 x 4
+    p.trees.insert("short", [1, 2, 7])                   # own path 7: score 1 < 3
+    b = Batch()
+    b.add("l", [50], "long")
+    b.add("s", [50], "short")
+    drafts = p.propose_batch(b, b.requests, [b.sample(0, [1, 2]), b.sample(1, [1, 2])])
+    assert drafts == [[7, 7, 7, 7], [3, 4, 5, 6]]
+    stats = p.take_stats()
+    assert stats["shared_draft_tokens"] == 4 and stats["keys"] == 2 and stats["shared_nodes"] > 0
+
+
+def test_shared_tree_stays_within_its_bound_and_prompt_trees_keep_everything(monkeypatch):
+    p = _proposer(monkeypatch, k=4, min_prob=0.0, shared_nodes=60)
+    rng = np.random.default_rng(0)
+    for step in range(12):
+        b = Batch()
+        for i in range(4):
+            b.add(f"r{step}-{i}", [50], f"q{i}")
+        for _ in range(3):
+            p.propose_batch(b, b.requests, [b.sample(i, rng.integers(0, 30, 3).tolist()) for i in range(4)])
+        assert p.trees.nodes_of(SHARED_KEY) <= 60
+    p.propose_batch(Batch(), {}, [])
+    state = p.state_dict()
+    per_key = dict(zip(state["keys"], state["key_num_seqs"].tolist()))
+    assert [per_key[f"q{i}"] for i in range(4)] == [12] * 4              # every response, per prompt
+    assert per_key[SHARED_KEY] < 12 * 4
+    q = _proposer(monkeypatch, k=4, min_prob=0.0, shared_nodes=60)
+    q.load_state_dict(state)
+    assert q.trees.nodes_of(SHARED_KEY) == p.trees.nodes_of(SHARED_KEY)

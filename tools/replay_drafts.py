@@ -10,7 +10,8 @@ earlier steps' responses kept), keeps the draft's common prefix with its real ne
 one sampled token, and the batch's rollout takes as many steps as its slowest request.
 
 Compares drafting policies on the same tokens: `--window W` keeps only the responses of each
-prompt's last W rollouts in its tree (0: all, what the engine does), `--own-draft` drafts each
+prompt's last W rollouts in its tree (0: all, what the engine does; the shared tree then holds those
+rollouts too), `--shared-nodes` sets the shared tree's bound (0: each prompt's own tree only), `--own-draft` drafts each
 sample's previous response first (rollout.verify=decode), and the length settings. It prints, per
 setting, decode steps per rollout, tokens verified per step (draft tokens + running requests: what
 a step costs on a CPU), requests running per step, and draft acceptance. With `--step-cost A,B,C`
@@ -33,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_specrl.engines.tree_drafter import RequestOpts, TreeDrafter  # noqa: E402
+from megatron_specrl.engines.tree_drafter import SHARED_KEY, RequestOpts, TreeDrafter  # noqa: E402
 from megatron_specrl.rollout.dump import read_rollouts  # noqa: E402
 from megatron_specrl.rollout.speculative import common_prefix  # noqa: E402
 
@@ -93,6 +94,8 @@ def replay(steps: dict[int, list[dict]], window: int, own_draft: bool, settings:
                 for old_rows in history[pid]:
                     for resp in old_rows:
                         drafter.trees.insert(pid, resp)
+                        if drafter.shared_nodes:
+                            drafter.trees.insert(SHARED_KEY, resp)
         out[step] = replay_step(drafter, rows, f"s{step}", last if own_draft else None)
         by_prompt = defaultdict(list)
         for r in rows:
@@ -111,6 +114,8 @@ def main() -> None:
     ap.add_argument("--draft-tokens", type=int, default=16)
     ap.add_argument("--token-budget", type=int, default=2048)
     ap.add_argument("--min-prob", type=float, default=0.1)
+    ap.add_argument("--shared-nodes", default=None, metavar="N[,N...]",
+                    help="the shared tree's bound (rollout.draft_shared_nodes; 0: prompt trees only), one run each")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--from-step", type=int, default=None)
     ap.add_argument("--step-cost", default=None, metavar="A,B,C",
@@ -137,13 +142,16 @@ def main() -> None:
     if start is None:
         raise SystemExit(f"{args.rollouts}: no step whose prompts all came before; pass --from-step")
     settings = {"token_budget": args.token_budget, "min_prob": args.min_prob}
+    shared = [None] if args.shared_nodes is None else [int(x) for x in args.shared_nodes.split(",")]
     print(f"{args.rollouts}: {len(steps)} rollouts of {len(next(iter(steps.values())))} samples; summary from step "
           f"{start}")
-    for w in (int(x) for x in args.window.split(",")):
-        res = [r for s, r in replay(steps, w, args.own_draft, settings, args.draft_tokens,
+    for w, n in ((int(x), n) for x in args.window.split(",") for n in shared):
+        policy = settings if n is None else dict(settings, shared_nodes=n)
+        res = [r for s, r in replay(steps, w, args.own_draft, policy, args.draft_tokens,
                                     args.max_model_len).items() if s >= start]
         total = lambda k: sum(r[k] for r in res)
-        print(f"  window {w or 'all':>3}{' +own' if args.own_draft else ''}: decode steps / rollout "
+        label = "" if n is None else f" shared {n}"
+        print(f"  window {w or 'all':>3}{' +own' if args.own_draft else ''}{label}: decode steps / rollout "
               f"{statistics.fmean(r['steps'] for r in res):5.1f}  tokens verified / step "
               f"{total('verified') / max(total('steps') - len(res), 1):6.0f}  requests running / step "
               f"{total('request_steps') / max(total('steps'), 1):5.1f}  draft accepted "

@@ -19,6 +19,14 @@ Per engine step:
 - the draft is the tree's proposal from the longest suffix of the response, up to K tokens, where K
   shrinks as more requests run (a step verifies about `token_budget` tokens) and the path-probability
   cut-off `min_prob` relaxes as the batch empties (DAS and FastGRPO size drafts the same way);
+- every response also enters one shared tree of all prompts' responses (`SHARED_KEY`, SuffixDecoding's
+  global tree), and a request drafts from both: it takes the shared tree's draft unless its own
+  prompt's draft has the higher expected accepted length (`DraftTrees.propose_scored`). Rollouts of
+  different prompts share much of their text (on the arithmetic task, the steps of a sum; on real
+  tasks, phrasing and formulas), and a sample that leaves its prompt's paths usually finds itself in
+  the shared tree: replayed on a training run's tokens it cut the decode steps per rollout from 41.5
+  to 19.9 (README). The shared tree is rebuilt from its newest half once it passes `shared_nodes`
+  states (`DraftTrees.keep_newest`), between or during batches;
 - a request that carries an own draft (`OWN_DRAFT`: its sample's last-epoch response, rollout.verify=
   decode) drafts that response's next K tokens instead, for as long as its response equals the own
   draft's prefix; from its first differing token on it drafts from the tree. The engine's rejection
@@ -58,13 +66,15 @@ RESPONSE_START = "specrl_response_start"
 RUNAHEAD = "specrl_runahead"          # a run-ahead request: its tokens feed the tree, counted apart
 OWN_DRAFT = "specrl_own_draft"        # token ids drafted first, while the response follows them
 
+SHARED_KEY = "\x00shared"            # the tree of all prompts' responses (no prompt id starts with NUL)
+
 DEFAULTS = {"max_depth": 40, "max_match": 16, "max_nodes": 4_000_000, "min_prob": 0.1,
-            "token_budget": 2048}
+            "token_budget": 2048, "shared_nodes": 1_000_000}
 
 # least-squares sums over steps for seconds = a + b r + c d (r: requests in the step, d: draft tokens)
 STEP_COST_SUMS = ("cost_n", "cost_r", "cost_d", "cost_rr", "cost_rd", "cost_dd", "cost_y", "cost_ry", "cost_dy")
 COUNTERS = ("draft_tokens", "accepted_tokens", "generated_tokens", "request_steps", "engine_steps",
-            "runahead_tokens", "own_draft_tokens", "draft_s", *STEP_COST_SUMS)
+            "runahead_tokens", "own_draft_tokens", "shared_draft_tokens", "draft_s", *STEP_COST_SUMS)
 
 
 def add_step_cost(sums: dict, requests: float, drafts: float, seconds: float) -> None:
@@ -128,6 +138,7 @@ class TreeDrafter:
         s = dict(DEFAULTS, **(settings or {}))
         self.max_k, self.max_model_len = int(max_k), int(max_model_len)
         self.min_prob, self.token_budget = float(s["min_prob"]), int(s["token_budget"])
+        self.shared_nodes = int(s["shared_nodes"])   # 0: each prompt's own tree only
         self.trees = DraftTrees(max_depth=int(s["max_depth"]), max_match=int(s["max_match"]),
                                 max_nodes=int(s["max_nodes"]))
         # request id -> [response start, tokens of the response already in the tree, last draft length,
@@ -187,6 +198,8 @@ class TreeDrafter:
             own = None
         if new:
             self.trees.extend(req_id, new)
+            if self.shared_nodes:
+                self.trees.extend((req_id, SHARED_KEY), new)
             live[1] = end - start
             if runahead:       # feeds the tree; kept out of this rollout's counters
                 c["runahead_tokens"] += n
@@ -199,8 +212,16 @@ class TreeDrafter:
         if own is not None and end - start < len(own):
             draft = list(own[end - start:end - start + max(k, 0)])
             c["own_draft_tokens"] += len(draft)
+        elif k > 0:
+            draft, score = self.trees.propose_scored(req_id, k, self._step_min_prob)
+            if self.shared_nodes:
+                # the shared tree's draft unless the prompt's own expects more accepted tokens
+                alt, alt_score = self.trees.propose_scored((req_id, SHARED_KEY), k, self._step_min_prob)
+                if alt_score >= score and alt != draft:
+                    draft = alt
+                    c["shared_draft_tokens"] += len(alt)
         else:
-            draft = self.trees.propose(req_id, k, self._step_min_prob) if k > 0 else []
+            draft = []
         live[2] = len(draft)
         c["draft_tokens"] += len(draft)
         self._step_drafts += len(draft)
@@ -223,6 +244,10 @@ class TreeDrafter:
             self._own.pop(req_id, None)
             if self._live.pop(req_id) is not None:
                 self.trees.finish(req_id)
+                if self.shared_nodes:
+                    self.trees.finish((req_id, SHARED_KEY))
+        if self.shared_nodes and self.trees.nodes_of(SHARED_KEY) > self.shared_nodes:
+            self.trees.keep_newest(SHARED_KEY, self.shared_nodes // 2)
 
     def _start(self, req_id: str, opts: RequestOpts | None, seq) -> list[int] | None:
         if opts is None:
@@ -230,6 +255,8 @@ class TreeDrafter:
             return None
         prefix = list(seq(opts.response_start, opts.prompt_len))
         self.trees.start(req_id, opts.key, prefix)
+        if self.shared_nodes:
+            self.trees.start((req_id, SHARED_KEY), SHARED_KEY, prefix)
         if opts.own_draft and tuple(prefix) == opts.own_draft[:len(prefix)]:
             self._own[req_id] = opts.own_draft
         live = self._live[req_id] = [opts.response_start, opts.prompt_len - opts.response_start, 0,
@@ -245,7 +272,8 @@ class TreeDrafter:
         st = self.trees.stats()
         out["nodes"] = float(st["nodes"])
         out["memory_mb"] = st["memory_bytes"] / 2**20
-        out["keys"] = float(st["keys"])
+        out["keys"] = float(st["keys"] - self.trees.has_key(SHARED_KEY))
+        out["shared_nodes"] = float(self.trees.nodes_of(SHARED_KEY))
         return out
 
     def state_dict(self) -> dict:

@@ -64,7 +64,9 @@ the most recent; inserting into an existing key does not count), never a key wit
 and never the key being inserted into. If that still does not make room, insertion into the key
 stops: ``insert`` keeps the prefix that fitted; an in-flight request keeps drafting (its further
 tokens no longer enter the tree but still form its context, matched afresh against the stored
-tree on each propose) and nothing raises. ``stats()['memory_bytes']`` is ``sys.getsizeof`` over
+tree on each propose) and nothing raises. A key that collects the responses of all prompts (the
+engines' shared tree) is kept bounded by ``keep_newest``, which rebuilds it from its newest
+sequences. ``stats()['memory_bytes']`` is ``sys.getsizeof`` over
 the containers plus the per-state dicts and non-cached ints of ~4096 states sampled over all keys,
 scaled to each key's size; it agrees with tracemalloc within 1% (a test checks 15%). Measured:
 300-320 bytes a state, ~450 bytes a token of mutated arithmetic traces.
@@ -325,6 +327,12 @@ class DraftTrees:
 
     def propose(self, request_id: Hashable, max_tokens: int, min_prob: float = 0.1) -> list[int]:
         """Draft up to `max_tokens` tokens continuing the request's sequence (see module docstring)."""
+        return self.propose_scored(request_id, max_tokens, min_prob)[0]
+
+    def propose_scored(self, request_id: Hashable, max_tokens: int, min_prob: float = 0.1) -> tuple[list[int], float]:
+        """`propose`'s draft and its expected number of accepted tokens if the tree's frequencies were
+        the model's: the sum over the draft of the path probability up to each token (a draft is
+        accepted token by token until the first miss). Two sources' drafts compare by it."""
         req = self._reqs[request_id]
         self._trees.move_to_end(req.key)
         tree = req.tree
@@ -333,33 +341,34 @@ class DraftTrees:
         if req.tail is None:
             v = req.anchor                       # suffix of length min(len, max_depth) ...
             if not v:
-                return []
+                return [], 0.0
             while length[link[v]] >= max_match:  # ... -> of length min(len, max_match)
                 v = link[v]
             while v and not trans[v]:            # shorter until one has a continuation
                 v = link[v]
             if not v:
-                return []
+                return [], 0.0
             m = length[v]
             if m > max_match:
                 m = max_match
         else:
             v, m = self._match(tree, req)
             if not v:
-                return []
+                return [], 0.0
         room = self.max_depth - m                # deepest node: depth max_depth
         if max_tokens > room:
             max_tokens = room
         out: list[int] = []
         if max_tokens <= 0 or min_prob > 1.0:
-            return out
+            return out, 0.0
         append = out.append
         cnt, utok, ustate = tree.cnt, tree.utok, tree.ustate
-        prob = 1.0
+        prob, score = 1.0, 0.0
         for _ in range(max_tokens):
             c = utok[v]
             if c >= 0:                           # one child: probability factor 1
                 append(c)
+                score += prob
                 v = ustate[v]
                 continue
             d = trans[v]
@@ -376,8 +385,9 @@ class DraftTrees:
             if prob < min_prob:
                 break
             append(best)
+            score += prob
             v = bu
-        return out
+        return out, score
 
     def _match(self, tree: _Tree, req: _Request) -> tuple[int, int]:
         """(state, length) of the longest suffix with a continuation, matched from scratch over the
@@ -410,6 +420,40 @@ class DraftTrees:
         if toks:
             self._append(tree, seq, 0, 0, toks)
 
+    def keep_newest(self, key: str, max_nodes: int) -> int:
+        """Rebuild `key`'s automaton from its in-flight sequences and its newest finished ones that fit
+        in `max_nodes` states (counting 2 a token, the most a token can add); returns how many finished
+        sequences were dropped. A key shared by all prompts grows with every response, and an
+        automaton cannot forget a sequence: rebuilding from the newest is how it stays bounded. Its
+        requests keep drafting (re-pointed to the new automaton's states)."""
+        old = self._trees.get(key)
+        if old is None:
+            return 0
+        live = [r for r in self._reqs.values() if r.tree is old]
+        live_ids = {id(r.seq) for r in live}
+        room = int(max_nodes) - sum(2 * len(r.seq) for r in live)
+        kept: list[list[int]] = []
+        finished = [s for s in old.seqs if id(s) not in live_ids]
+        for seq in reversed(finished):
+            if 2 * len(seq) > room:
+                break
+            room -= 2 * len(seq)
+            kept.append(seq)
+        new = _Tree()
+        new.active = old.active
+        self._trees[key] = new                   # an existing key keeps its place in the LRU order
+        self._nodes -= old.nodes
+        for seq in reversed(kept):
+            new.seqs.append([])
+            self._append(new, new.seqs[-1], 0, 0, seq)
+        for req in live:
+            stored, req.tree, req.seq = req.seq, new, []
+            new.seqs.append(req.seq)
+            req.last, req.anchor, done = self._append(new, req.seq, 0, 0, stored)
+            if done < len(stored):
+                req.tail = stored[done:] + (req.tail or [])
+        return len(finished) - len(kept)
+
     def count(self, key: str, tokens: Sequence[int]) -> int:
         """Occurrences of the substring `tokens` in the key's sequences: the trie node's count
         (0 if absent, empty, or longer than max_depth)."""
@@ -435,6 +479,11 @@ class DraftTrees:
             if v is None:
                 return {}
         return {c: tree.cnt[u] for c, u in sorted(tree.trans[v].items())}
+
+    def nodes_of(self, key: str) -> int:
+        """Automaton states of one key (0 if absent)."""
+        tree = self._trees.get(key)
+        return tree.nodes if tree is not None else 0
 
     def has_key(self, key) -> bool:
         return key in self._trees

@@ -99,6 +99,9 @@ def tree_metrics(engine) -> dict[str, float]:
             "tree/generated_tokens": stats["generated_tokens"], "tree/request_steps": stats["request_steps"],
             "tree/engine_steps": stats["engine_steps"],
             "tree/own_draft_tokens": stats.get("own_draft_tokens", 0.0),
+            # drafts taken from the shared tree of all prompts' responses, and its size
+            "tree/shared_draft_tokens": stats.get("shared_draft_tokens", 0.0),
+            "tree/shared_nodes": stats.get("shared_nodes", 0.0),
             # the engine's decode loop for the batch (first to last drafting step) and the drafter's share
             "tree/loop_s": stats.get("loop_s", 0.0), "tree/draft_s": stats.get("draft_s", 0.0),
             "runahead/tokens": stats.get("runahead_tokens", 0.0),
