@@ -182,8 +182,11 @@ def test_runahead_joins_the_tail_feeds_its_tree_and_is_aborted(engine):
     prompts = [[rng.randrange(3, 263) for _ in range(8)] for _ in range(8)]
     greedy = SamplingSettings(temperature=0.0, need_logprobs=False)
     real = [GenerateRequest(p, 6 + 8 * i, draft_key=f"ra-real{i}", response_start=len(p)) for i, p in enumerate(prompts)]
+    # the next step's prompts differ from this step's: with the same prompts the shared tree would
+    # draft the run-ahead requests from the real ones' greedy tokens and they would finish at once
+    later = [[rng.randrange(3, 263) for _ in range(8)] for _ in range(8)]
     ahead = [GenerateRequest(p, 60, draft_key=f"ra-next{i}", response_start=len(p), runahead=True)
-             for i, p in enumerate(reversed(prompts))]
+             for i, p in enumerate(later)]
     plain = engine.generate([GenerateRequest(r.prompt_ids, r.max_new_tokens) for r in real], greedy, 0)
     engine.draft_stats()
     keys_before = engine.draft_stats()["keys"]
