@@ -212,7 +212,7 @@ def test_overlap_scheduler_tokens_come_from_spec_info_once(fake_sglang):
     step(w, b)
     stats = d.take_stats()
     assert stats["generated_tokens"] == 1 + 3 and stats["accepted_tokens"] == 2
-    assert d.trees.stats()["active_requests"] == 1
+    assert d.trees.stats()["active_requests"] == 2          # in its prompt's tree and in the shared tree
 
 
 def test_draft_length_follows_the_batch_and_the_context(fake_sglang, monkeypatch):
@@ -244,7 +244,7 @@ def test_response_start_and_finished_requests(worker):
     ext = Batch([Req("ext", [50, 51, 7, 8], "q", response_start=2)], n=5)
     ext.reqs[0].output_ids.append(9)
     assert step(worker, ext) == [[10, 11]]
-    assert d.trees.stats()["active_requests"] == 1
+    assert d.trees.stats()["active_requests"] == 2          # in its prompt's tree and in the shared tree
     step(worker, Batch([Req("other", [3], None)], n=5))
     assert d.trees.stats()["active_requests"] == 0 and d.trees.has_key("q")
 
