@@ -72,3 +72,14 @@ def test_the_shared_tree_drafts_a_response_another_prompt_wrote():
     windowed = replay_drafts.replay(steps, window=1, own_draft=False, settings=dict(SETTINGS, shared_nodes=1000),
                                     max_k=4, max_model_len=256)
     assert windowed[2]["steps"] == 20      # a window rebuilds per prompt: p's rollout is not q's history
+
+
+def test_a_bad_shared_nodes_is_refused_before_any_work(tmp_path):
+    import subprocess
+    import sys
+
+    tool = Path(__file__).parent.parent / "tools" / "replay_drafts.py"
+    for bad in ("1e6", "1000,-1"):
+        out = subprocess.run([sys.executable, str(tool), str(tmp_path / "absent"), "--shared-nodes", bad],
+                             capture_output=True, text=True)
+        assert out.returncode != 0 and f"--shared-nodes {bad!r}: expected non-negative integers" in out.stderr

@@ -131,6 +131,16 @@ def main() -> None:
             raise SystemExit(f"--step-cost {args.step_cost!r}: expected three numbers A,B,C (ms per step, per "
                              "request, per draft token)")
 
+    shared = [None]
+    if args.shared_nodes is not None:
+        try:
+            shared = [int(x) for x in args.shared_nodes.split(",")]
+        except ValueError:
+            shared = [-1]
+        if min(shared) < 0:
+            raise SystemExit(f"--shared-nodes {args.shared_nodes!r}: expected non-negative integers N[,N...] "
+                             "(the shared tree's bound in states; 0: prompt trees only)")
+
     steps = read_rollouts(args.rollouts)
     seen, first_full = set(), None
     for step, rows in steps.items():
@@ -142,7 +152,6 @@ def main() -> None:
     if start is None:
         raise SystemExit(f"{args.rollouts}: no step whose prompts all came before; pass --from-step")
     settings = {"token_budget": args.token_budget, "min_prob": args.min_prob}
-    shared = [None] if args.shared_nodes is None else [int(x) for x in args.shared_nodes.split(",")]
     print(f"{args.rollouts}: {len(steps)} rollouts of {len(next(iter(steps.values())))} samples; summary from step "
           f"{start}")
     for w, n in ((int(x), n) for x in args.window.split(",") for n in shared):
