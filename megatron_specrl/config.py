@@ -126,8 +126,9 @@ class RolloutConfig(_Strict):
     # Where `exact` verifies last epoch's response: `prefill` (one prompt-log-prob pass over every
     # draft, then an extension batch from the first rejection) or `decode` (with draft=tree: the
     # response is drafted first inside the engine's decode loop and verified K tokens a step by its
-    # rejection sampler, the same rule; no separate verification pass).
-    verify: Literal["prefill", "decode"] = "prefill"
+    # rejection sampler, the same rule; no separate verification pass). `auto`: decode exactly where
+    # it can run (exact with draft=tree), else prefill, so switching spec_mode or draft alone works.
+    verify: Literal["auto", "prefill", "decode"] = "auto"
 
     @field_validator("spec_mode", mode="before")
     @classmethod
@@ -305,7 +306,9 @@ class RunConfig(_Strict):
         if r.runahead and r.draft != "tree":
             raise ValueError(f"rollout.runahead={r.runahead} with rollout.draft={r.draft}: run-ahead tokens only "
                              "feed draft trees; set rollout.draft=tree or rollout.runahead=0")
-        if r.verify == "decode" and (r.spec_mode != "exact" or r.draft != "tree"):
+        if r.verify == "auto":
+            r.verify = "decode" if r.spec_mode == "exact" and r.draft == "tree" else "prefill"
+        elif r.verify == "decode" and (r.spec_mode != "exact" or r.draft != "tree"):
             raise ValueError(f"rollout.verify=decode with rollout.spec_mode={r.spec_mode}, rollout.draft={r.draft}: "
                              "verification in the decode loop is the engine's rejection sampler, which is the exact "
                              "rule and runs only with tree drafting; set spec_mode=exact and draft=tree, or "

@@ -112,16 +112,16 @@ def test_sampling_settings_and_speculative_modes():
     so the PPO ratio's old log-probs are recomputed by the learner."""
     recipe = ROOT / "examples/tiny-cpu-grpo.yaml"
     for mode in ("exact", "lenient"):
-        cfg = load_config(recipe, ["rollout.verify=prefill", f"rollout.spec_mode={mode}", "rollout.temperature=0.7", "rollout.top_p=0.9"])
+        cfg = load_config(recipe, [f"rollout.spec_mode={mode}", "rollout.temperature=0.7", "rollout.top_p=0.9"])
         assert cfg.learner.recompute_old_logprobs is True
-        assert load_config(recipe, ["rollout.verify=prefill", f"rollout.spec_mode={mode}", "rollout.top_k=20"]).learner.recompute_old_logprobs
+        assert load_config(recipe, [f"rollout.spec_mode={mode}", "rollout.top_k=20"]).learner.recompute_old_logprobs
         for bad in (["rollout.temperature=0.7"], ["rollout.top_p=0.9"], ["rollout.top_k=20"]):
             with pytest.raises(ConfigError, match="rollout.engine=sglang needs temperature 1"):
-                load_config(recipe, ["rollout.verify=prefill", f"rollout.spec_mode={mode}", "rollout.engine=sglang", *bad])
-    assert load_config(recipe, ["rollout.verify=prefill", "rollout.temperature=0.7"]).learner.recompute_old_logprobs is False   # no truncation
-    load_config(recipe, ["rollout.verify=prefill", "rollout.spec_mode=off", "rollout.engine=sglang", "rollout.top_p=0.9"])
+                load_config(recipe, [f"rollout.spec_mode={mode}", "rollout.engine=sglang", *bad])
+    assert load_config(recipe, ["rollout.temperature=0.7"]).learner.recompute_old_logprobs is False   # no truncation
+    load_config(recipe, ["rollout.spec_mode=off", "rollout.engine=sglang", "rollout.top_p=0.9"])
     with pytest.raises(ConfigError, match="recompute_old_logprobs=false with rollout.top_p=0.9"):
-        load_config(recipe, ["rollout.verify=prefill", "rollout.top_p=0.9", "learner.recompute_old_logprobs=false"])
+        load_config(recipe, ["rollout.top_p=0.9", "learner.recompute_old_logprobs=false"])
 
 
 def test_loss_settings_follow_verl():
@@ -192,8 +192,13 @@ def test_tree_drafting_keys_reach_both_engines_and_sglang_refuses_runahead():
 def test_verification_in_the_decode_loop_needs_exact_and_tree_drafting():
     recipe = ROOT / "examples/tiny-cpu-grpo.yaml"
     assert load_config(recipe, ["rollout.draft=tree", "rollout.verify=decode"]).rollout.verify == "decode"
-    assert load_config(recipe).rollout.verify == "decode"     # the main job's default (README)
-    for overrides in (["rollout.draft=none", "rollout.verify=decode"], ["rollout.spec_mode=lenient"], ["rollout.draft=tree", "rollout.spec_mode=lenient", "rollout.verify=decode"]):
+    assert load_config(recipe).rollout.verify == "decode"     # the main job's default (README), from `auto`
+    # `auto` resolves to decode only where it can run, so switching the mode or the drafter alone works.
+    for overrides, want in ((["rollout.spec_mode=lenient"], "prefill"), (["rollout.spec_mode=off"], "prefill"),
+                            (["rollout.draft=none"], "prefill"), (["rollout.verify=prefill"], "prefill")):
+        assert load_config(recipe, overrides).rollout.verify == want, overrides
+    assert load_config(ROOT / "examples/tiny-cpu-dapo.yaml").rollout.verify == "prefill"   # exact without tree
+    for overrides in (["rollout.draft=none", "rollout.verify=decode"], ["rollout.spec_mode=lenient", "rollout.verify=decode"]):
         with pytest.raises(ConfigError, match="rollout.verify=decode with rollout.spec_mode="):
             load_config(recipe, overrides)
     with pytest.raises(ConfigError, match="rollout.verify"):
