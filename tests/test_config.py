@@ -197,7 +197,7 @@ def test_verification_in_the_decode_loop_needs_exact_and_tree_drafting():
     for overrides, want in ((["rollout.spec_mode=lenient"], "prefill"), (["rollout.spec_mode=off"], "prefill"),
                             (["rollout.draft=none"], "prefill"), (["rollout.verify=prefill"], "prefill")):
         assert load_config(recipe, overrides).rollout.verify == want, overrides
-    assert load_config(ROOT / "examples/tiny-cpu-dapo.yaml").rollout.verify == "prefill"   # exact without tree
+    assert load_config(ROOT / "examples/qwen2.5-7b-dapo-1node.yaml").rollout.verify == "prefill"   # exact, no tree
     for overrides in (["rollout.draft=none", "rollout.verify=decode"], ["rollout.spec_mode=lenient", "rollout.verify=decode"]):
         with pytest.raises(ConfigError, match="rollout.verify=decode with rollout.spec_mode="):
             load_config(recipe, overrides)
