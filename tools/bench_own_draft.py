@@ -17,6 +17,7 @@ step (how much of the loop is the batch's tail), the ratios to `plain`, and for 
 fitted cost of a decode step (ms = a + b x requests + c x draft tokens, as bench-rollout prints it).
 
     python tools/bench_own_draft.py --model ~/.cache/megatron_specrl/warmup/warmup-<hash> [--rounds 12]
+        [--profile tree]    # cProfile that arm's generations (its timings then include the profiler)
 
 The model: a warm-up checkpoint (the first `megatron-specrl bench-rollout` run writes one; its
 warmup.json names the task, which sets the prompts here).
@@ -25,8 +26,10 @@ warmup.json names the task, which sets the prompts here).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import sys
 import tempfile
@@ -46,6 +49,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--profile", choices=ARMS, help="cProfile this arm's generations; print the top functions")
     args = ap.parse_args()
     model = Path(args.model).expanduser()
     if not (model / "warmup.json").is_file():
@@ -77,12 +81,17 @@ def main() -> None:
         old = engine.generate(requests("tree", 0), sampling, 0)
         engine.generate(requests("tree", 500), sampling, 0)
         engine.draft_stats()
+        profile = cProfile.Profile() if args.profile else None
         times = {a: [] for a in ARMS}
         stats = {a: [] for a in ARMS}
         for r in range(args.rounds):
             for arm in (ARMS if r % 2 == 0 else ARMS[::-1]):
                 t = time.perf_counter()
+                if arm == args.profile:
+                    profile.enable()
                 engine.generate(requests(arm, 10_000 * (r + 1), old), sampling, 0)
+                if arm == args.profile:
+                    profile.disable()
                 times[arm].append(time.perf_counter() - t)
                 stats[arm].append(engine.draft_stats())
         engine.shutdown()
@@ -103,6 +112,10 @@ def main() -> None:
         if fit is not None:
             print(f"         decode step cost (fit over its steps): {fit[0]:.1f} ms + {fit[1]:.3f} ms x requests + "
                   f"{fit[2]:.4f} ms x draft tokens")
+
+    if profile is not None:
+        print(f"cProfile of `{args.profile}` ({args.rounds} generations), by own time:")
+        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":
