@@ -17,8 +17,8 @@ import random
 import socket
 from pathlib import Path
 
-_LOWEST = 20000                                      # above the registered services people run
-_AVOID = frozenset({29500, 29400, 6379, 8265, 10001})  # torchrun, c10d, Ray GCS/dashboard/client
+_LOWEST = 20000              # above Ray's default worker ports (10002-19999) and its GCS / dashboard / client
+_AVOID = frozenset({29400, 29500})   # torch.distributed's c10d and torchrun defaults, in the range drawn from
 
 
 def ephemeral_range() -> tuple[int, int]:
