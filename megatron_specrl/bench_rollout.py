@@ -154,6 +154,11 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, float]:
         if fit is not None:
             for name, value in zip(("ms", "ms_per_request", "ms_per_draft_token"), fit):
                 summary[f"step_cost_{name}_{m}"] = value
+        draft_s = sum(e["draft_s"] for e in eps)
+        if draft_s:
+            # the drafter runs on the engine's critical path between two forwards: what it costs per
+            # request and step says how much of a (much shorter) GPU decode step it would take
+            summary[f"draft_us_per_request_step_{m}"] = 1e6 * draft_s / max(sum(e["request_steps"] for e in eps), 1)
         drafted = sum(e["draft_tokens"] for e in eps)
         if drafted:
             summary[f"draft_accept_rate_{m}"] = sum(e["draft_accepted"] for e in eps) / drafted
@@ -270,7 +275,9 @@ def time_table(spreads: dict[str, dict[str, float]], modes: list[str], n_seeds: 
     drafter inside it; the call less the loop is request intake, the first prefill and outputs;
     `other` is the driver's own work. Milliseconds per decode step = generation call / decode steps;
     requests running per step shows how much of the loop serves the batch's tail; with tree drafting,
-    what a decode step costs, fitted over its steps: ms = a + b x requests + c x draft tokens."""
+    what a decode step costs, fitted over its steps: ms = a + b x requests + c x draft tokens; and the
+    drafter's own microseconds per request and decode step (on a GPU, where a step takes a few ms, this is
+    what decides whether drafting stays off the critical path)."""
     def cell(key, fmt="{:.3f}"):
         return fmt.format(spreads[key]["mean"]) if key in spreads else "-"
 
@@ -278,7 +285,7 @@ def time_table(spreads: dict[str, dict[str, float]], modes: list[str], n_seeds: 
                         f"(mean of {n_seeds} seed{'s' if n_seeds > 1 else ''})")
     for col in ["mode", "verification", "generation call", "decode loop (tree)", "drafter (tree)", "other",
                 "decode steps", "requests running / step", "ms / decode step", "draft accepted",
-                "ms / step (fit)"]:
+                "drafter us / request-step", "ms / step (fit)"]:
         table.add_column(col, justify="right")
     for m in modes:
         table.add_row(m, cell(f"per_rollout_verify_s_{m}"), cell(f"per_rollout_generate_s_{m}"),
@@ -286,6 +293,7 @@ def time_table(spreads: dict[str, dict[str, float]], modes: list[str], n_seeds: 
                       cell(f"per_rollout_other_s_{m}"), cell(f"decode_steps_{m}", "{:.1f}"),
                       cell(f"running_per_step_{m}", "{:.1f}"),
                       cell(f"ms_per_decode_step_{m}", "{:.1f}"), cell(f"draft_accept_rate_{m}", "{:.0%}"),
+                      cell(f"draft_us_per_request_step_{m}", "{:.1f}"),
                       "-" if f"step_cost_ms_{m}" not in spreads else
                       f"{cell(f'step_cost_ms_{m}', '{:.1f}')}+{cell(f'step_cost_ms_per_request_{m}', '{:.3f}')}r"
                       f"+{cell(f'step_cost_ms_per_draft_token_{m}', '{:.4f}')}d")

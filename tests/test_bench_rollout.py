@@ -78,6 +78,9 @@ def test_summary_counts_only_steady_epochs():
     assert s["per_rollout_other_s_lenient"] == pytest.approx(0.05)
     assert s["per_rollout_other_s_off"] == pytest.approx(0.25)
     assert s["ms_per_decode_step_lenient"] == pytest.approx(1000 * 1.0 / 240)
+    # the drafter's own time per request and decode step: 2 x 0.05 s over 2 x 480 request-steps
+    assert s["draft_us_per_request_step_lenient"] == pytest.approx(1e6 * 0.1 / 960)
+    assert "draft_us_per_request_step_off" not in s
     assert s["ms_per_decode_step_off"] == pytest.approx(1000 * 7.0 / 240)
     assert s["draft_accept_rate_lenient"] == pytest.approx(0.4) and "draft_accept_rate_off" not in s
     assert s["running_per_step_lenient"] == pytest.approx(2 * 480 / 240)
@@ -127,6 +130,7 @@ def test_bench_smoke_run_writes_json(tmp_path):
     assert 0 < t["per_rollout_draft_s_tree"] < t["per_rollout_loop_s_tree"] < t["per_rollout_generate_s_tree"]
     assert t["per_rollout_loop_s_off"] == 0.0 and t["per_rollout_generate_s_off"] > 0
     assert 0 <= t["draft_accept_rate_tree"] <= 1 and t["ms_per_decode_step_tree"] > 0
+    assert t["draft_us_per_request_step_tree"] > 0 and "draft_us_per_request_step_off" not in t
     # decode-step cost sums: steps timed inside the decode loop, by the tree drafter only
     for e in run["epochs"]["tree"]:
         assert 0 < e["step_cost_sums"]["cost_n"] < e["decode_steps"] * e["rollouts"] and 0 < e["step_cost_sums"]["cost_y"] <= e["loop_s"]

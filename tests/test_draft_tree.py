@@ -524,3 +524,28 @@ def test_keep_newest_rebuilds_from_the_newest_sequences_and_live_requests_go_on(
                 assert t.propose(rid, mt, 0.0) == reference_propose(seqs, s, mt, 0.0, max_match, max_depth)
             assert t.stats()["nodes"] == t.nodes_of("k") + t.nodes_of("other")
     assert t.keep_newest("absent", 10) == 0 and t.count("other", [1, 2]) == 2
+
+
+def test_depth_beyond_match_plus_draft_length_changes_no_proposal():
+    """The engines keep counts only to max_match + the longest draft (TreeDrafter's default max_depth):
+    a proposal reads no deeper, so a deeper automaton proposes exactly the same drafts and scores."""
+    rng = random.Random(11)
+    for trial in range(30):
+        vocab, max_match, k = rng.choice([2, 3, 4]), rng.randint(1, 6), rng.randint(1, 8)
+        shallow = DraftTrees(max_depth=max_match + k, max_match=max_match)
+        deep = DraftTrees(max_depth=max_match + k + rng.randint(1, 12), max_match=max_match)
+        live = []
+        for step in range(60):
+            if rng.random() < 0.2 or not live:
+                rid = (trial, step)
+                prefix = [rng.randrange(vocab) for _ in range(rng.randint(0, 3))]
+                for t in (shallow, deep):
+                    t.start(rid, "key", prefix)
+                live.append(rid)
+            rid = rng.choice(live)
+            toks = [rng.randrange(vocab) for _ in range(rng.randint(1, 5))]
+            for t in (shallow, deep):
+                t.extend(rid, toks)
+            for rid in live:
+                mt, mp = rng.randint(0, k), rng.choice([0.0, 0.1, 0.4])
+                assert shallow.propose_scored(rid, mt, mp) == deep.propose_scored(rid, mt, mp)

@@ -250,3 +250,11 @@ def test_shared_tree_stays_within_its_bound_and_prompt_trees_keep_everything(mon
     q = _proposer(monkeypatch, k=4, min_prob=0.0, shared_nodes=60)
     q.load_state_dict(state)
     assert q.trees.nodes_of(SHARED_KEY) == p.trees.nodes_of(SHARED_KEY)
+
+
+def test_trees_keep_counts_as_deep_as_a_match_plus_a_draft(monkeypatch):
+    """max_depth defaults to max_match + the longest draft (what a proposal can read); an explicit
+    setting still wins."""
+    assert _proposer(monkeypatch, k=16).trees.max_depth == 16 + 16
+    assert _proposer(monkeypatch, k=4, max_match=8).trees.max_depth == 12
+    assert _proposer(monkeypatch, k=4, max_depth=40).trees.max_depth == 40

@@ -68,7 +68,9 @@ OWN_DRAFT = "specrl_own_draft"        # token ids drafted first, while the respo
 
 SHARED_KEY = "\x00shared"            # the tree of all prompts' responses (no prompt id starts with NUL)
 
-DEFAULTS = {"max_depth": 40, "max_match": 16, "max_nodes": 4_000_000, "min_prob": 0.1,
+# max_depth None: max_match + max_k, the deepest trie node a proposal reads (a match of up to max_match
+# tokens continued by up to max_k); counts kept deeper would only cost time on every token extended
+DEFAULTS = {"max_depth": None, "max_match": 16, "max_nodes": 4_000_000, "min_prob": 0.1,
             "token_budget": 2048, "shared_nodes": 1_000_000}
 
 # least-squares sums over steps for seconds = a + b r + c d (r: requests in the step, d: draft tokens)
@@ -139,8 +141,8 @@ class TreeDrafter:
         self.max_k, self.max_model_len = int(max_k), int(max_model_len)
         self.min_prob, self.token_budget = float(s["min_prob"]), int(s["token_budget"])
         self.shared_nodes = int(s["shared_nodes"])   # 0: each prompt's own tree only
-        self.trees = DraftTrees(max_depth=int(s["max_depth"]), max_match=int(s["max_match"]),
-                                max_nodes=int(s["max_nodes"]))
+        max_depth = int(s["max_match"]) + self.max_k if s["max_depth"] is None else int(s["max_depth"])
+        self.trees = DraftTrees(max_depth=max_depth, max_match=int(s["max_match"]), max_nodes=int(s["max_nodes"]))
         # request id -> [response start, tokens of the response already in the tree, last draft length,
         # run-ahead (0/1)]; None for requests that did not opt in
         self._live: dict[str, list[int] | None] = {}
