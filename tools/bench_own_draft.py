@@ -108,6 +108,9 @@ def main() -> None:
               f"drafted {mean('draft_tokens'):7.0f} (own {mean('own_draft_tokens'):6.0f})  "
               f"accepted {mean('accepted_tokens'):6.0f}  requests running / step "
               f"{mean('request_steps') / max(mean('engine_steps'), 1):5.1f}")
+        if mean('draft_s'):
+            print(f"         drafter {1000 * mean('draft_s'):.0f} ms of the {1000 * mean('loop_s'):.0f} ms decode loop, "
+                  f"{1e6 * mean('draft_s') / max(mean('request_steps'), 1):.1f} us per request-step")
         fit = fit_step_cost({k: sum(s.get(k, 0.0) for s in stats[arm]) for k in STEP_COST_SUMS})
         if fit is not None:
             print(f"         decode step cost (fit over its steps): {fit[0]:.1f} ms + {fit[1]:.3f} ms x requests + "
