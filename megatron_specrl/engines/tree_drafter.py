@@ -25,7 +25,7 @@ Per engine step:
   different prompts share much of their text (on the arithmetic task, the steps of a sum; on real
   tasks, phrasing and formulas), and a sample that leaves its prompt's paths usually finds itself in
   the shared tree: replayed on a training run's tokens it cut the decode steps per rollout from 41.5
-  to 19.9 (README). The shared tree is rebuilt from its newest half once it passes `shared_nodes`
+  to 19.9 (docs/measurements.md). The shared tree is rebuilt from its newest half once it passes `shared_nodes`
   states (`DraftTrees.keep_newest`), between or during batches;
 - a request that carries an own draft (`OWN_DRAFT`: its sample's last-epoch response, rollout.verify=
   decode) drafts that response's next K tokens instead, for as long as its response equals the own
@@ -33,7 +33,7 @@ Per engine step:
   sampler accepts a point-mass draft token y with p(y) and otherwise samples p without y: exactly the
   `exact` rule's verification, done a few tokens per decode step instead of in one prefill. The own
   draft is not cut by probability: stopping it where its old log-probs fall below `min_prob` drafted
-  6% fewer tokens but took more engine steps and was no faster on this CPU (README).
+  6% fewer tokens but took more engine steps and was no faster on this CPU (docs/measurements.md).
 
 Besides the token counters, two clocks (seconds since the last take_stats, in the engine's process):
 `draft_s`, the drafter's own time inside its steps, and `loop_s`, from the first to the last step in
@@ -45,7 +45,7 @@ the forward that verifies the drafts, sampling, scheduling, drafting) against th
 the draft tokens it verified, kept as the sums of a least-squares fit (`STEP_COST_SUMS`; sums add
 across engines and rollouts) so that `fit_step_cost` gives ms = a + b x requests + c x draft tokens.
 On a GPU c should be near 0 (a decode step is memory-bound); on this CPU a step costs 5-9 ms
-whatever it holds and a draft token about a twentieth of a request (README). Steps whose interval
+whatever it holds and a draft token about a twentieth of a request (docs/measurements.md). Steps whose interval
 held anything else are left out: the first step of a batch, a step that took in a new request (its
 prefill), and the gap between two batches.
 """
