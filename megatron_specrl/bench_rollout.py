@@ -276,8 +276,8 @@ def time_table(spreads: dict[str, dict[str, float]], modes: list[str], n_seeds: 
     `other` is the driver's own work. Milliseconds per decode step = generation call / decode steps;
     requests running per step shows how much of the loop serves the batch's tail; with tree drafting,
     what a decode step costs, fitted over its steps: ms = a + b x requests + c x draft tokens; and the
-    drafter's own microseconds per request and decode step (on a GPU, where a step takes a few ms, this is
-    what decides whether drafting stays off the critical path)."""
+    drafter's own microseconds per request and decode step (it runs between two forwards: on a GPU,
+    whose decode steps are far shorter than this CPU's, it decides whether drafting pays)."""
     def cell(key, fmt="{:.3f}"):
         return fmt.format(spreads[key]["mean"]) if key in spreads else "-"
 
