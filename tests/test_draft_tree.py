@@ -1,6 +1,7 @@
 """Per-prompt draft trees (rollout/draft_tree.py): counts, matching, proposals, in-flight siblings,
 eviction, persistence. Expectations are computed by hand in the comments, plus one randomized
-cross-check against a brute-force reference of the documented trie semantics."""
+cross-check against a brute-force reference of the documented trie semantics. Every test runs on
+both implementations: the Python automata and the compiled ones (rollout/draft_tree_compiled.py)."""
 
 import json
 import random
@@ -9,7 +10,16 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from megatron_specrl.rollout import draft_tree_compiled
 from megatron_specrl.rollout.draft_tree import DraftTrees
+
+
+@pytest.fixture(autouse=True, params=["python", "compiled"])
+def impl(request, monkeypatch):
+    """Runs the module's tests on DraftTrees and on CompiledDraftTrees (the name DraftTrees is rebound)."""
+    if request.param == "compiled":
+        monkeypatch.setitem(globals(), "DraftTrees", draft_tree_compiled.CompiledDraftTrees)
+    return request.param
 
 
 def started(trees, rid, key, tokens):
@@ -277,7 +287,7 @@ def test_many_inserts_stay_within_max_nodes():
         t.insert(f"k{rng.randrange(40)}", [rng.randrange(6) for _ in range(rng.randrange(1, 30))])
         st = t.stats()
         assert st["nodes"] <= 300
-        assert st["nodes"] == sum(len(tree.length) - 1 for tree in t._trees.values())   # bookkeeping
+        assert st["nodes"] == sum(tree.nodes for tree in t._trees.values())   # bookkeeping
     assert st["evicted_keys"] > 0
 
 

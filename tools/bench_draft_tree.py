@@ -1,4 +1,5 @@
-"""Benchmark the per-prompt draft trees (megatron_specrl/rollout/draft_tree.py) in pure Python.
+"""Benchmark the per-prompt draft trees: the pure-Python automata (megatron_specrl/rollout/draft_tree.py)
+and the compiled ones (rollout/draft_tree_compiled.py), side by side in one run (`--impl`).
 
 Synthetic arithmetic traces (vocabulary of 40: digits, '+', '=', ' ', and 27 other tokens), one
 base trace of 96 tokens per key; every sequence of a key is the base with 5% of its tokens
@@ -14,7 +15,11 @@ replaced at random. Prints:
   bounded by max_depth instead of growing with the loop's length.
 * rebuilding ~100k tokens from state_dict(), and the memory estimate per token.
 
-    python tools/bench_draft_tree.py [--repeats 5] [--seed 0]
+    python tools/bench_draft_tree.py [--repeats 5] [--seed 0] [--impl python,compiled]
+
+Each implementation runs every section with the same random traces; the last line prints the compiled
+trees' in-flight cost per request as a ratio of the Python trees'. The compiled trees' first use
+compiles them (or loads numba's cache), outside the timed sections.
 
 Budget (the task's): < 1.5 ms per in-flight step, < 50 ms per 128 x 96 insert, < 2 s per 100k rebuild.
 """
@@ -31,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from megatron_specrl.engines.tree_drafter import trees_class
 from megatron_specrl.rollout.draft_tree import DraftTrees
 
 VOCAB = 40
@@ -77,8 +83,7 @@ def in_flight(trees: DraftTrees, epoch: list[tuple[str, list[int]]], rng: random
         chunks = [epoch[i][1][pos[i]:pos[i] + n] for i, n in plan]
         t0, c0 = time.perf_counter(), time.process_time()
         for (i, _), chunk in zip(plan, chunks):
-            trees.extend(i, chunk)
-            drafts.append(trees.propose(i, 16))
+            drafts.append(trees.extend_and_propose((i,), chunk, 16)[0])   # what the engines call
         step_times.append((time.perf_counter() - t0, time.process_time() - c0, len(plan)))
         still = []
         for (i, n), draft in zip(plan, drafts):
@@ -101,18 +106,36 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--impl", default="python,compiled", help="comma-separated: python, compiled")
     args = ap.parse_args()
+    per_request = {}
+    for impl in args.impl.split(","):
+        cls = trees_class(impl)
+        warm = cls()                 # compile (or load the cache) before timing
+        warm.start(0, "k", [1, 2, 3])
+        warm.extend_and_propose([0], [4], 4)
+        print(f"== {impl}: {cls.__name__}")
+        per_request[impl] = run(cls, args)
+    if len(per_request) == 2 and "python" in per_request and "compiled" in per_request:
+        print(f"in-flight cpu per request (extend + propose), compiled / python: last epoch in trees "
+              f"{per_request['compiled'][0] / per_request['python'][0]:.2f}, empty trees "
+              f"{per_request['compiled'][1] / per_request['python'][1]:.2f}")
+
+
+def run(trees_cls: type[DraftTrees], args) -> tuple[float, float]:
+    """Every section with one implementation; returns the in-flight us per request (warm, empty trees)."""
     rng = random.Random(args.seed)
     bases = {f"prompt-{k}": base_trace(rng) for k in range(KEYS)}
+    out = []
 
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (wall times include other processes; "
           "cpu = this process's time)")
     print(f"python {sys.version.split()[0]}; {KEYS} keys x {SAMPLES} samples x {LENGTH} tokens, vocab {VOCAB}, "
-          "5% mutations; DraftTrees(max_depth=32, max_match=16)")
+          f"5% mutations; {trees_cls.__name__}(max_depth=32, max_match=16)")
     for warm in (True, False):
         steps, prop, corr = [], 0, 0
         for _ in range(args.repeats):
-            trees = DraftTrees()
+            trees = trees_cls()
             if warm:
                 for key, seq in make_epoch(rng, bases):
                     trees.insert(key, seq)
@@ -128,6 +151,7 @@ def main() -> None:
             print(f"{label}, {name} time of {len(ms)} full steps (128 requests: extend 1-4 tokens + propose 16): "
                   f"median {statistics.median(ms):.3f} ms, p10 {ms[len(ms) // 10]:.3f}, "
                   f"p90 {ms[len(ms) * 9 // 10]:.3f}, mean {statistics.mean(ms):.3f} ms")
+        out.append(per_req_us)
         print(f"    {per_req_us:.1f} us cpu per request (all steps); {prop / sum(n for _, _, n in steps):.1f} tokens "
               f"proposed per request-step, {corr / max(prop, 1):.0%} of them continue the trace")
 
@@ -135,7 +159,7 @@ def main() -> None:
     for _ in range(args.repeats):
         epoch = make_epoch(rng, bases)
         t0, c0 = time.perf_counter(), time.process_time()
-        trees = DraftTrees()
+        trees = trees_cls()
         for key, seq in epoch:
             trees.insert(key, seq)
         times.append((time.perf_counter() - t0, time.process_time() - c0))
@@ -148,7 +172,7 @@ def main() -> None:
     for period in (1, 7):
         loop = [i % period for i in range(8192)]
         t0 = time.process_time()
-        trees = DraftTrees()
+        trees = trees_cls()
         trees.start("r", "loop")
         for i in range(0, len(loop), 4):
             trees.extend("r", loop[i:i + 4])
@@ -157,7 +181,7 @@ def main() -> None:
         print(f"degenerate repetition loop (period {period}), 8192 tokens in flight, 4 a step + propose: "
               f"cpu {dt * 1e3:.1f} ms ({dt * 1e6 / 2048:.1f} us a step)")
 
-    big = DraftTrees()
+    big = trees_cls()
     n_keys = n_tokens = 0
     while n_tokens < 100_000:
         key = f"prompt-{n_keys}"
@@ -168,7 +192,7 @@ def main() -> None:
         n_tokens += SAMPLES * len(base)
     state = big.state_dict()
     t0 = time.perf_counter()
-    restored = DraftTrees.from_state_dict(state)
+    restored = trees_cls.from_state_dict(state)
     dt = time.perf_counter() - t0
     t0 = time.perf_counter()
     st = restored.stats()
@@ -177,6 +201,7 @@ def main() -> None:
           f"{st['nodes']} nodes, memory_bytes {st['memory_bytes'] / 1e6:.1f} MB "
           f"({st['memory_bytes'] / st['tokens']:.0f} B a token, {st['memory_bytes'] / st['nodes']:.0f} B a node); "
           f"stats() took {dst * 1e3:.1f} ms")
+    return out[0], out[1]
 
 
 if __name__ == "__main__":

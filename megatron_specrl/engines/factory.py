@@ -23,7 +23,8 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, log_dir: str | Path, inde
                   gpu_memory_utilization=cfg.gpu_memory_utilization, log_dir=str(log_dir))
     draft = dict(draft=cfg.draft, draft_tokens=cfg.draft_tokens,
                  draft_settings={"min_prob": cfg.draft_min_prob, "token_budget": cfg.draft_token_budget,
-                                 "max_nodes": cfg.draft_max_nodes, "shared_nodes": cfg.draft_shared_nodes})
+                                 "max_nodes": cfg.draft_max_nodes, "shared_nodes": cfg.draft_shared_nodes,
+                                 "impl": cfg.draft_impl})
     if cfg.engine == "vllm":
         from megatron_specrl.engines.vllm_engine import VLLMEngine
         # Generated tokens report processed log-probs (after temperature, top-k and top-p), the

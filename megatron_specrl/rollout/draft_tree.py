@@ -104,6 +104,7 @@ class _Tree:
     """The suffix automaton of one key: parallel lists indexed by state id; state 0 is the root."""
 
     __slots__ = ("trans", "link", "length", "cnt", "utok", "ustate", "seqs", "active")
+    root = 0
 
     def __init__(self):
         self.trans: list[dict[int, int]] = [{}]   # token -> state
@@ -126,9 +127,9 @@ class _Request:
     def __init__(self, tree: _Tree, key: str, seq: list[int]):
         self.tree = tree
         self.key = key
-        self.seq = seq        # the stored sequence (also in tree.seqs)
-        self.last = 0         # automaton state of the whole stored sequence
-        self.anchor = 0       # state of its suffix of length min(len, max_depth)
+        self.seq = seq              # the stored sequence (also in tree.seqs)
+        self.last = tree.root       # automaton state of the whole stored sequence
+        self.anchor = tree.root     # state of its suffix of length min(len, max_depth)
         self.tail = None      # tokens past the stored ones, once the tree had no room (else None)
 
 
@@ -251,10 +252,23 @@ class DraftTrees:
             victims.append(key)
             freed += tree.nodes
         for key in victims:
-            del self._trees[key]
+            self._drop_tree(self._trees.pop(key))
         self._nodes -= freed
         self._evicted += len(victims)
         return self._nodes + need <= self.max_nodes
+
+    # -- the automaton's storage (CompiledDraftTrees keeps the same automata in numpy arrays) -------
+    def _new_tree(self) -> _Tree:
+        return _Tree()
+
+    def _drop_tree(self, tree: _Tree) -> None:
+        """A tree left the trees (evicted, or replaced by keep_newest): nothing to free here."""
+
+    def _feed_tree(self, tree: _Tree, last: int, anchor: int, n: int, tokens, room: int) -> tuple[int, int, int, int]:
+        """`_feed`, and the states it made: (last, anchor, tokens appended, new states)."""
+        n0 = len(tree.length)
+        last, anchor, done = _feed(tree, last, anchor, n, tokens, room, self.max_depth)
+        return last, anchor, done, len(tree.length) - n0
 
     def _tree(self, key: str, use: bool) -> _Tree:
         """The key's tree, created as the most recently used key if new; `use` marks an existing
@@ -263,7 +277,7 @@ class DraftTrees:
         if tree is None:
             if not isinstance(key, str):
                 raise TypeError(f"draft tree keys are prompt id strings, got {type(key).__name__}")
-            tree = self._trees[key] = _Tree()
+            tree = self._trees[key] = self._new_tree()
         elif use:
             self._trees.move_to_end(key)
         return tree
@@ -280,9 +294,8 @@ class DraftTrees:
                     break
                 room = self.max_nodes - self._nodes
             chunk = tokens[done:done + room // 2]    # surely fits: the feed cannot stop inside it
-            n0 = len(tree.length)
-            last, anchor, k = _feed(tree, last, anchor, len(seq), chunk, room, self.max_depth)
-            self._nodes += len(tree.length) - n0
+            last, anchor, k, made = self._feed_tree(tree, last, anchor, len(seq), chunk, room)
+            self._nodes += made
             seq.extend(chunk if k == len(chunk) else chunk[:k])
             done += k
         return last, anchor, done
@@ -309,10 +322,9 @@ class DraftTrees:
         tree = req.tree
         n = len(tokens)
         if self._nodes + 2 * n <= self.max_nodes:          # fast path: room for any outcome
-            n0 = len(tree.length)
-            req.last, req.anchor, _ = _feed(tree, req.last, req.anchor, len(req.seq), tokens, _UNBOUNDED,
-                                            self.max_depth)
-            self._nodes += len(tree.length) - n0
+            req.last, req.anchor, _, made = self._feed_tree(tree, req.last, req.anchor, len(req.seq), tokens,
+                                                            _UNBOUNDED)
+            self._nodes += made
             req.seq.extend(tokens)
             return
         tokens = list(tokens)
@@ -328,6 +340,24 @@ class DraftTrees:
     def propose(self, request_id: Hashable, max_tokens: int, min_prob: float = 0.1) -> list[int]:
         """Draft up to `max_tokens` tokens continuing the request's sequence (see module docstring)."""
         return self.propose_scored(request_id, max_tokens, min_prob)[0]
+
+    def extend_and_propose(self, request_ids: Sequence[Hashable], tokens: Sequence[int], max_tokens: int,
+                           min_prob: float = 0.1) -> tuple[list[int], int]:
+        """Extend each request (several sequences growing alike, e.g. one in its prompt's tree and one
+        in a shared tree) by `tokens`, then draft from the best of their proposals: a later request's
+        draft replaces the draft so far when it differs and scores at least as high. Returns (draft,
+        index of the request it came from). One call per engine step and request, so that
+        CompiledDraftTrees can do it all in one compiled call."""
+        if len(tokens):
+            for rid in request_ids:
+                self.extend(rid, tokens)
+        best: list[int] = []
+        best_score, src = 0.0, 0
+        for i, rid in enumerate(request_ids):
+            draft, score = self.propose_scored(rid, max_tokens, min_prob)
+            if i == 0 or (score >= best_score and draft != best):
+                best, best_score, src = draft, score, i
+        return best, src
 
     def propose_scored(self, request_id: Hashable, max_tokens: int, min_prob: float = 0.1) -> tuple[list[int], float]:
         """`propose`'s draft and its expected number of accepted tokens if the tree's frequencies were
@@ -418,7 +448,7 @@ class DraftTrees:
         tree.seqs.append(seq)
         toks = [int(t) for t in tokens]
         if toks:
-            self._append(tree, seq, 0, 0, toks)
+            self._append(tree, seq, tree.root, tree.root, toks)
 
     def keep_newest(self, key: str, max_nodes: int) -> int:
         """Rebuild `key`'s automaton from its in-flight sequences and its newest finished ones that fit
@@ -439,17 +469,18 @@ class DraftTrees:
                 break
             room -= 2 * len(seq)
             kept.append(seq)
-        new = _Tree()
+        new = self._new_tree()
         new.active = old.active
         self._trees[key] = new                   # an existing key keeps its place in the LRU order
         self._nodes -= old.nodes
+        self._drop_tree(old)
         for seq in reversed(kept):
             new.seqs.append([])
-            self._append(new, new.seqs[-1], 0, 0, seq)
+            self._append(new, new.seqs[-1], new.root, new.root, seq)
         for req in live:
             stored, req.tree, req.seq = req.seq, new, []
             new.seqs.append(req.seq)
-            req.last, req.anchor, done = self._append(new, req.seq, 0, 0, stored)
+            req.last, req.anchor, done = self._append(new, req.seq, new.root, new.root, stored)
             if done < len(stored):
                 req.tail = stored[done:] + (req.tail or [])
         return len(finished) - len(kept)
@@ -575,7 +606,7 @@ class DraftTrees:
                 seq = flat[offsets[i]:offsets[i + 1]]
                 tree.seqs.append([])
                 if seq:
-                    trees._append(tree, tree.seqs[-1], 0, 0, seq)
+                    trees._append(tree, tree.seqs[-1], tree.root, tree.root, seq)
                 i += 1
         return trees
 
