@@ -21,7 +21,9 @@ Per engine step:
   cut-off `min_prob` relaxes as the batch empties (DAS and FastGRPO size drafts the same way);
 - every response also enters one shared tree of all prompts' responses (`SHARED_KEY`, SuffixDecoding's
   global tree), and a request drafts from both: it takes the shared tree's draft unless its own
-  prompt's draft has the higher expected accepted length (`DraftTrees.propose_scored`). Rollouts of
+  prompt's draft has the higher expected accepted length (`DraftTrees.propose_scored`; extending both
+  trees and proposing from both is one `extend_and_propose` call, one compiled call with
+  `impl=compiled`, rollout/draft_tree_compiled.py). Rollouts of
   different prompts share much of their text (on the arithmetic task, the steps of a sum; on real
   tasks, phrasing and formulas), and a sample that leaves its prompt's paths usually finds itself in
   the shared tree: replayed on a training run's tokens it cut the decode steps per rollout from 41.5

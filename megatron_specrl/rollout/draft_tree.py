@@ -81,6 +81,15 @@ as it would have before. Requests themselves are not saved (a resumed run starts
 
 Token ids are ints (numpy integers are converted in ``start``/``insert``; ``extend``, the hot path,
 expects Python ints, as vLLM hands out). Timings: tools/bench_draft_tree.py.
+
+Two implementations
+-------------------
+This module is the reference: plain Python lists and dicts, readable next to the semantics above.
+rollout/draft_tree_compiled.py subclasses it and keeps the same automata in numpy arrays built and
+read by numba, replacing only ``_new_tree``/``_drop_tree``/``_feed_tree`` (storage and construction)
+and the reads; all bookkeeping (LRU, eviction, frozen requests, ``keep_newest``, persistence) is
+this class's. The engines call ``extend_and_propose`` once per request and step, which the compiled
+class does in one compiled call: ~3x less drafter time for the same drafts (tests compare both).
 """
 
 from __future__ import annotations
