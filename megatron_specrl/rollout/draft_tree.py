@@ -225,6 +225,17 @@ def _feed(tree: _Tree, last: int, anchor: int, n: int, tokens, room: int, depth:
     return last, anchor, done
 
 
+def sequences_bytes(seqs: list[list[int]]) -> int:
+    """sys.getsizeof of stored token lists, their non-cached ints sampled (every len/16-th token)."""
+    total = 0
+    for seq in seqs:
+        total += sys.getsizeof(seq)
+        if seq:
+            picked = seq[::max(1, len(seq) // 16)]
+            total += sum(sys.getsizeof(x) for x in picked if not -5 <= x <= 256) * len(seq) // len(picked)
+    return total
+
+
 def _check_int(name: str, value, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
@@ -569,11 +580,7 @@ class DraftTrees:
                     if not -5 <= x <= 256:           # CPython caches small ints
                         per += size(x)
             total += per * n // len(sample)
-            for seq in t.seqs:
-                total += size(seq)
-                if seq:
-                    picked = seq[::max(1, len(seq) // 16)]
-                    total += sum(size(x) for x in picked if not -5 <= x <= 256) * len(seq) // len(picked)
+            total += sequences_bytes(t.seqs)
         return int(total)
 
     # -- persistence ---------------------------------------------------------

@@ -38,7 +38,7 @@ import sys
 import numpy as np
 from numba import njit
 
-from megatron_specrl.rollout.draft_tree import DraftTrees
+from megatron_specrl.rollout.draft_tree import DraftTrees, sequences_bytes
 
 # st columns
 LINK, LEN, CNT, UTOK, USTATE, HEAD, NCHILD, OWNER = range(8)
@@ -503,26 +503,19 @@ class CompiledDraftTrees(DraftTrees):
         r0, r1 = self._reqs[request_ids[0]], self._reqs[request_ids[-1]]
         if r0.tail is not None or r1.tail is not None:
             return super().extend_and_propose(request_ids, tokens, max_tokens, min_prob)
-        t0, t1 = r0.tree, r1.tree
         status, last0, anchor0, made0, last1, anchor1, made1, k, source = _feed_propose(
-            self._st, self._ed, self._ht, self._meta, two, t0.root, r0.last, r0.anchor, len(r0.seq),
-            t1.root, r1.last, r1.anchor, len(r1.seq), np.asarray(tokens, np.int32) if n else self._no_tokens,
+            self._st, self._ed, self._ht, self._meta, two, r0.tree.root, r0.last, r0.anchor, len(r0.seq),
+            r1.tree.root, r1.last, r1.anchor, len(r1.seq), np.asarray(tokens, np.int32) if n else self._no_tokens,
             self.max_depth, self.max_match, max_tokens, min_prob, self._out, self._out1)
         if status:                               # the arrays must grow first: the general path does
             return super().extend_and_propose(request_ids, tokens, max_tokens, min_prob)
-        r0.last, r0.anchor = last0, anchor0
-        if n:
-            t0.nodes += made0
-            self._nodes += made0
-            r0.seq.extend(tokens)
-        self._trees.move_to_end(r0.key)
-        if two:
-            r1.last, r1.anchor = last1, anchor1
+        for req, last, anchor, made in ((r0, last0, anchor0, made0), (r1, last1, anchor1, made1))[:1 + two]:
+            req.last, req.anchor = last, anchor
             if n:
-                t1.nodes += made1
-                self._nodes += made1
-                r1.seq.extend(tokens)
-            self._trees.move_to_end(r1.key)
+                req.tree.nodes += made
+                self._nodes += made
+                req.seq.extend(tokens)
+            self._trees.move_to_end(req.key)
         return (self._out1 if source else self._out)[:k].tolist(), source
 
     def _state_of(self, key: str, tokens) -> int:
@@ -556,10 +549,5 @@ class CompiledDraftTrees(DraftTrees):
         total += sum(a.nbytes for a in (self._st, self._ed, self._ht, self._meta, self._alive, self._out, self._out1))
         total += sum(size(r) + (size(r.tail) if r.tail is not None else 0) for r in self._reqs.values())
         for t in trees:
-            total += size(t) + size(t.seqs)
-            for seq in t.seqs:
-                total += size(seq)
-                if seq:
-                    picked = seq[::max(1, len(seq) // 16)]
-                    total += sum(size(x) for x in picked if not -5 <= x <= 256) * len(seq) // len(picked)
+            total += size(t) + size(t.seqs) + sequences_bytes(t.seqs)
         return int(total)
