@@ -115,8 +115,9 @@ class RolloutConfig(_Strict):
     draft_min_prob: float = Field(0.1, ge=0, le=1)       # stop a draft where its path frequency drops below
     draft_token_budget: int = Field(2048, ge=1)          # about how many tokens one engine step verifies
     draft_max_nodes: int = Field(4_000_000, ge=1000)     # tree memory bound (least recently used prompts go first)
-    # The trees' automata as numba-compiled numpy arrays (rollout/draft_tree_compiled.py, ~3x less
-    # drafter time a request and step) or in pure Python (rollout/draft_tree.py): the same drafts.
+    # The trees' automata as numba-compiled numpy arrays (rollout/draft_tree_compiled.py: about half
+    # the drafter's time per request and step inside vLLM) or in pure Python (rollout/draft_tree.py,
+    # the reference): the same drafts.
     draft_impl: Literal["compiled", "python"] = "compiled"
     # A shared tree over the recent responses of all prompts drafts beside each prompt's own tree
     # (SuffixDecoding's global tree): a request takes the draft expected to be accepted further.

@@ -118,7 +118,8 @@ def read_settings(text: str | None) -> dict:
 
 
 def trees_class(impl: str) -> type[DraftTrees]:
-    """The draft trees' implementation: both give the same drafts; the compiled one is ~3x faster."""
+    """The draft trees' implementation: both give the same drafts; the compiled one takes about half
+    the drafter's time inside vLLM (docs/measurements.md, session 13)."""
     if impl == "python":
         return DraftTrees
     if impl == "compiled":
@@ -126,7 +127,7 @@ def trees_class(impl: str) -> type[DraftTrees]:
             from megatron_specrl.rollout.draft_tree_compiled import CompiledDraftTrees
         except ImportError as e:
             raise ImportError(f"rollout.draft_impl=compiled needs numba ({e}); pip install numba, or set "
-                              "rollout.draft_impl=python (the same drafts, ~3x the drafter's time)") from None
+                              "rollout.draft_impl=python (the same drafts, about twice the drafter's time)") from None
         return CompiledDraftTrees
     raise ValueError(f"unknown draft trees impl {impl!r}: 'compiled' or 'python'")
 
