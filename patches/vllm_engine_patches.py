@@ -17,13 +17,14 @@ ENV = "SPECRL_VLLM_PATCHES"
 def apply_all() -> dict[str, bool]:
     """Apply every patch (each is pinned to its vLLM version and idempotent); name -> applied."""
     from patches import (
-        vllm_0_32_0_batched_prompt_logprobs, vllm_0_32_0_coupled_sampling, vllm_0_32_0_cpu_spec_decode,
-        vllm_0_32_0_tree_proposer,
+        vllm_0_32_0_batched_prompt_logprobs, vllm_0_32_0_coupled_sampling, vllm_0_32_0_cpu_kernel_scan,
+        vllm_0_32_0_cpu_spec_decode, vllm_0_32_0_tree_proposer,
     )
     return {"batched_prompt_logprobs": vllm_0_32_0_batched_prompt_logprobs.apply(),
             "coupled_sampling": vllm_0_32_0_coupled_sampling.apply(),
             "tree_proposer": vllm_0_32_0_tree_proposer.apply(),
-            "cpu_spec_decode": vllm_0_32_0_cpu_spec_decode.apply()}
+            "cpu_spec_decode": vllm_0_32_0_cpu_spec_decode.apply(),
+            "cpu_kernel_scan": vllm_0_32_0_cpu_kernel_scan.apply()}
 
 
 def mark_our_engine() -> None:
