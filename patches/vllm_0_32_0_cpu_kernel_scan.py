@@ -10,8 +10,11 @@ object has no attribute 'get'". numba is in the process whenever the compiled dr
 the same process (the tests' in-process engines, a restarted engine, a user's notebook) failed to
 start.
 
-Fix: while the scan runs, the modules it cannot read (a value whose `vars()` is not a dict or
-raises) are left out of `sys.modules`, and put back after. They hold no Triton kernel to rebind.
+Fix: while the scan runs, the module attributes it cannot read (a value whose `vars()` has no
+`.get`, or raises) are taken out of their modules' namespaces, and put back after. The scan could not
+have used them (it reads `vars(value)` to find a kernel owner); every other value, kernel owners
+included, is scanned and rebound as vLLM does. (Leaving whole modules out instead skipped the
+rejection sampler's kernel owners, whose module holds such a value: checked by the engine tests.)
 CPU platform only; pinned to vLLM 0.32.0 (elsewhere `apply()` leaves vLLM alone and returns False).
 """
 
@@ -24,33 +27,34 @@ from patches.pinned import PinnedPatch
 VERSION = "0.32.0"
 
 
-def unreadable_modules() -> dict[str, object]:
-    """Modules with a namespace value whose vars() is not a dict (what the dispatcher's scan reads)."""
-    out = {}
+def unreadable_values() -> list[tuple[str, str, dict, object]]:
+    """(module name, attribute, namespace, value) for each module attribute whose vars() has no
+    .get (a class's mappingproxy has one) or raises: what the dispatcher's scan fails on."""
+    out = []
     for name, module in list(sys.modules.items()):
         namespace = getattr(module, "__dict__", None)
         if not isinstance(namespace, dict):
             continue
-        for value in list(namespace.values()):
+        for attr, value in list(namespace.items()):
             try:
-                if hasattr(value, "__dict__") and not isinstance(vars(value), dict):
-                    out[name] = module
-                    break
+                bad = hasattr(value, "__dict__") and not callable(getattr(vars(value), "get", None))
             except Exception:
-                out[name] = module
-                break
+                bad = True
+            if bad:
+                out.append((name, attr, namespace, value))
     return out
 
 
 def _tolerant(original):
     def _rebind_kernels(overrides):
-        hidden = unreadable_modules()
-        for name in hidden:
-            sys.modules.pop(name, None)
+        hidden = unreadable_values()
+        for _, attr, namespace, _ in hidden:
+            namespace.pop(attr, None)
         try:
             return original(overrides)
         finally:
-            sys.modules.update(hidden)
+            for _, attr, namespace, value in hidden:
+                namespace.setdefault(attr, value)
     return _rebind_kernels
 
 
