@@ -440,13 +440,16 @@ class DraftTrees:
             v = bu
         return out, score
 
+    def _context(self, req: _Request) -> list[int]:
+        """The last max_match tokens of a frozen request (its stored tokens, then its tail)."""
+        M, tail = self.max_match, req.tail
+        return tail[-M:] if len(tail) >= M else req.seq[max(0, len(req.seq) - (M - len(tail))):] + tail
+
     def _match(self, tree: _Tree, req: _Request) -> tuple[int, int]:
         """(state, length) of the longest suffix with a continuation, matched from scratch over the
         last max_match tokens of the context (for requests whose tokens no longer enter the tree)."""
         trans, link, length = tree.trans, tree.link, tree.length
-        M = self.max_match
-        tail = req.tail
-        ctx = tail[-M:] if len(tail) >= M else req.seq[max(0, len(req.seq) - (M - len(tail))):] + tail
+        ctx = self._context(req)
         v = n = 0
         for c in ctx:
             while v and c not in trans[v]:

@@ -28,8 +28,8 @@ Arrays grow by doubling; the construction stops before a token when the free roo
 (a token adds at most 2 states and, along its suffix-link chain, at most length(last) + 1 edges plus
 a split clone's children) and resumes once they have grown. A tree that leaves (eviction,
 `keep_newest`) leaves its states behind as garbage; once the garbage outweighs the live states, the
-pool is compacted (live states copied in order, edges re-linked, requests re-pointed) at the start of
-the next call that adds to it.
+pool is compacted (live states copied in order, edges re-linked, requests re-pointed) when the next
+tree is created.
 """
 
 from __future__ import annotations
@@ -487,10 +487,7 @@ class CompiledDraftTrees(DraftTrees):
             k, score = _propose(self._st, self._ed, tree.root, req.anchor, self.max_match, self.max_depth,
                                 max_tokens, min_prob, out)
         else:
-            M = self.max_match
-            tail = req.tail
-            ctx = tail[-M:] if len(tail) >= M else req.seq[max(0, len(req.seq) - (M - len(tail))):] + tail
-            k, score = _match_propose(self._st, self._ed, self._ht, tree.root, np.asarray(ctx, np.int32),
+            k, score = _match_propose(self._st, self._ed, self._ht, tree.root, np.asarray(self._context(req), np.int32),
                                       self.max_depth, max_tokens, min_prob, out)
         return out[:k].tolist(), score
 
