@@ -4,10 +4,11 @@ arrays grow, keys are evicted, frozen requests match from scratch, keep_newest r
 the pool is compacted. tests/test_draft_tree.py runs every hand-checked test on both as well."""
 
 import random
+import sys
 
 import pytest
 
-from megatron_specrl.engines.tree_drafter import SHARED_KEY, RequestOpts, TreeDrafter
+from megatron_specrl.engines.tree_drafter import SHARED_KEY, RequestOpts, TreeDrafter, settings_env
 from megatron_specrl.rollout.draft_tree import DraftTrees
 from megatron_specrl.rollout.draft_tree_compiled import CompiledDraftTrees
 
@@ -160,3 +161,20 @@ def test_tree_drafter_drafts_the_same_with_either_implementation():
 def test_unknown_implementation_is_refused():
     with pytest.raises(ValueError, match="unknown draft trees impl 'cython'"):
         TreeDrafter(8, 4096, {"impl": "cython"})
+
+
+def test_compiled_trees_without_numba_fail_before_the_engine_starts(monkeypatch):
+    """Without numba the compiled trees cannot load: the engines' settings check (run where an engine
+    is started, before vLLM or SGLang loads anything) says so in one line and names the way out; the
+    Python trees still work."""
+    monkeypatch.delitem(sys.modules, "megatron_specrl.rollout.draft_tree_compiled")
+    monkeypatch.setitem(sys.modules, "numba", None)        # `import numba` raises ImportError
+    for build in (lambda: settings_env(impl="compiled"), lambda: TreeDrafter(8, 4096, {"impl": "compiled"})):
+        with pytest.raises(ImportError) as err:
+            build()
+        message = str(err.value)
+        assert "\n" not in message and "needs numba" in message and "rollout.draft_impl=python" in message
+    assert '"impl": "python"' in settings_env(impl="python")
+    assert type(TreeDrafter(8, 4096, {"impl": "python"}).trees) is DraftTrees
+    with pytest.raises(ValueError, match="unknown draft trees impl 'cython'"):
+        settings_env(impl="cython")

@@ -107,10 +107,15 @@ def fit_step_cost(sums: dict) -> tuple[float, float, float] | None:
 
 
 def settings_env(**overrides) -> str:
+    """The settings as the engines hand them to their workers; checked here, in the process that
+    starts the engine, so that a bad one fails before the engine loads anything (in the worker it
+    would fail inside vLLM's or SGLang's start-up)."""
     unknown = set(overrides) - set(DEFAULTS)
     if unknown:
         raise ValueError(f"unknown tree proposer settings {sorted(unknown)}; known: {sorted(DEFAULTS)}")
-    return json.dumps(dict(DEFAULTS, **overrides))
+    settings = dict(DEFAULTS, **overrides)
+    trees_class(settings["impl"])
+    return json.dumps(settings)
 
 
 def read_settings(text: str | None) -> dict:
