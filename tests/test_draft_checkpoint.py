@@ -109,3 +109,23 @@ def test_engine_restart_reloads_the_trees_of_the_newest_checkpoint(tmp_path):
     assert metrics["engine/restarts"] == 1.0 and calls[0] == calls[1]     # same prompts again
     assert _proposal(router.engines[0].trees, [1, 2]) == [3, 4]          # the checkpoint's, not [9] nor nothing
     assert _proposal(router.engines[1].trees, [5, 6]) == [7]
+
+
+@pytest.mark.parametrize("impl", ["python", "compiled"])
+def test_resumed_drafter_keeps_its_own_settings(tmp_path, impl):
+    """A run resumed with other draft settings (here a smaller draft_max_nodes, longer drafts and a
+    shorter match) loads the checkpoint's trees under its settings, not the crashed run's."""
+    from megatron_specrl.engines.tree_drafter import TreeDrafter
+
+    old = TreeDrafter(4, 4096, {"impl": impl, "max_nodes": 100_000, "max_match": 4, "shared_nodes": 0})
+    for key in ("p0", "p1", "p2"):                    # 31 states each
+        old.trees.insert(key, [7] + list(range(30)))
+    DraftTrees.save_state(old.state_dict(), tmp_path / "engine-0")
+    new = TreeDrafter(16, 4096, {"impl": impl, "max_nodes": 70, "max_match": 8, "shared_nodes": 0})
+    new.load_state_dict(DraftTrees.load_state(tmp_path / "engine-0"))
+    assert type(new.trees) is type(TreeDrafter(16, 4096, {"impl": impl}).trees)
+    assert (new.trees.max_nodes, new.trees.max_match, new.trees.max_depth) == (70, 8, 24)
+    assert new.trees.stats()["nodes"] == 62 and new.trees.keys() == ["p1", "p2"]   # the oldest key left
+    new.trees.start("r", "p2", [7])
+    # a 1-token match drafts 16 tokens within depth 24 (the checkpoint's depth 8 would allow 7)
+    assert new.trees.propose("r", 16, 0.0) == list(range(16))

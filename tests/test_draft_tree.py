@@ -347,6 +347,32 @@ def test_state_dict_round_trip_drafts_the_same():
         assert restored.stats()[k] == t.stats()[k]
 
 
+def test_state_dict_rebuilt_under_the_loading_sides_bounds():
+    """A resumed run may have changed its bounds: the trees follow the loader's, not the checkpoint's.
+    A smaller max_nodes drops the least recently used keys while rebuilding; the rest draft as trees
+    built fresh under the new bounds from the same sequences."""
+    old = DraftTrees(max_depth=12, max_match=4, max_nodes=10_000)
+    for key in ("a", "b", "c"):                       # LRU order a (oldest), b, c
+        old.insert(key, [ord(key)] + list(range(20)))
+    old.insert("a", [ord("a")] + list(range(5)))      # inserting is not a use: a stays the oldest
+    state = old.state_dict()
+    per_key = old.nodes_of("b")
+    small = DraftTrees.from_state_dict(state, max_depth=10, max_match=3, max_nodes=2 * per_key + 5)
+    assert (small.max_depth, small.max_match, small.max_nodes) == (10, 3, 2 * per_key + 5)
+    assert small.keys() == ["b", "c"] and small.stats()["evicted_keys"] == 1
+    fresh = DraftTrees(max_depth=10, max_match=3, max_nodes=2 * per_key + 5)
+    for key in ("b", "c"):
+        fresh.insert(key, [ord(key)] + list(range(20)))
+    for key in ("b", "c"):
+        for ctx in ([ord(key)], [3, 4], [17, 18, 19]):
+            a, b = started(small, ("s", key, *ctx), key, ctx), started(fresh, ("f", key, *ctx), key, ctx)
+            assert small.propose(a, 12, 0.0) == fresh.propose(b, 12, 0.0)
+    # a 1-token match continued to depth 10: 9 tokens (the checkpoint's depth 12 would give 11)
+    assert small.propose(started(small, "x", "b", [ord("b")]), 12, 0.0) == list(range(9))
+    with pytest.raises(TypeError, match="max_children"):
+        DraftTrees.from_state_dict(state, max_children=3)
+
+
 def test_save_load_round_trip(tmp_path):
     t = _populated()
     t.save(tmp_path / "dt")

@@ -307,6 +307,10 @@ class TreeDrafter:
         return self.trees.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.trees = self._trees_cls.from_state_dict(state)
+        """Trees saved by an earlier run, rebuilt under this drafter's settings (a resumed run may have
+        changed draft_max_nodes or draft_tokens since the checkpoint was written)."""
+        t = self.trees
+        self.trees = self._trees_cls.from_state_dict(state, max_depth=t.max_depth, max_match=t.max_match,
+                                                     max_nodes=t.max_nodes)
         self._live.clear()
         self._own.clear()

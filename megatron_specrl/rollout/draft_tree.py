@@ -75,9 +75,10 @@ Persistence
 -----------
 ``state_dict`` stores the raw sequences per key (in-flight sequences' stored tokens so far, as
 finished sequences) in LRU order as numpy arrays plus json-able values; ``from_state_dict``
-rebuilds the automata (measured ~0.15 s per 100k tokens). Proposals depend only on the multiset of
-stored sequences of a key, so a request started with the same tokens after a restore drafts exactly
-as it would have before. Requests themselves are not saved (a resumed run starts them anew).
+rebuilds the automata (measured ~0.15 s per 100k tokens), under the bounds of the side that loads
+them where it passes its own (a resumed run with other settings). Proposals depend only on the
+multiset of stored sequences of a key, so a request started with the same tokens after a restore
+drafts exactly as it would have before (under the same bounds). Requests themselves are not saved (a resumed run starts them anew).
 
 Token ids are ints (numpy integers are converted in ``start``/``insert``; ``extend``, the hot path,
 expects Python ints, as vLLM hands out). Timings: tools/bench_draft_tree.py.
@@ -603,10 +604,16 @@ class DraftTrees:
         }
 
     @classmethod
-    def from_state_dict(cls, state: dict) -> DraftTrees:
+    def from_state_dict(cls, state: dict, **bounds) -> DraftTrees:
+        """The trees of `state`, rebuilt under its own bounds or under `bounds` (max_depth, max_match,
+        max_nodes) where given: a resumed run's current settings, which may differ from the crashed
+        run's (a smaller max_nodes evicts the least recently used keys while rebuilding)."""
         if state.get("format") != _FORMAT:
             raise ValueError(f"not a draft-trees state (format {state.get('format')!r}, expected {_FORMAT!r})")
-        cfg = state["config"]
+        unknown = set(bounds) - {"max_depth", "max_match", "max_nodes"}
+        if unknown:
+            raise TypeError(f"unknown draft-trees bounds {sorted(unknown)}")
+        cfg = dict(state["config"], **bounds)
         trees = cls(max_depth=cfg["max_depth"], max_match=cfg["max_match"], max_nodes=cfg["max_nodes"])
         keys = list(state["keys"])
         per_key = np.asarray(state["key_num_seqs"], dtype=np.int64)
