@@ -78,7 +78,8 @@ finished sequences) in LRU order as numpy arrays plus json-able values; ``from_s
 rebuilds the automata (measured ~0.15 s per 100k tokens), under the bounds of the side that loads
 them where it passes its own (a resumed run with other settings). Proposals depend only on the
 multiset of stored sequences of a key, so a request started with the same tokens after a restore
-drafts exactly as it would have before (under the same bounds). Requests themselves are not saved (a resumed run starts them anew).
+drafts exactly as it would have before (under the same bounds). Requests themselves are not saved
+(a resumed run starts them anew).
 
 Token ids are ints (numpy integers are converted in ``start``/``insert``; ``extend``, the hot path,
 expects Python ints, as vLLM hands out). Timings: tools/bench_draft_tree.py.
