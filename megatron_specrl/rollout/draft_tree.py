@@ -605,17 +605,17 @@ class DraftTrees:
         }
 
     @classmethod
-    def from_state_dict(cls, state: dict, **bounds) -> DraftTrees:
-        """The trees of `state`, rebuilt under its own bounds or under `bounds` (max_depth, max_match,
-        max_nodes) where given: a resumed run's current settings, which may differ from the crashed
-        run's (a smaller max_nodes evicts the least recently used keys while rebuilding)."""
+    def from_state_dict(cls, state: dict, max_depth: int | None = None, max_match: int | None = None,
+                        max_nodes: int | None = None) -> DraftTrees:
+        """The trees of `state`, rebuilt under its own bounds, or under the ones given: a resumed run's
+        current settings, which may differ from the crashed run's (a smaller max_nodes evicts the
+        least recently used keys while rebuilding)."""
         if state.get("format") != _FORMAT:
             raise ValueError(f"not a draft-trees state (format {state.get('format')!r}, expected {_FORMAT!r})")
-        unknown = set(bounds) - {"max_depth", "max_match", "max_nodes"}
-        if unknown:
-            raise TypeError(f"unknown draft-trees bounds {sorted(unknown)}")
-        cfg = dict(state["config"], **bounds)
-        trees = cls(max_depth=cfg["max_depth"], max_match=cfg["max_match"], max_nodes=cfg["max_nodes"])
+        cfg = state["config"]
+        trees = cls(max_depth=cfg["max_depth"] if max_depth is None else max_depth,
+                    max_match=cfg["max_match"] if max_match is None else max_match,
+                    max_nodes=cfg["max_nodes"] if max_nodes is None else max_nodes)
         keys = list(state["keys"])
         per_key = np.asarray(state["key_num_seqs"], dtype=np.int64)
         lengths = np.asarray(state["seq_lengths"], dtype=np.int64)
