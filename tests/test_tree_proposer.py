@@ -166,6 +166,43 @@ def test_finished_requests_are_forgotten_and_settings_are_checked(monkeypatch):
     assert json.loads(tp.settings_env(min_prob=0.3))["min_prob"] == 0.3
 
 
+def test_a_request_left_out_of_a_step_goes_on_where_it_was(monkeypatch):
+    """vLLM's runner drops a preempted request (or one a full step left out) from its input batch but
+    keeps its state until it finishes: when it is back, its sequence goes on. Starting it over would
+    enter its whole response into the trees a second time."""
+    p = _proposer(monkeypatch, k=4, min_prob=0.0)
+    b = Batch()
+    b.add("a", [50], "q")
+    b.add("b", [50], "q")
+    p.propose_batch(b, b.requests, [b.sample(0, [1, 2, 3]), b.sample(1, [1])])
+    only_a = Batch()                       # "b" preempted: not in the batch, still in runner.requests
+    only_a.add("a", [50], "q")
+    only_a.token_ids_cpu[0], only_a.num_tokens_no_spec[0] = b.token_ids_cpu[0], b.num_tokens_no_spec[0]
+    p.propose_batch(only_a, b.requests, [only_a.sample(0, [4])])
+    b.token_ids_cpu[0], b.num_tokens_no_spec[0] = only_a.token_ids_cpu[0], only_a.num_tokens_no_spec[0]
+    p.propose_batch(b, b.requests, [b.sample(0, [5]), b.sample(1, [2])])    # "b" resumed: one token
+    assert p.trees.count("q", [1]) == 2 and p.trees.count(SHARED_KEY, [1]) == 2
+    assert p.trees.stats()["sequences"] == 4                 # one per request in each tree
+    assert p.take_stats()["generated_tokens"] == 3 + 1 + 1 + 1 + 1
+
+
+def test_run_ahead_drafts_are_kept_out_of_the_rollouts_counters(monkeypatch):
+    """A run-ahead request's tokens only feed the trees: its drafts count neither in draft_tokens nor
+    in shared_draft_tokens, as its accepted tokens do not (else tree/accept_rate reads low)."""
+    p = _proposer(monkeypatch, k=4, min_prob=0.0)
+    p.trees.insert(SHARED_KEY, [1, 2, 3, 4, 5, 6, 7, 8, 9])   # other prompts wrote it; "q" is new
+    b = Batch()
+    b.add("a", [50], "q")
+    b.add("ahead", [50], "q")
+    b.requests["ahead"].sampling_params.extra_args[tp.RUNAHEAD] = True
+    assert p.propose_batch(b, b.requests, [b.sample(0, [1]), b.sample(1, [1])]) == [[2, 3, 4, 5]] * 2
+    assert p.propose_batch(b, b.requests, [b.sample(0, [2, 3, 4]), b.sample(1, [2, 3, 4, 5, 6])]) == [[5, 6, 7, 8],
+                                                                                                      [7, 8, 9]]
+    stats = p.take_stats()
+    assert stats["draft_tokens"] == 4 + 4 and stats["accepted_tokens"] == 2
+    assert stats["shared_draft_tokens"] == 4 + 4 and stats["runahead_tokens"] == 1 + 5
+
+
 def test_own_draft_is_drafted_while_the_response_follows_it(monkeypatch):
     """rollout.verify=decode: a request drafts its own last response (not the tree's most frequent
     path) K tokens a step while its response equals that response's prefix; from its first

@@ -7,7 +7,7 @@ Per engine step:
     drafter.begin_step(running)                     # draft length and cut-off for this batch size
     for each running request:
         draft = drafter.request(req_id, opts, seq, end, gained)
-    drafter.end_step()                              # requests not seen this step have ended
+    drafter.end_step(alive)                         # requests not seen this step and not alive have ended
 
 - `opts()` is read once per request (the first step it is seen): RequestOpts(key, response_start,
   prompt_len, runahead), or None for a request that did not opt in (no draft key): never drafted,
@@ -57,7 +57,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Container, Sequence
 
 import numpy as np
 
@@ -210,6 +210,8 @@ class TreeDrafter:
         if live == 0:
             live = self._start(req_id, opts(), seq)
             self._step_joined = True
+        elif req_id not in self._last_ids:   # back after steps away (preempted: its prefill is in this step)
+            self._step_joined = True
         if live is None:
             return None
         if gained == 0:
@@ -226,15 +228,16 @@ class TreeDrafter:
         new_in_tree = False
         k = min(self._k_max, self.max_model_len - end - 1)
         ids = (req_id, (req_id, SHARED_KEY)) if self.shared_nodes else (req_id,)
+        kind = None        # the counter of the draft's source, besides draft_tokens
         if own is not None and end - start < len(own):
             draft = list(own[end - start:end - start + max(k, 0)])
-            c["own_draft_tokens"] += len(draft)
+            kind = "own_draft_tokens"
         elif k > 0:
             # the shared tree's draft unless the prompt's own expects more accepted tokens
             draft, source = self.trees.extend_and_propose(ids, new, k, self._step_min_prob)
             new_in_tree = True
             if source:
-                c["shared_draft_tokens"] += len(draft)
+                kind = "shared_draft_tokens"
         else:
             draft = []
         if new:
@@ -250,11 +253,18 @@ class TreeDrafter:
                 if last_draft:
                     c["accepted_tokens"] += max(0, min(n - 1, last_draft))
         live[2] = len(draft)
-        c["draft_tokens"] += len(draft)
-        self._step_drafts += len(draft)
+        if not runahead:       # as its accepted tokens: kept out of this rollout's counters
+            c["draft_tokens"] += len(draft)
+            if kind:
+                c[kind] += len(draft)
+        self._step_drafts += len(draft)   # the step verifies them all the same (the step-cost fit)
         return draft
 
-    def end_step(self) -> None:
+    def end_step(self, alive: Container | None = None) -> None:
+        """`alive`: the request ids the engine still holds, if it can tell. A request it holds but did
+        not run this step (preempted, or left out of a full step) keeps its place: when it is back its
+        sequence goes on, instead of starting over and entering its whole response into the trees a
+        second time. None: every request not seen this step has ended."""
         self.counters["engine_steps"] += self._drafting   # only steps where a request of ours ran
         last, self._last_step = self._last_step, None
         if self._drafting:
@@ -267,7 +277,7 @@ class TreeDrafter:
                 add_step_cost(self.counters, last[1], last[2], self._step_t0 - last[0])
             self._last_step = [self._step_t0, self._step_running, self._step_drafts]
         self._last_ids = self._seen
-        for req_id in [r for r in self._live if r not in self._seen]:
+        for req_id in [r for r in self._live if r not in self._seen and (alive is None or r not in alive)]:
             self._own.pop(req_id, None)
             if self._live.pop(req_id) is not None:
                 self.trees.finish(req_id)

@@ -82,7 +82,7 @@ class TreeProposer:
             draft = d.request(req_id, lambda: self._opts(requests.get(req_id)),
                               lambda a, b: token_ids[i, a:b].tolist(), int(num_tokens[i]), len(sampled))
             drafts.append(draft or [])
-        d.end_step()
+        d.end_step(requests)   # the runner's request states: it drops a request's only when it finished
         return drafts
 
     @staticmethod
