@@ -63,12 +63,14 @@ def commit(tmp: Path, state: dict, keep: int) -> Path:
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _prune(tmp.parent, keep)
+    _prune(tmp.parent, keep, final)
     return final
 
 
-def _prune(root: Path, keep: int) -> None:
-    done = sorted(root.glob("step_*"))
+def _prune(root: Path, keep: int, newest: Path) -> None:
+    """Keep the `keep` newest checkpoints up to `newest` (the one just written). Later-numbered ones
+    (a damaged one resume=auto skipped) are not counted: they would push `newest` out."""
+    done = sorted(p for p in root.glob("step_*") if p.name <= newest.name)
     for old in done[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 

@@ -66,3 +66,18 @@ def test_resume_from_a_damaged_path_names_the_problem(tmp_path):
     cfg = load_config(None, [f"trainer.resume={tmp_path / 'nowhere'}"])
     with pytest.raises(ConfigError, match="not a directory"):
         _find_resume(cfg, tmp_path)
+
+
+def test_prune_never_drops_the_checkpoint_just_written(tmp_path):
+    """resume=auto skips a damaged newest checkpoint and resumes from an older one; the checkpoints
+    the resumed run writes must survive pruning, which must not count the damaged later one."""
+    _write(tmp_path, 4)
+    bad = _write(tmp_path, 6)
+    (bad / "learner" / "shard.bin").write_bytes(b"flipped")
+    assert ckpt.find_latest(tmp_path).name == "step_00000004"       # the run resumes at step 4
+    tmp = ckpt.begin(tmp_path, 5)
+    (tmp / "learner").mkdir()
+    (tmp / "learner" / "shard.bin").write_bytes(b"weights")
+    written = ckpt.commit(tmp, {"step": 5, "weight_version": 5}, keep=1)
+    assert written.is_dir() and ckpt.find_latest(tmp_path) == written
+    assert not (tmp_path / "step_00000004").exists()                 # keep=1: the older one goes
