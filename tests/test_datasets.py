@@ -139,7 +139,7 @@ def test_synthetic_terms_set_the_trace_length():
 def test_loader_state_round_trip_gives_identical_order():
     recs = [PromptRecord(id=str(i), prompt=f"p{i}", answer="0", meta={}) for i in range(10)]
     ref = PromptLoader(recs, batch_size=4, seed=11)
-    full = [[r.id for r in ref.next_batch()] for _ in range(8)]  # spans several epochs (wraps mid-batch)
+    full = [[r.id for r in ref.next_batch()] for _ in range(8)]  # spans several epochs
     assert ref.epoch == 3
 
     run = PromptLoader(recs, batch_size=4, seed=11)
@@ -185,3 +185,18 @@ def test_render_prompt(tiny_llama):
 def test_last_boxed():
     assert last_boxed("a \\boxed{1} b \\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
     assert last_boxed("no box") is None and last_boxed("\\boxed{unclosed") is None
+
+
+def test_a_batch_never_holds_a_record_twice():
+    """10 records in batches of 4: each epoch gives two batches of distinct records and leaves out the
+    last two of its shuffle (verl's drop_last), instead of running a batch on into the next epoch,
+    where it could take a record it already holds."""
+    recs = [PromptRecord(id=str(i), prompt=f"p{i}", answer="0", meta={}) for i in range(10)]
+    loader = PromptLoader(recs, batch_size=4, seed=11)
+    by_epoch: dict[int, list[str]] = {}
+    for _ in range(40):
+        batch = [r.id for r in loader.next_batch()]
+        assert len(set(batch)) == 4
+        by_epoch.setdefault(loader.epoch, []).extend(batch)
+    assert all(len(ids) == 8 and len(set(ids)) == 8 for ids in by_epoch.values())   # 2 batches an epoch
+    assert len({frozenset(ids) for ids in by_epoch.values()}) > 1                     # different ones left out

@@ -351,15 +351,16 @@ class PromptLoader:
         return self._position
 
     def next_batch(self) -> list[PromptRecord]:
-        """The next batch_size records; a batch that runs off an epoch continues in the next one."""
-        batch = []
-        while len(batch) < self.batch_size:
-            if self._position == len(self._order):
-                self._epoch += 1
-                self._position = 0
-                self._order = self._order_for(self._epoch)
-            batch.append(self.records[self._order[self._position]])
-            self._position += 1
+        """The next batch_size records of this epoch's order. Where fewer than batch_size are left, the
+        epoch ends there (verl's drop_last; each epoch's shuffle leaves out other records): a batch
+        running on into the next epoch could hold a record twice, and two groups of one prompt in a
+        step would share their seeds, their last-epoch drafts and their GRPO group."""
+        if self._position + self.batch_size > len(self._order):
+            self._epoch += 1
+            self._position = 0
+            self._order = self._order_for(self._epoch)
+        batch = [self.records[i] for i in self._order[self._position:self._position + self.batch_size]]
+        self._position += self.batch_size
         return batch
 
     def peek_batch(self) -> list[PromptRecord]:
