@@ -271,3 +271,32 @@ def test_own_drafts_need_tree_drafting(engine):
     with pytest.raises(ValueError, match="verify=decode with rollout.spec_mode=lenient"):
         SpeculativeRollout(engine, None, mode="lenient", lenience=1.0, sampling=SamplingSettings(),
                            max_new_tokens=4, seed=0, verify="decode")
+
+
+def test_a_request_at_max_model_len_leaves_the_batch_drafting(engine, monkeypatch):
+    """vLLM 0.32 stops drafting for the whole batch in any step where one request's length + K passes
+    its max_model_len. A request that ends exactly at the engine's max_model_len (prompt + max_new_tokens
+    = 256, as recipes set it) must not turn drafting off for the others: with perfect own drafts (greedy,
+    the request's own output) a short request beside it takes the engine steps it takes alone."""
+    rng = random.Random(5)
+    near = [rng.randrange(3, 263) for _ in range(216)]       # 216 + 40 = 256: ends at max_model_len
+    short = [rng.randrange(3, 263) for _ in range(8)]
+    greedy = SamplingSettings(temperature=0.0)
+    plain = engine.generate([GenerateRequest(near, 40), GenerateRequest(short, 96)], greedy, 0)
+    assert [len(r.token_ids) for r in plain] == [40, 96], "a request stopped early: nothing to check"
+    llm_engine = engine.llm.llm_engine
+    step, steps = llm_engine.step, []
+    monkeypatch.setattr(llm_engine, "step", lambda *a, **k: steps.append(1) or step(*a, **k))
+
+    def run(which):
+        reqs = [GenerateRequest(p, n, draft_key=f"mml-{i}", response_start=len(p), own_draft=list(r.token_ids))
+                for i, (p, n, r) in enumerate(zip((near, short), (40, 96), plain)) if i in which]
+        steps.clear()
+        out = engine.generate(reqs, greedy, 0)
+        assert [r.token_ids for r in out] == [plain[i].token_ids for i in sorted(which)]
+        return len(steps)      # vLLM engine steps, drafted or not
+
+    steps_alone = run({1})
+    steps_both = run({0, 1})
+    assert steps_alone < 96 / 4, f"own drafts did not cut the steps: {steps_alone}"
+    assert steps_both <= steps_alone, (steps_both, steps_alone)

@@ -170,6 +170,12 @@ class VLLMEngine:
             kwargs["speculative_config"] = {"method": "custom_class", "model": PROPOSER_CLASS,
                                             "num_speculative_tokens": int(draft_tokens)}
             kwargs["async_scheduling"] = False   # the proposer reads the sampled ids as lists
+            # vLLM 0.32 turns drafting off for the whole batch in any step where one request's length
+            # + num_speculative_tokens passes max_model_len (GPUModelRunner._input_fits_in_drafter):
+            # with prompt + max_new_tokens = max_model_len, as recipes set it, the batch's tail (the
+            # longest, most drafted requests) would decode a token a step. Room for one more draft
+            # keeps drafting on; our requests never pass the caller's max_model_len (the config checks).
+            kwargs["max_model_len"] = max_model_len + int(draft_tokens) + 1
         kwargs.update(llm_kwargs)
         # In-process workers (CPU, tests) take the patches from here; multiprocess workers apply them
         # through the `vllm.general_plugins` entry point, which acts only in processes we marked.
@@ -218,7 +224,8 @@ class VLLMEngine:
             seed = None   # the coupled noise replaces vLLM's per-request generator
         return SamplingParams(
             n=1, max_tokens=req.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-            seed=seed, logprobs=0, detokenize=False, extra_args=extra or None, flat_logprobs=True)
+            seed=seed, logprobs=0, detokenize=False, extra_args=extra or None, flat_logprobs=True,
+            skip_clone=True)   # built fresh per request: vLLM's default deep copy (own drafts included) is waste
 
     @staticmethod
     def _check_coupled(s: SamplingSettings) -> None:
@@ -335,6 +342,7 @@ class VLLMEngine:
             reads_cache = verify.reads_prefix_cache()
             params = [SamplingParams(
                 max_tokens=1, prompt_logprobs=verify.VERIFY_COLUMNS - 1, detokenize=False, flat_logprobs=True,
+                skip_clone=True,
                 temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                 skip_reading_prefix_cache=not reads_cache,
                 extra_args=self._verify_args(requests[i], sampling)) for i in todo]
