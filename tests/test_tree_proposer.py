@@ -289,6 +289,26 @@ def test_shared_tree_stays_within_its_bound_and_prompt_trees_keep_everything(mon
     assert q.trees.nodes_of(SHARED_KEY) == p.trees.nodes_of(SHARED_KEY)
 
 
+def test_shared_tree_is_not_rebuilt_every_step_while_running_requests_exceed_its_bound(monkeypatch):
+    """Where the running requests alone hold more states than draft_shared_nodes (long responses, large
+    batches), a rebuild cannot get under the bound: it waits until the tree has doubled (a rebuild costs
+    the whole tree), and the tree is back under the bound once the requests have finished."""
+    p = _proposer(monkeypatch, k=4, min_prob=0.0, shared_nodes=40)
+    rebuilds = []
+    keep_newest = p.trees.keep_newest
+    monkeypatch.setattr(p.trees, "keep_newest", lambda *a: rebuilds.append(1) or keep_newest(*a))
+    rng = np.random.default_rng(1)
+    b = Batch()
+    for i in range(4):
+        b.add(f"r{i}", [50], f"q{i}")
+    for _ in range(50):
+        p.propose_batch(b, b.requests, [b.sample(i, rng.integers(0, 1000, 3).tolist()) for i in range(4)])
+    assert p.trees.nodes_of(SHARED_KEY) > 40 * 10                     # 600 fresh tokens: live, kept
+    assert 3 <= len(rebuilds) <= 8, len(rebuilds)                     # every step: 45 rebuilds
+    p.propose_batch(Batch(), {}, [])                                   # the batch has finished
+    assert p.trees.nodes_of(SHARED_KEY) <= 40
+
+
 def test_trees_keep_counts_as_deep_as_a_match_plus_a_draft(monkeypatch):
     """max_depth defaults to max_match + the longest draft (what a proposal can read); an explicit
     setting still wins."""

@@ -181,6 +181,7 @@ class TreeDrafter:
         self._last_step: list[float] | None = None
         self._last_ids: set = set()
         self._step_running, self._step_drafts, self._step_joined = 0, 0, False
+        self._shared_after_rebuild = 0   # the shared tree's states after its last keep_newest
 
     # -- draft length rules ----------------------------------------------------------------
     def draft_len(self, running: int) -> int:
@@ -283,8 +284,15 @@ class TreeDrafter:
                 self.trees.finish(req_id)
                 if self.shared_nodes:
                     self.trees.finish((req_id, SHARED_KEY))
-        if self.shared_nodes and self.trees.nodes_of(SHARED_KEY) > self.shared_nodes:
+        # rebuilt from its newest half once past its bound; where the running requests alone hold more
+        # than that (long responses, large batches), only once it has doubled since the last rebuild:
+        # a rebuild costs the tree's size, so rebuilding every step would cost the batch's tokens a step
+        if not self._live:               # no running requests: back under the bound at once
+            self._shared_after_rebuild = 0
+        nodes = self.trees.nodes_of(SHARED_KEY) if self.shared_nodes else 0
+        if nodes > max(self.shared_nodes, 2 * self._shared_after_rebuild):
             self.trees.keep_newest(SHARED_KEY, self.shared_nodes // 2)
+            self._shared_after_rebuild = self.trees.nodes_of(SHARED_KEY)
 
     def _start(self, req_id: str, opts: RequestOpts | None, seq) -> list[int] | None:
         if opts is None:
@@ -324,3 +332,4 @@ class TreeDrafter:
                                                      max_nodes=t.max_nodes)
         self._live.clear()
         self._own.clear()
+        self._shared_after_rebuild = 0
