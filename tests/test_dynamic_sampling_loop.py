@@ -16,7 +16,8 @@ def _samples(group_rewards: dict[str, list[float]]):
             samples.append(RolloutSample(pid, k, [5], [9, 1], [-0.1, -0.1], "stop", 0, 0))
             rewards.append(r)
     t = torch.tensor(rewards)
-    return samples, t, t.clone(), {"spec/rollout_s": 0.5, "reward/mean": float(t.mean())}
+    return samples, t, t.clone(), {"spec/rollout_s": 0.5, "reward/mean": float(t.mean()),
+                                   "spec/nonfinite_logprobs": 1.0, "runahead/requests": 2.0}
 
 
 def test_all_groups_filtered_raises_after_max_tries():
@@ -37,6 +38,7 @@ def test_rounds_accumulate_until_the_batch_is_full():
     assert [s.prompt_id for s in samples] == ["a", "a", "d", "d"]       # exactly 2 informative groups
     assert rewards.tolist() == [1.0, 0.0, 0.0, 1.0]
     assert metrics["dapo/rounds"] == 2 and metrics["spec/rollout_s"] == 1.0   # seconds add up over rounds
+    assert metrics["spec/nonfinite_logprobs"] == 2.0 and metrics["runahead/requests"] == 4.0   # so do counts
 
 
 def test_filter_decides_on_task_rewards_and_returns_shaped_ones():

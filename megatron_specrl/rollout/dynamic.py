@@ -25,7 +25,8 @@ def _merge(rounds: list[dict]) -> dict[str, float]:
     for m in rounds:
         for k, v in m.items():
             merged[k].append(v)
-    additive = ("_tokens", "_s", "spec/drafts")
+    additive = ("_tokens", "_s", "spec/drafts", "spec/nonfinite_logprobs", "spec/coupled_refreshed",
+                "runahead/requests")
     return {k: (sum(v) if k.endswith(additive) else sum(v) / len(v)) for k, v in merged.items()}
 
 
