@@ -18,6 +18,8 @@ fitted cost of a decode step (ms = a + b x requests + c x draft tokens, as bench
 
     python tools/bench_own_draft.py --model ~/.cache/megatron_specrl/warmup/warmup-<hash> [--rounds 12]
         [--profile tree]    # cProfile that arm's generations (its timings then include the profiler)
+        [--temperature 0]   # greedy: `own` then drafts exactly what it will generate (every draft token
+                            # accepted), so own / plain is the most any drafter can gain on this machine
 
 The model: a warm-up checkpoint (the first `megatron-specrl bench-rollout` run writes one; its
 warmup.json names the task, which sets the prompts here).
@@ -50,6 +52,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--profile", choices=ARMS, help="cProfile this arm's generations; print the top functions")
+    ap.add_argument("--temperature", type=float, default=1.0,
+                    help="0: greedy, so `own` drafts its exact output (a perfect drafter's ceiling)")
     args = ap.parse_args()
     model = Path(args.model).expanduser()
     if not (model / "warmup.json").is_file():
@@ -66,7 +70,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(str(model))
     problems = make_problems(args.prompts, 5, task["min_terms"], task["max_terms"], task["max_value"])
     prompts = [tok(p.prompt)["input_ids"] for p in problems]
-    sampling = SamplingSettings(temperature=1.0)
+    sampling = SamplingSettings(temperature=args.temperature)
     L, n = args.max_new_tokens, args.samples
     with tempfile.TemporaryDirectory() as tmp:
         engine = VLLMEngine(str(model), name="bench-own", seed=0, max_model_len=256, kv_cache_gb=1.0, draft="tree",
@@ -97,7 +101,8 @@ def main() -> None:
         engine.shutdown()
 
     plain = statistics.median(times["plain"])
-    print(f"{args.prompts} prompts x {n} samples, <= {L} tokens, {args.rounds} rounds per arm (median):")
+    print(f"{args.prompts} prompts x {n} samples, <= {L} tokens, temperature {args.temperature:g}, "
+          f"{args.rounds} rounds per arm (median):")
     for arm in ARMS:
         med = statistics.median(times[arm])
 
