@@ -272,3 +272,15 @@ def test_the_ipc_loader_unpacks_on_the_workers_device(monkeypatch):
 
     assert engine_actor.reload_ipc_in_worker(Worker(), "payload") == 1
     assert seen == {"args": ("payload", "cpu"), "loaded": ["w"]}
+
+
+def test_drafting_engines_get_room_for_one_steps_drafts_within_the_models_positions():
+    """vLLM turns drafting off for the whole batch while a request is within K tokens of its
+    max_model_len (tests/test_tree_drafting.py shows the steps it costs): a drafting engine asks vLLM
+    for K + 1 more tokens, never more than the model's positions (vLLM would refuse to start)."""
+    from megatron_specrl.engines.vllm_engine import drafting_max_model_len
+    assert drafting_max_model_len(9216, 16, 131072) == 9216 + 17
+    assert drafting_max_model_len(32768, 16, 32768) == 32768          # at the model's limit: no room to give
+    assert drafting_max_model_len(32760, 16, 32768) == 32768
+    assert drafting_max_model_len(256, 8, None) == 265
+    assert drafting_max_model_len(4096, 8, 2048) == 4096              # too long already: vLLM's own error

@@ -111,6 +111,27 @@ def verify_columns(container, start: int, tokens: list[int], stop_ids: frozenset
                        lps[:, 2].tolist(), lps[:, 3].tolist(), stops.tolist())
 
 
+def drafting_max_model_len(max_model_len: int, draft_tokens: int, max_positions: int | None) -> int:
+    """vLLM's max_model_len for an engine that drafts. vLLM 0.32 turns drafting off for the whole batch
+    in any step where one request's length + num_speculative_tokens passes max_model_len
+    (GPUModelRunner._input_fits_in_drafter): with prompt + max_new_tokens = max_model_len, as recipes
+    set it, a rollout's tail (its longest requests, the ones drafting helps most) would decode a token a
+    step. Room for one step's drafts keeps drafting on; requests never use it (the config bounds prompt +
+    max_new_tokens by rollout.max_model_len). Never past the model's positions, which vLLM refuses."""
+    wanted = max_model_len + draft_tokens + 1
+    if max_positions is None or max_positions < max_model_len:
+        return wanted if max_positions is None else max_model_len   # vLLM names the problem itself
+    return min(wanted, max_positions)
+
+
+def _max_positions(model_path: str) -> int | None:
+    try:
+        from transformers import AutoConfig
+        return getattr(AutoConfig.from_pretrained(str(model_path)), "max_position_embeddings", None)
+    except (OSError, ValueError):      # not an HF directory: vLLM will say so when it starts
+        return None
+
+
 class VLLMEngine:
     """One vLLM engine. Synchronous: a call returns when its whole batch is done."""
 
@@ -170,12 +191,8 @@ class VLLMEngine:
             kwargs["speculative_config"] = {"method": "custom_class", "model": PROPOSER_CLASS,
                                             "num_speculative_tokens": int(draft_tokens)}
             kwargs["async_scheduling"] = False   # the proposer reads the sampled ids as lists
-            # vLLM 0.32 turns drafting off for the whole batch in any step where one request's length
-            # + num_speculative_tokens passes max_model_len (GPUModelRunner._input_fits_in_drafter):
-            # with prompt + max_new_tokens = max_model_len, as recipes set it, the batch's tail (the
-            # longest, most drafted requests) would decode a token a step. Room for one more draft
-            # keeps drafting on; our requests never pass the caller's max_model_len (the config checks).
-            kwargs["max_model_len"] = max_model_len + int(draft_tokens) + 1
+            kwargs["max_model_len"] = drafting_max_model_len(max_model_len, int(draft_tokens),
+                                                             _max_positions(model_path))
         kwargs.update(llm_kwargs)
         # In-process workers (CPU, tests) take the patches from here; multiprocess workers apply them
         # through the `vllm.general_plugins` entry point, which acts only in processes we marked.
