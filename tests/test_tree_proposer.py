@@ -304,7 +304,7 @@ def test_shared_tree_is_not_rebuilt_every_step_while_running_requests_exceed_its
     for _ in range(50):
         p.propose_batch(b, b.requests, [b.sample(i, rng.integers(0, 1000, 3).tolist()) for i in range(4)])
     assert p.trees.nodes_of(SHARED_KEY) > 40 * 10                     # 600 fresh tokens: live, kept
-    assert 3 <= len(rebuilds) <= 8, len(rebuilds)                     # every step: 45 rebuilds
+    assert 3 <= len(rebuilds) <= 8, len(rebuilds)                     # rebuilt every step: 47
     p.propose_batch(Batch(), {}, [])                                   # the batch has finished
     assert p.trees.nodes_of(SHARED_KEY) <= 40
 
