@@ -119,8 +119,10 @@ def drafting_max_model_len(max_model_len: int, draft_tokens: int, max_positions:
     step. Room for one step's drafts keeps drafting on; requests never use it (the config bounds prompt +
     max_new_tokens by rollout.max_model_len). Never past the model's positions, which vLLM refuses."""
     wanted = max_model_len + draft_tokens + 1
-    if max_positions is None or max_positions < max_model_len:
-        return wanted if max_positions is None else max_model_len   # vLLM names the problem itself
+    if max_positions is None:
+        return wanted
+    if max_positions < max_model_len:      # too long already: left to vLLM, whose error names it
+        return max_model_len
     return min(wanted, max_positions)
 
 
