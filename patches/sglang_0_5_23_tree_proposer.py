@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import weakref
 
 import numpy as np
 
@@ -110,8 +111,27 @@ def _prepare_draft_tokens(self, batch) -> tuple[np.ndarray, np.ndarray]:
         tokens[i, 1:1 + len(draft)] = draft
         for j in range(1, 1 + len(draft)):    # a chain: node j's ancestors are 0..j
             mask[i, j, :j + 1] = True
-    drafter.end_step()
+    drafter.end_step(_retracted_since_last_step(self, reqs))
     return tokens.reshape(-1), mask.reshape(-1)
+
+
+def _retracted_since_last_step(worker, reqs) -> set[str]:
+    """Ids of requests that left the decode batch retracted, not finished. Under decode-memory
+    pressure SGLang's `ScheduleBatch.retract_decode` sends requests back to the waiting queue with
+    their output_ids kept (`Req.reset_for_retract` sets `is_retracted`, cleared when they are prefilled
+    again): the drafter must keep their place, or their whole response would enter the trees a second
+    time when they are back. The worker cannot see the scheduler's queue, so the last step's requests
+    are held by weak reference: one the scheduler dropped (aborted while waiting) is gone."""
+    last = worker.__dict__.get("specrl_last_reqs", {})
+    now = {str(r.rid) for r in reqs}
+    held = {}
+    for rid, ref in last.items():
+        req = ref()
+        if (rid not in now and req is not None and getattr(req, "is_retracted", False)
+                and not req.finished()):
+            held[rid] = ref
+    worker.specrl_last_reqs = {**held, **{str(r.rid): weakref.ref(r) for r in reqs}}
+    return set(held)
 
 
 def _update_ngram_corpus(self, batch) -> None:

@@ -87,6 +87,10 @@ class Req:
         if key is not None:
             params.update({DRAFT_KEY: key, RESPONSE_START: len(prompt) if response_start is None else response_start})
         self.sampling_params = SimpleNamespace(custom_params=params or None)
+        self.is_retracted, self.finished_reason = False, None   # as Req: set by reset_for_retract / on finish
+
+    def finished(self):
+        return self.finished_reason is not None
 
 
 class Batch:
@@ -247,6 +251,40 @@ def test_response_start_and_finished_requests(worker):
     assert d.trees.stats()["active_requests"] == 2          # in its prompt's tree and in the shared tree
     step(worker, Batch([Req("other", [3], None)], n=5))
     assert d.trees.stats()["active_requests"] == 0 and d.trees.has_key("q")
+
+
+def test_a_retracted_request_goes_on_where_it_was(worker):
+    """SGLang's retract_decode (decode memory full) sends a request back to the waiting queue with its
+    output_ids kept; it is prefilled again later. The drafter keeps its place meanwhile: starting it
+    over would enter its whole response into the trees a second time. A request that left the batch
+    finished, or one the scheduler dropped while it waited (aborted), is over."""
+    d = patch.drafter_of(worker)
+    a, b, c = Req("a", [50], "q"), Req("b", [50], "q"), Req("c", [50], "q")
+    a.output_ids.extend([1, 2, 3])
+    b.output_ids.append(1)
+    c.output_ids.append(1)
+    step(worker, Batch([a, b, c], n=5))
+    b.is_retracted = True                   # retracted: waits, its output_ids kept
+    c.finished_reason = "stop"              # finished
+    a.output_ids.append(4)
+    step(worker, Batch([a], n=5))
+    assert d.trees.stats()["active_requests"] == 4     # a and b, each in its prompt's and the shared tree
+    b.is_retracted = False                  # prefilled again: one more token
+    a.output_ids.append(5)
+    b.output_ids.append(2)
+    step(worker, Batch([a, b], n=5))
+    assert d.trees.count("q", [1]) == 3 and d.trees.count("q", [1, 2]) == 2
+    assert d.trees.stats()["sequences"] == 6           # one per request in each tree
+    assert patch.drafter_of(worker).take_stats()["generated_tokens"] == 3 + 1 + 1 + 1 + 1 + 1
+    d2 = Req("d", [50], "q")
+    d2.output_ids.append(1)
+    step(worker, Batch([a, d2], n=5))
+    d2.is_retracted = True
+    step(worker, Batch([a], n=5))
+    assert d.trees.stats()["active_requests"] == 4     # d waits
+    del d2                                  # aborted in the waiting queue: the scheduler drops it
+    step(worker, Batch([a], n=5))
+    assert d.trees.stats()["active_requests"] == 2
 
 
 def test_patch_is_pinned_gated_and_reversible(fake_sglang, monkeypatch):
