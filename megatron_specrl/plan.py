@@ -199,6 +199,7 @@ class EngineMemory:
     kv_batch: int              # the KV the step's batch per engine needs at full length
     sequences_per_engine: int
     concurrent_sequences: int  # full-length sequences the cache holds at once
+    max_model_len: int         # the engine's; vLLM refuses to start unless one such sequence fits
 
     @property
     def kv_space(self) -> int:
@@ -215,7 +216,19 @@ def engine_memory(cfg: RunConfig, s: ModelShape, gpu_bytes: int) -> EngineMemory
     budget = int(r.gpu_memory_utilization * gpu_bytes)
     space = budget - weights
     concurrent = max(0, space // (seq * kv_per_token))
-    return EngineMemory(weights, budget, kv_per_token, seqs * seq * kv_per_token, seqs, int(concurrent))
+    return EngineMemory(weights, budget, kv_per_token, seqs * seq * kv_per_token, seqs, int(concurrent),
+                        engine_max_model_len(cfg, s))
+
+
+def engine_max_model_len(cfg: RunConfig, s: ModelShape) -> int:
+    """The max_model_len the engine is started with: vLLM must hold one such sequence in its KV cache
+    or it refuses to start. A vLLM engine that drafts gets one step's drafts of room beyond
+    rollout.max_model_len (engines/vllm_engine.drafting_max_model_len)."""
+    r = cfg.rollout
+    if r.engine == "vllm" and r.draft == "tree":
+        from megatron_specrl.engines.vllm_engine import drafting_max_model_len
+        return drafting_max_model_len(r.max_model_len, r.draft_tokens, s.max_positions)
+    return r.max_model_len
 
 
 # --------------------------------------------------------------------------- arithmetic
@@ -311,12 +324,11 @@ def _memory(cfg: RunConfig, lm: LearnerMemory, em: EngineMemory) -> list[str]:
                    f"+ activations {lm.activations / GB:.1f}) at learner.tp={cfg.learner.tp} pp={cfg.learner.pp} "
                    f"dp={cfg.learner.dp}; raise tp/pp, set learner.distributed_optimizer / learner.recompute, "
                    "or lower learner.micro_batch_size")
-    if em.kv_space <= 0 or em.concurrent_sequences < 1:
+    if em.kv_space < em.max_model_len * em.kv_per_token:
         out.append(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization:g}: vLLM's {em.budget / GB:.1f} GB leave "
                    f"{max(0, em.kv_space) / GB:.1f} GB of KV cache after {em.weights / GB:.1f} GB of weights per GPU, "
-                   f"less than one {cfg.data.max_prompt_len + r.max_new_tokens}-token sequence needs "
-                   f"({(cfg.data.max_prompt_len + r.max_new_tokens) * em.kv_per_token / GB:.2f} GB); raise it or "
-                   "rollout.engine_tp")
+                   f"less than one {em.max_model_len}-token sequence (the engine's max_model_len) needs "
+                   f"({em.max_model_len * em.kv_per_token / GB:.2f} GB); raise it or rollout.engine_tp")
     if r.colocate and lm.static + em.budget > gpu:
         out.append(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization:g}: colocated, vLLM's {em.budget / GB:.1f} "
                    f"GB plus the learner's resident {lm.static / GB:.1f} GB (weights, grads, optimizer) exceed "

@@ -221,3 +221,22 @@ def test_memory_estimate_matches_a_real_learner(tiny_llama, tmp_path):
             measured = max(m["activations"] for m in ranks)
             assert abs(plan.learner.activations / measured - 1) <= ACTIVATION_TOLERANCE, \
                 (tp, pp, plan.learner.activations, measured)
+
+
+def test_the_kv_check_counts_the_drafting_engines_room(capsys):
+    """vLLM refuses to start unless one sequence of its max_model_len fits in the KV cache; an engine that
+    drafts from trees is started with one step's drafts of room beyond rollout.max_model_len, so a cache
+    that holds rollout.max_model_len + 5 tokens passes without drafting and fails with it."""
+    recipe = "qwen2.5-7b-dapo-1node"
+    cfg = load_config(ROOT / f"examples/{recipe}.yaml")
+    em = build_plan(cfg, check_data=False).engine
+    r = cfg.rollout
+    assert em.max_model_len == r.max_model_len
+    gpu = cfg.cluster.gpu_memory_gb * GB
+    util = (em.weights + (r.max_model_len + 5 + 0.5) * em.kv_per_token) / gpu
+    tight = [f"rollout.gpu_memory_utilization={util!r}"]
+    assert main(["train", recipe, *tight, "--dry-run"]) == 0
+    capsys.readouterr()
+    assert main(["train", recipe, *tight, "rollout.draft=tree", "--dry-run"]) == 2
+    room = r.max_model_len + r.draft_tokens + 1
+    assert f"less than one {room}-token sequence (the engine's max_model_len)" in capsys.readouterr().err
