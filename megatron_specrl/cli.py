@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from megatron_specrl.config import ConfigError, load_config, resolve_recipe, to_yaml
+from megatron_specrl.data.datasets import DatasetError
 from megatron_specrl.plan import PlanError
 
 def _split_recipe_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
@@ -114,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except ConfigError as e:
         print(f"megatron-specrl: config error: {e}", file=sys.stderr)
+        return 2
+    except DatasetError as e:   # raised when the run starts (prompt lengths need the tokenizer)
+        print(f"megatron-specrl: data error: {e}", file=sys.stderr)
         return 2
 
 

@@ -66,6 +66,8 @@ class DataConfig(_Strict):
     shuffle: bool = True
     apply_chat_template: bool = False
     max_prompt_len: int = Field(64, gt=0)
+    # verl's key: drop prompts longer than max_prompt_len when the run starts (false: refuse the run)
+    filter_overlong_prompts: bool = False
     # Terms per synthetic sum (min, max): more terms, longer worked traces (~7 tokens a term).
     synthetic_terms: tuple[int, int] = (3, 6)
 

@@ -337,14 +337,18 @@ def _memory(cfg: RunConfig, lm: LearnerMemory, em: EngineMemory) -> list[str]:
 
 
 def _data(cfg: RunConfig) -> list[str]:
-    from megatron_specrl.data.datasets import DatasetError, load_records
+    from megatron_specrl.data.datasets import DatasetError, load_records, render_all
     d, out = cfg.data, []
+    tokenizer = _tokenizer_of(cfg.model.path)
     for key, split in (("data.source", "train"), ("data.eval_source", "eval")):
         value = getattr(d, key.split(".")[1])
         if value is None or value == "synthetic":
             continue
         try:
             records = load_records(d, split, seed=cfg.trainer.seed)
+            if tokenizer is not None:   # the run's own start-up check (run_setup.build_run), before it queues
+                records, _ = render_all(records, tokenizer, d.apply_chat_template, d.max_prompt_len,
+                                        d.filter_overlong_prompts, split)
         except DatasetError as e:
             out.append(f"{key}={value!r}: {e}")
             continue
@@ -352,6 +356,19 @@ def _data(cfg: RunConfig) -> list[str]:
             out.append(f"{key}={value!r}: {len(records)} prompts, fewer than trainer.prompts_per_step="
                        f"{cfg.trainer.prompts_per_step}")
     return out
+
+
+def _tokenizer_of(model_path: str):
+    """The model directory's tokenizer, or None where it has none (a shape-only config, or a tiny model
+    built when the run starts): prompt lengths are then checked when the run starts."""
+    path = Path(model_path)
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError):
+        return None
 
 
 # --------------------------------------------------------------------------- the plan

@@ -47,6 +47,8 @@ class Run:
     loader: PromptLoader
     train_records: dict[str, PromptRecord]
     eval_records: list[PromptRecord]
+    train_prompt_ids: dict[str, list[int]]    # every prompt rendered once at start-up (data.max_prompt_len checked)
+    eval_prompt_ids: dict[str, list[int]]
     reward_fn: RewardFn
     learner: LearnerGroup
     engine: RolloutEngine             # one engine, or an EngineRouter over several
@@ -62,23 +64,19 @@ class Run:
     progress: Progress = field(default_factory=lambda: Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=False))
 
-    def prompt_ids(self, record) -> list[int]:
-        from megatron_specrl.data.datasets import render_prompt
-        return render_prompt(record, self.tokenizer, self.cfg.data.apply_chat_template,
-                             max_prompt_len=self.cfg.data.max_prompt_len)
-
     def next_prompts(self) -> list[tuple[str, list[int]]]:
         """The loader's next batch as (prompt id, token ids)."""
-        return [(r.id, self.prompt_ids(r)) for r in self.loader.next_batch()]
+        return [(r.id, self.train_prompt_ids[r.id]) for r in self.loader.next_batch()]
 
     def upcoming_prompts(self) -> list[tuple[str, list[int]]]:
         """The batch next_prompts() returns next, without taking it (run-ahead drafting)."""
-        return [(r.id, self.prompt_ids(r)) for r in self.loader.peek_batch()]
+        return [(r.id, self.train_prompt_ids[r.id]) for r in self.loader.peek_batch()]
 
     def probe_prompts(self, n: int = 8) -> list[list[int]]:
         """A few held-out prompts (training ones when there is no eval set) for the resync check."""
-        records = list(self.eval_records) or list(self.train_records.values())
-        return [self.prompt_ids(r) for r in records[:n]]
+        if self.eval_records:
+            return [self.eval_prompt_ids[r.id] for r in self.eval_records[:n]]
+        return [self.train_prompt_ids[r.id] for r in list(self.train_records.values())[:n]]
 
     def resync(self, wake_engines: bool = False) -> dict[str, float]:
         """Push the learner's current weights to every engine as weight version `self.version`."""
@@ -116,7 +114,7 @@ def build_run(cfg: RunConfig) -> Run:
     from transformers import AutoTokenizer
 
     from megatron_specrl.actors import build_actors, init_ray
-    from megatron_specrl.data.datasets import PromptLoader, load_records
+    from megatron_specrl.data.datasets import DatasetError, PromptLoader, load_records, render_all
     from megatron_specrl.rewards import default_reward_for, get_reward
 
     out = Path(cfg.output_dir)
@@ -126,8 +124,15 @@ def build_run(cfg: RunConfig) -> Run:
     check_model_divisibility(cfg, *shape_of(read_hf_config(model_dir)))
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    train_records = load_records(cfg.data, split="train", seed=cfg.trainer.seed)
-    eval_records = load_records(cfg.data, split="eval", seed=cfg.trainer.seed) if cfg.data.num_eval else []
+    d = cfg.data
+    train_records, train_ids = render_all(load_records(d, split="train", seed=cfg.trainer.seed), tokenizer,
+                                          d.apply_chat_template, d.max_prompt_len, d.filter_overlong_prompts, "train")
+    if len(train_records) < cfg.trainer.prompts_per_step:
+        raise DatasetError(f"data.filter_overlong_prompts left {len(train_records)} train prompts, fewer than "
+                                 f"trainer.prompts_per_step={cfg.trainer.prompts_per_step}")
+    eval_records, eval_ids = render_all(load_records(d, split="eval", seed=cfg.trainer.seed) if d.num_eval else [],
+                                        tokenizer, d.apply_chat_template, d.max_prompt_len,
+                                        d.filter_overlong_prompts, "eval")
     loader = PromptLoader(train_records, batch_size=cfg.trainer.prompts_per_step, seed=cfg.trainer.seed,
                           shuffle=cfg.data.shuffle)
 
@@ -168,6 +173,7 @@ def build_run(cfg: RunConfig) -> Run:
                            run_name=cfg.logging.run_name, resume_step=step)
     run = Run(cfg=cfg, out=out, model_dir=model_dir, tokenizer=tokenizer, pad_id=pad_id, tokenizer_id=tokenizer_id,
               loader=loader, train_records={r.id: r for r in train_records}, eval_records=eval_records,
+              train_prompt_ids=train_ids, eval_prompt_ids=eval_ids,
               reward_fn=get_reward(cfg.reward.name or default_reward_for(cfg.data)), learner=learner, engine=engine, store=store,
               rollout=rollout, logger=logger, placement=placement, critic=critic, ref=ref, step=step, version=version,
               resync_route=make_route(transport, timeout_s=cfg.rollout.engine_timeout_s))
@@ -268,7 +274,7 @@ def evaluate(run: Run) -> dict[str, float]:
     """Greedy accuracy on the held-out prompts (plain generation, no drafts)."""
     if not run.eval_records:
         return {}
-    reqs = [GenerateRequest(run.prompt_ids(r), run.cfg.rollout.max_new_tokens, seed=stable_seed("eval", r.id))
+    reqs = [GenerateRequest(run.eval_prompt_ids[r.id], run.cfg.rollout.max_new_tokens, seed=stable_seed("eval", r.id))
             for r in run.eval_records]
     results = run.engine.generate(reqs, SamplingSettings(temperature=0.0, need_logprobs=False), run.version)
     texts = run.tokenizer.batch_decode([r.token_ids for r in results], skip_special_tokens=True)

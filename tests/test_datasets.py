@@ -9,7 +9,7 @@ import pytest
 from megatron_specrl.config import DataConfig
 from megatron_specrl.data.datasets import (
     DatasetError, PromptLoader, PromptRecord, PromptTooLongError, file_format, last_boxed, load_records,
-    render_prompt,
+    render_all, render_prompt,
 )
 
 
@@ -160,6 +160,24 @@ def test_loader_state_round_trip_gives_identical_order():
         PromptLoader(recs[:5], batch_size=4, seed=11).load_state_dict(state)
     with pytest.raises(ValueError, match="batch_size"):
         PromptLoader(recs, batch_size=11, seed=0)
+
+
+def test_every_prompt_is_checked_against_max_prompt_len_at_start(tiny_llama):
+    """A prompt longer than data.max_prompt_len would stop the run at the step that draws it: all are
+    rendered when the run starts, and refused with the count and the longest, or left out with verl's
+    data.filter_overlong_prompts. The ids kept are render_prompt's."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    recs = [PromptRecord(id=f"r{i}", prompt="Q:" + "1+" * i + "1=", answer=str(i + 1)) for i in range(6)]
+    lengths = {r.id: len(render_prompt(r, tok, False)) for r in recs}
+    limit = lengths["r3"]
+    with pytest.raises(PromptTooLongError, match=rf"2 of 6 train prompts are longer than data.max_prompt_len={limit} "
+                                                 rf"\(the longest: record 'r5', {lengths['r5']} tokens\)"):
+        render_all(recs, tok, False, limit, drop_overlong=False, split="train")
+    kept, ids = render_all(recs, tok, False, limit, drop_overlong=True, split="train")
+    assert [r.id for r in kept] == ["r0", "r1", "r2", "r3"]
+    assert ids == {r.id: render_prompt(r, tok, False) for r in kept}
 
 
 def test_render_prompt(tiny_llama):

@@ -240,3 +240,26 @@ def test_the_kv_check_counts_the_drafting_engines_room(capsys):
     assert main(["train", recipe, *tight, "rollout.draft=tree", "--dry-run"]) == 2
     room = r.max_model_len + r.draft_tokens + 1
     assert f"less than one {room}-token sequence (the engine's max_model_len)" in capsys.readouterr().err
+
+
+def test_overlong_prompts_are_refused_before_the_run_queues_or_starts(tiny_llama, tmp_path, capsys):
+    """With the model's tokenizer at hand the dry-run (and so `launch`) measures every prompt; without
+    one (synthetic data, a tiny model built at start) the run measures them before Ray or an engine
+    starts. One line, exit 2; verl's data.filter_overlong_prompts leaves them out instead."""
+    data = tmp_path / "train.jsonl"
+    rows = [{"problem": f"{i}+1=", "answer": str(i + 1)} for i in range(16)]
+    rows.append({"problem": "+".join(["1"] * 40) + "=", "answer": "40"})
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = ["tiny-cpu-grpo", f"model.path={tiny_llama}", f"data.source={data}", "data.max_prompt_len=16",
+            "data.num_eval=0", "--dry-run"]
+    assert main(["train", *base]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "1 of 17 train prompts are longer than data.max_prompt_len=16" in err[0], err
+    assert main(["train", *base, "data.filter_overlong_prompts=true"]) == 0
+    capsys.readouterr()
+    out = tmp_path / "run"
+    assert main(["train", "tiny-cpu-grpo", f"model.path={tiny_llama}", "data.max_prompt_len=4",
+                 f"output_dir={out}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("megatron-specrl: data error: ") and "data.max_prompt_len=4" in err[0]
+    assert not (out / "engine_logs").exists()          # refused before any engine started

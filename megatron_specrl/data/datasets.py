@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import random
 import re
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from megatron_specrl.data import synthetic
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:   # a type only: the config (via rewards) imports this module
     from megatron_specrl.config import DataConfig
@@ -412,5 +415,32 @@ def render_prompt(record: PromptRecord, tokenizer, apply_chat_template: bool,
     return ids
 
 
-__all__ = ["PromptRecord", "DatasetError", "PromptTooLongError", "load_records", "load_file",
+def render_all(records: list[PromptRecord], tokenizer, apply_chat_template: bool, max_prompt_len: int,
+               drop_overlong: bool, split: str) -> tuple[list[PromptRecord], dict[str, list[int]]]:
+    """Every prompt rendered once when the run starts: (records kept, token ids by record id).
+
+    A prompt longer than max_prompt_len would otherwise stop the run at the step that draws it,
+    hours in. Refused here with the count and the longest one, or, with data.filter_overlong_prompts
+    (verl's key and rule), left out of the run. The ids are kept: each step reads them instead of
+    rendering its prompts again."""
+    kept, ids_by_id, overlong = [], {}, []
+    for rec in records:
+        ids = render_prompt(rec, tokenizer, apply_chat_template)
+        if len(ids) > max_prompt_len:
+            overlong.append((len(ids), rec.id))
+            continue
+        kept.append(rec)
+        ids_by_id[rec.id] = ids
+    if overlong and not drop_overlong:
+        n, rid = max(overlong)
+        raise PromptTooLongError(f"{len(overlong)} of {len(records)} {split} prompts are longer than "
+                                 f"data.max_prompt_len={max_prompt_len} (the longest: record {rid!r}, {n} tokens); "
+                                 "raise it, or set data.filter_overlong_prompts=true to leave them out")
+    if overlong:
+        log.warning("data.filter_overlong_prompts: left out %d of %d %s prompts longer than "
+                    "data.max_prompt_len=%d", len(overlong), len(records), split, max_prompt_len)
+    return kept, ids_by_id
+
+
+__all__ = ["PromptRecord", "DatasetError", "PromptTooLongError", "load_records", "load_file", "render_all",
            "detect_format", "file_format", "stable_id", "last_boxed", "gsm8k_final_answer", "PromptLoader", "render_prompt"]
