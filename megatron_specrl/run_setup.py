@@ -247,11 +247,12 @@ def restore_draft_trees(engine, directory: Path) -> None:
 def with_engine_recovery(run: Run, step: int, collect: Callable[[], tuple[list, T, dict]]) -> tuple[list, T, dict]:
     """collect() -> (samples, rewards, metrics); if an engine dies, restart it, push the current
     weights and collect once more from the same prompts (the loader is rewound, so the data order
-    does not change)."""
+    does not change, and the trajectory store too, so the retry drafts from last epoch's samples)."""
     from megatron_specrl.engines.protocol import EngineError
     from megatron_specrl.resync.lifecycle import engines_of
 
     loader_state = run.loader.state_dict()
+    run.store.begin_step()
     try:
         return collect()
     except EngineError as err:
@@ -265,6 +266,7 @@ def with_engine_recovery(run: Run, step: int, collect: Callable[[], tuple[list, 
     if latest is not None:   # the restarted engines draft from the trees of the newest checkpoint
         restore_draft_trees(run.engine, latest / "draft_trees")
     run.loader.load_state_dict(loader_state)
+    run.store.undo_step()
     samples, rewards, metrics = collect()
     metrics["engine/restarts"] = 1.0
     return samples, rewards, metrics

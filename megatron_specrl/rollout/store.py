@@ -32,12 +32,31 @@ class Trajectory:
 class TrajectoryStore:
     def __init__(self):
         self._items: dict[tuple[str, int], Trajectory] = {}
+        self._undo: dict[tuple[str, int], Trajectory | None] | None = None   # while a step may be retried
 
     def get(self, prompt_id: str, sample_idx: int) -> Trajectory | None:
         return self._items.get((prompt_id, sample_idx))
 
     def put(self, prompt_id: str, sample_idx: int, traj: Trajectory) -> None:
-        self._items[(prompt_id, sample_idx)] = traj
+        key = (prompt_id, sample_idx)
+        if self._undo is not None and key not in self._undo:
+            self._undo[key] = self._items.get(key)
+        self._items[key] = traj
+
+    # -- a step's writes, undone when its rollout is retried ------------------
+    def begin_step(self) -> None:
+        """Remember what this step's puts replace (only those: a copy of the store would cost its size)."""
+        self._undo = {}
+
+    def undo_step(self) -> None:
+        """Back to the store as it was at begin_step: a retried rollout (an engine died in a DAPO round
+        after earlier rounds stored their samples) drafts from what a first attempt would have seen."""
+        for key, old in (self._undo or {}).items():
+            if old is None:
+                self._items.pop(key, None)
+            else:
+                self._items[key] = old
+        self._undo = {}
 
     def __len__(self) -> int:
         return len(self._items)
