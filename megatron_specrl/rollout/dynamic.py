@@ -19,15 +19,27 @@ from megatron_specrl.rollout.speculative import RolloutSample
 RolloutRound = Callable[[int], tuple[list[RolloutSample], torch.Tensor, torch.Tensor, dict[str, float]]]
 
 
+ADDITIVE_SUFFIXES = ("_tokens", "_s", "spec/drafts", "spec/nonfinite_logprobs", "spec/coupled_refreshed",
+                     "runahead/requests", "spec/decode_steps", "tree/engine_steps", "tree/request_steps")
+ADDITIVE_PREFIXES = ("tree_cost/",)     # the step-cost fit's sums
+# ratios of counters: recomputed from the step's sums (an average over rounds would weigh a small
+# round like a full one)
+RATIOS = {"tree/accept_rate": ("tree/accepted_tokens", "tree/draft_tokens"),
+          "tree/tokens_per_step": ("tree/generated_tokens", "tree/request_steps")}
+
+
 def _merge(rounds: list[dict]) -> dict[str, float]:
     """Sum counters and seconds over rounds, average ratios and means."""
     merged: dict[str, list[float]] = defaultdict(list)
     for m in rounds:
         for k, v in m.items():
             merged[k].append(v)
-    additive = ("_tokens", "_s", "spec/drafts", "spec/nonfinite_logprobs", "spec/coupled_refreshed",
-                "runahead/requests")
-    return {k: (sum(v) if k.endswith(additive) else sum(v) / len(v)) for k, v in merged.items()}
+    out = {k: (sum(v) if k.endswith(ADDITIVE_SUFFIXES) or k.startswith(ADDITIVE_PREFIXES) else sum(v) / len(v))
+           for k, v in merged.items()}
+    for ratio, (num, den) in RATIOS.items():
+        if ratio in out and num in out and den in out:
+            out[ratio] = out[num] / max(out[den], 1.0)
+    return out
 
 
 def _groups(samples, rewards, keep):
@@ -42,13 +54,21 @@ def _groups(samples, rewards, keep):
 def filter_rounds(rollout_round: RolloutRound, target_groups: int,
                   max_tries: int) -> tuple[list[RolloutSample], torch.Tensor, dict[str, float]]:
     """Rounds until `target_groups` informative groups -> (their samples, shaped rewards, metrics).
-    The filter decides on task rewards, so DAPO's length shaping cannot flip it."""
+    The filter decides on task rewards, so DAPO's length shaping cannot flip it.
+
+    A prompt kept in an earlier round is not kept again (a round past the loader's epoch end can
+    draw it anew): GRPO groups by prompt id, so two kept groups of one prompt would merge into one
+    group of 2G with another baseline, and a step would hold a prompt twice."""
     round_metrics = []
+    kept_ids: set[str] = set()
 
     def generate(round_idx: int):
         samples, rewards, task, metrics = rollout_round(round_idx)
         round_metrics.append(metrics)
-        return _groups(samples, rewards, dapo_keep_mask(task, [s.prompt_id for s in samples]))
+        groups, keep = _groups(samples, rewards, dapo_keep_mask(task, [s.prompt_id for s in samples]))
+        keep = [k and group[0].prompt_id not in kept_ids for (group, _), k in zip(groups, keep)]
+        kept_ids.update(group[0].prompt_id for (group, _), k in zip(groups, keep) if k)
+        return groups, keep
 
     groups, stats = dynamic_sample(generate, target_groups, max_tries)
     metrics = {**_merge(round_metrics), **stats}
