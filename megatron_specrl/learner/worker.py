@@ -331,6 +331,10 @@ class LearnerWorker:
         store = self._run_schedule(mbs, loss_fn, forward_only=False)
         grad_norm = self._finalize_grads(clip=step)
         if step:
+            if not math.isfinite(grad_norm):   # AdamW would turn every weight NaN; as Megatron's: skip, raise
+                self.optimizer.zero_grad(set_to_none=False)
+                raise RuntimeError(f"non-finite gradients (grad norm {grad_norm}): the optimizer step was "
+                                   "skipped (a NaN / inf reward, advantage or log-prob in the batch?)")
             self.optimizer.step()
         return self._reduce_metrics(store, grad_norm)
 
