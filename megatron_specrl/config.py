@@ -339,7 +339,7 @@ class RunConfig(_Strict):
         if batch % (le.dp * le.mini_batches) != 0:
             raise ValueError(f"trainer.prompts_per_step * rollout.n_samples = {batch} is not divisible by "
                              f"learner.dp * learner.mini_batches = {le.dp * le.mini_batches}")
-        if self.algorithm.name == "dapo" and self.algorithm.overlong_buffer >= r.max_new_tokens:
+        if self.algorithm.overlong_buffer >= r.max_new_tokens:   # shaping applies to any algorithm
             raise ValueError(f"algorithm.overlong_buffer={self.algorithm.overlong_buffer} must be < "
                              f"rollout.max_new_tokens={r.max_new_tokens}")
         return self

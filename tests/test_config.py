@@ -230,3 +230,14 @@ def test_unset_spec_mode_keeps_the_policys_distribution():
     assert RolloutConfig().spec_mode == "exact"
     assert RolloutConfig(engine="sglang").spec_mode == "exact"
     assert RolloutConfig(spec_mode="coupled").spec_mode == "coupled"
+
+
+def test_overlong_buffer_is_checked_for_every_algorithm():
+    """score_samples adds the overlong penalty whenever algorithm.overlong_buffer > 0, whatever the
+    algorithm; a buffer >= max_new_tokens must fail at load time for grpo and ppo too, not with
+    overlong_penalty's ValueError after the first rollout (or, at ==, penalise every response)."""
+    for recipe in ("tiny-cpu-grpo.yaml", "tiny-cpu-ppo.yaml", "tiny-cpu-dapo.yaml"):
+        with pytest.raises(ConfigError, match="overlong_buffer"):
+            load_config(ROOT / "examples" / recipe, ["rollout.max_new_tokens=32", "algorithm.overlong_buffer=32"])
+        assert load_config(ROOT / "examples" / recipe, ["rollout.max_new_tokens=32",
+                                                         "algorithm.overlong_buffer=8"]).algorithm.overlong_buffer == 8
