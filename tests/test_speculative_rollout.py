@@ -141,6 +141,19 @@ def test_exact_replacement_at_the_last_position_or_eos_needs_no_generation():
     assert store.get("p0", 0).finish_reason == "stop" and store.get("p0", 0).logprobs == [SURE, -0.7]
 
 
+def test_a_response_ended_by_a_replacement_is_not_full_reuse():
+    """spec/full_reuse_ratio counts samples that are their whole draft; one that a replacement ended
+    (EOS, or the L-th token) needed no extension either, but its last token is new (it was counted)."""
+    engine = ReplacingEngine(lambda ids: [NEVER, SURE, SURE][: len(ids)], replacements=[EOS, 40, 41])
+    samples, m = _roll(engine, _store_with([9, 10, EOS])).run([("p0", [5])], 1, 1, 0)
+    assert engine.generate_requests == [] and samples[0].response_ids == [EOS] and samples[0].num_reused == 0
+    assert m["spec/full_reuse_ratio"] == 0.0 and m["spec/reuse_ratio"] == 0.0
+    engine = ReplacingEngine(lambda ids: [SURE, SURE, NEVER][: len(ids)])
+    samples, m = _roll(engine, _store_with([9, 10, 11], finish="length"), L=3).run([("p0", [5])], 1, 1, 0)
+    assert engine.generate_requests == [] and samples[0].response_ids == [9, 10, 42]
+    assert m["spec/full_reuse_ratio"] == 0.0
+
+
 def test_exact_without_a_replacement_extends_from_the_rejected_position():
     """-1: the processed distribution is a point mass on y_n (rejected by rounding only)."""
     engine = ReplacingEngine(lambda ids: [SURE, NEVER, SURE][: len(ids)], replacements=[-1, -1, -1])
@@ -265,3 +278,28 @@ def test_runahead_requests_go_to_the_engine_only():
     engine.generate_requests.clear()
     roll.run([("p0", [5, 6])], 2, 1, step=1)            # no next prompts: nothing runs ahead
     assert not any(r.runahead for r in engine.generate_requests)
+
+
+def test_router_verifies_a_prompt_on_the_engine_that_extends_it():
+    """Through a router, a (prompt, sample)'s verification must run on the engine that then extends
+    it (its prefix cache holds the prompt and the accepted prefix), and a prompt's samples on one
+    engine (a verification reads the prompt blocks a sibling computed). Balanced by cost, the two
+    equal-cost samples of a prompt were split over the engines."""
+    from megatron_specrl.engines.router import EngineRouter
+
+    engines = [ReplacingEngine(lambda ids: [SURE, NEVER, SURE, SURE][: len(ids)]) for _ in range(2)]
+    for e in engines:
+        e.draft_stats = dict
+    store = TrajectoryStore()
+    prompts = [(f"p{i}", [5] * (i + 1)) for i in range(6)]
+    for pid, _ in prompts:
+        for k in range(2):
+            store.put(pid, k, Trajectory([9, 10, 11, EOS], [-0.1] * 4, "stop", 0))
+    _roll(EngineRouter(engines), store).run(prompts, 2, 1, step=0)
+    scored = {len(r.prompt_ids): i for i, e in enumerate(engines) for r in e.score_requests}
+    extended = {len(r.prompt_ids) - 2: i for i, e in enumerate(engines) for r in e.generate_requests}
+    assert sum(len(e.score_requests) for e in engines) == 12 and len(scored) == 6
+    for i, e in enumerate(engines):   # every sample of a prompt scored on one engine
+        for r in e.score_requests:
+            assert scored[len(r.prompt_ids)] == i
+    assert scored == extended

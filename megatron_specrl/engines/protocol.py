@@ -96,6 +96,9 @@ class ScoreRequest:
     # (equal to y_t where the draft survives; never -1); the noise of continuation token t is that
     # of response position t of a GenerateRequest with the same coupled_seed.
     coupled_seed: int | None = None
+    # The prompt id, as GenerateRequest.draft_key: a router sends the verification to the engine
+    # that gets the prompt's generation requests, whose prefix cache it warms.
+    draft_key: str | None = None
 
 
 @dataclass

@@ -97,7 +97,10 @@ class EngineRouter:
     def score(self, requests: list[ScoreRequest], sampling: SamplingSettings,
               weight_version: int) -> list[ScoreResult]:
         costs = [len(r.prompt_ids) + len(r.continuation_ids) for r in requests]
-        return self._fan_out("score", requests, costs, sampling, weight_version)
+        shards = None
+        if any(r.draft_key is not None for r in requests):   # on the engine that extends the prompt
+            shards = shard_by_key([r.draft_key for r in requests], len(self.engines))
+        return self._fan_out("score", requests, costs, sampling, weight_version, shards)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         named = list(named_tensors)   # an iterator can be consumed only once

@@ -200,7 +200,8 @@ class SpeculativeRollout:
         if to_verify:
             scores = self.engine.score(
                 [ScoreRequest(p.prompt_ids, p.draft_ids, seed=stable_seed(self.seed, step, "verify", p.prompt_id,
-                                                                          p.sample_idx), coupled_seed=p.noise_seed)
+                                                                          p.sample_idx), coupled_seed=p.noise_seed,
+                             draft_key=p.prompt_id)
                  for p in to_verify],
                 self.sampling, weight_version)
             for p, s in zip(to_verify, scores):
@@ -286,7 +287,9 @@ class SpeculativeRollout:
             "spec/replaced_tokens": float(replaced),   # exact: first new tokens drawn by the verification
             "spec/nonfinite_logprobs": float(nonfinite),   # NaN / +inf from the engine (never accepted)
             "spec/reuse_ratio": accepted / max(response_tokens, 1),
-            "spec/full_reuse_ratio": sum(not p.needs_generation for p in plans) / max(len(plans), 1),
+            # samples that are their whole draft (not those a replacement ended: its token is new)
+            "spec/full_reuse_ratio": sum(bool(p.draft_ids) and p.accepted == len(p.draft_ids) and not p.needs_generation
+                                         for p in plans) / max(len(plans), 1),
             "spec/mean_accept_len": accepted / max(len(drafted), 1),
             "spec/drafts": float(len(drafted)),
             "spec/cached_prompt_tokens": float(sum(r.num_cached_tokens for r in results)),
