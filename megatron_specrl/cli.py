@@ -9,6 +9,7 @@ from pathlib import Path
 from megatron_specrl.config import ConfigError, load_config, resolve_recipe, to_yaml
 from megatron_specrl.data.datasets import DatasetError
 from megatron_specrl.plan import PlanError
+from megatron_specrl.rewards import RewardError
 
 def _split_recipe_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
     if items and "=" not in items[0]:
@@ -118,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except DatasetError as e:   # raised when the run starts (prompt lengths need the tokenizer)
         print(f"megatron-specrl: data error: {e}", file=sys.stderr)
+        return 2
+    except RewardError as e:    # a user reward function's NaN, at the step that met it (checkpoints kept)
+        print(f"megatron-specrl: reward error: {e}", file=sys.stderr)
         return 2
 
 

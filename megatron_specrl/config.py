@@ -339,6 +339,9 @@ class RunConfig(_Strict):
         if batch % (le.dp * le.mini_batches) != 0:
             raise ValueError(f"trainer.prompts_per_step * rollout.n_samples = {batch} is not divisible by "
                              f"learner.dp * learner.mini_batches = {le.dp * le.mini_batches}")
+        if self.algorithm.name in ("grpo", "dapo") and r.n_samples < 2:
+            raise ValueError(f"algorithm.name={self.algorithm.name} needs rollout.n_samples >= 2, got {r.n_samples}: "
+                             "group-relative advantages of a group of one are 0, so nothing would be learned")
         if self.algorithm.overlong_buffer >= r.max_new_tokens:   # shaping applies to any algorithm
             raise ValueError(f"algorithm.overlong_buffer={self.algorithm.overlong_buffer} must be < "
                              f"rollout.max_new_tokens={r.max_new_tokens}")

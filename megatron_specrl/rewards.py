@@ -42,6 +42,10 @@ _REGISTRY: dict[str, RewardFn] = {}
 log = logging.getLogger(__name__)
 
 
+class RewardError(ValueError):
+    """A reward function returned something that is not a finite number."""
+
+
 class UnknownRewardError(KeyError):
     """No reward registered under that name; the message lists the known names."""
 

@@ -241,3 +241,12 @@ def test_overlong_buffer_is_checked_for_every_algorithm():
             load_config(ROOT / "examples" / recipe, ["rollout.max_new_tokens=32", "algorithm.overlong_buffer=32"])
         assert load_config(ROOT / "examples" / recipe, ["rollout.max_new_tokens=32",
                                                          "algorithm.overlong_buffer=8"]).algorithm.overlong_buffer == 8
+
+
+def test_group_relative_algorithms_need_two_samples_a_prompt():
+    """GRPO / DAPO advantages of a group of one are 0: a run with rollout.n_samples=1 would learn
+    nothing, silently (verl asserts rollout.n > 1 for GRPO). PPO's critic does not need groups."""
+    for recipe in ("tiny-cpu-grpo.yaml", "tiny-cpu-dapo.yaml"):
+        with pytest.raises(ConfigError, match="needs rollout.n_samples >= 2, got 1"):
+            load_config(ROOT / "examples" / recipe, ["rollout.n_samples=1"])
+    assert load_config(ROOT / "examples" / "tiny-cpu-ppo.yaml", ["rollout.n_samples=1"]).rollout.n_samples == 1

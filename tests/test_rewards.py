@@ -113,3 +113,26 @@ def test_reward_by_dotted_path():
         with pytest.raises(UnknownRewardError) as e:
             get_reward(bad)
         assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), None, "0.5x"])
+def test_a_reward_that_is_not_a_finite_number_is_named_before_training(bad):
+    """One NaN reward makes its group's advantages, the loss and every gradient NaN: score_samples names
+    the reward function, the record and the response instead of handing it on."""
+    from types import SimpleNamespace
+
+    from megatron_specrl.algorithms.rewards_step import score_samples
+    from megatron_specrl.config import AlgorithmConfig
+    from megatron_specrl.rewards import RewardError
+    from megatron_specrl.rollout.speculative import RolloutSample
+
+    def flaky_reward(text, record):
+        return bad if record.id == "b" else 1.0
+
+    records = {p: PromptRecord(id=p, prompt="1+1=", answer="2") for p in "ab"}
+    samples = [RolloutSample(p, 0, [5], [9, 1], [-0.1, -0.1], "stop", 0, 0) for p in "ab"]
+    tok = SimpleNamespace(batch_decode=lambda ids, skip_special_tokens: ["A:2" for _ in ids])
+    with pytest.raises(RewardError, match=r"reward .*flaky_reward returned .* for record 'b' \(response 'A:2'\)"):
+        score_samples(samples, records, flaky_reward, tok, AlgorithmConfig(), 16)
+    rewards, _, _ = score_samples(samples[:1], records, flaky_reward, tok, AlgorithmConfig(), 16)
+    assert rewards.tolist() == [1.0]
