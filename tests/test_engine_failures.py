@@ -129,3 +129,16 @@ def test_router_order_broadcast_and_errors():
     with pytest.raises(EngineError, match=r"\[bad\]"):
         EngineRouter([FakeEngine("ok"), FakeEngine("bad", fail=True)]).generate(reqs, T1, 0)
     assert not EngineRouter([FakeEngine("ok"), FakeEngine("bad", fail=True)]).health().alive
+
+
+def test_a_stopped_engine_says_so_for_every_call(monkeypatch, tmp_path):
+    """Between a kill and a restart, every call into the engine, its weight version included, raises
+    EngineError naming the engine (with_engine_recovery restarts on that), not an AttributeError."""
+    from megatron_specrl.engines.protocol import EngineError
+    from megatron_specrl.engines.ray_engine import RayEngine
+
+    monkeypatch.setattr(RayEngine, "start", lambda self: None)
+    engine = RayEngine(object, {}, "vllm-7", tmp_path)
+    for call in (lambda: engine.weight_version, lambda: engine.submit("generate")):
+        with pytest.raises(EngineError, match="engine is not running"):
+            call()

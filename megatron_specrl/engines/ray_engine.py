@@ -120,7 +120,7 @@ class RayEngine:
 
     @property
     def weight_version(self) -> int:
-        return self._get(self.actor.weight_version.remote(), self.timeout_s, "weight_version")
+        return self._get(self._running_actor().weight_version.remote(), self.timeout_s, "weight_version")
 
     def submit(self, method: str, *args):
         """Start a call without waiting (the router overlaps engines with this)."""
