@@ -126,3 +126,32 @@ def test_local_param_name_follows_transformer_engine_renames():
                                {"decoder.layers.0.mlp.linear_fc1.layer_norm_weight": 0}).endswith("layer_norm_weight")
     with pytest.raises(KeyError, match="no parameter"):
         hm.local_param_name("decoder.final_layernorm.weight", {})
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1)])
+def test_resync_order_keeps_each_layer_in_one_bucket(fixture, tp, pp, request):
+    """The learner's resync order (LearnerWorker._param_order, merged the way iter_hf_state merges)
+    must give each layer's tensors consecutively: plan_buckets only keeps consecutive tensors of a
+    layer together, and vLLM's in-place reload fills a module loaded only in part (Qwen2's qkv_proj
+    weight in one bucket, its bias in the next) with uninitialised memory."""
+    from types import SimpleNamespace
+
+    from megatron_specrl.learner.worker import LearnerWorker
+    from megatron_specrl.resync.buckets import layer_group, plan_buckets
+
+    cfg, sd = _load(request.getfixturevalue(fixture))
+    shards = hm.hf_to_megatron_shards(sd, cfg, tp, pp)
+    fake = SimpleNamespace(hf_config=cfg, settings=SimpleNamespace(pp=pp), role="policy")
+    order = []
+    for stage, name, g in LearnerWorker._param_order(fake):
+        parts = [shards[(t, stage)][name] for t in range(tp)]
+        order += hm.merge_tp_shards_to_hf(name, parts, cfg, g)
+    assert sorted(n for n, _ in order) == sorted(sd)
+    layer_bytes = max(sum(t.numel() * t.element_size() for n, t in order if layer_group(n) == key)
+                      for key in {layer_group(n) for n, _ in order})
+    for budget in (1, layer_bytes, 2 * layer_bytes + 1):
+        seen = {}
+        for k, bucket in enumerate(plan_buckets(iter(order), budget)):
+            for n in bucket.names:
+                assert seen.setdefault(layer_group(n), k) == k, f"{n} split from its layer (budget {budget})"

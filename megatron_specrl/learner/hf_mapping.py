@@ -266,21 +266,29 @@ def stage_layers(cfg, pp: int, pp_rank: int) -> range:
 
 
 def stage_rules(cfg, mapping, pp: int, pp_rank: int):
-    """(rule, local_idx, global_idx) for every parameter on one pipeline stage, in a fixed order."""
+    """(rule, local_idx, global_idx) for every parameter on one pipeline stage, in a fixed order:
+    layer by layer (all of layer i's parameters together), which is the order resync streams them
+    in: its buckets keep only consecutive tensors of one layer together, and vLLM's in-place reload
+    must see every tensor of a fused module (qkv_proj's weight and bias) in one load."""
     first, last = pp_rank == 0, pp_rank == pp - 1
     out = []
+    layer_rules, layers_at = [], None
     for rule in mapping:
         if rule.optional and not _has_qkv_bias(cfg):
             continue
         if "{i}" in rule.megatron:
-            for local, g in enumerate(stage_layers(cfg, pp, pp_rank)):
-                out.append((rule, local, g))
+            if layers_at is None:
+                layers_at = len(out)
+            layer_rules.append(rule)
         elif rule.megatron.startswith("embedding.") and first:
             out.append((rule, None, None))
         elif rule.megatron == "output_layer.weight" and last and not (_tied(cfg) and pp == 1):
             out.append((rule, None, None))
         elif rule.megatron.startswith("decoder.final_layernorm") and last:
             out.append((rule, None, None))
+    if layers_at is not None:
+        out[layers_at:layers_at] = [(rule, local, g) for local, g in enumerate(stage_layers(cfg, pp, pp_rank))
+                                    for rule in layer_rules]
     return out
 
 
