@@ -181,7 +181,8 @@ def build_run(cfg: RunConfig) -> Run:
                          f"{cfg.trainer.resync_transport})")
     if resumed:   # the engines started from the HF weights: give them the checkpoint's
         run.resync()
-        restore_draft_trees(engine, resume_from / "draft_trees")
+        if drafts_with_trees(run):   # a run resumed with rollout.draft=none leaves the saved trees alone
+            restore_draft_trees(engine, resume_from / "draft_trees")
         log.warning("resumed from %s at step %d (weight version %d, %d stored trajectories)",
                     resume_from, step, version, len(store))
     return run
@@ -213,6 +214,13 @@ def save_run_checkpoint(run: Run) -> Path:
 
 
 ENGINE_TREES = "engine-{}"   # one directory per engine, by its index in the router (0 without one)
+
+
+def drafts_with_trees(run) -> bool:
+    """Whether this run's engines hold draft trees (rollout.draft=tree). A checkpoint written with
+    trees can be resumed with drafting off: its engines refuse trees (load_draft_state raises)."""
+    cfg = getattr(run, "cfg", None)
+    return cfg is None or cfg.rollout.draft == "tree"
 
 
 def save_draft_trees(engine, directory: Path) -> None:
@@ -262,7 +270,7 @@ def with_engine_recovery(run: Run, step: int, collect: Callable[[], tuple[list, 
         e.restart()
     if run.version > 0:
         run.resync()
-    latest = ckpt.find_latest(run.out / "checkpoints")
+    latest = ckpt.find_latest(run.out / "checkpoints") if drafts_with_trees(run) else None
     if latest is not None:   # the restarted engines draft from the trees of the newest checkpoint
         restore_draft_trees(run.engine, latest / "draft_trees")
     run.loader.load_state_dict(loader_state)

@@ -3,6 +3,7 @@
 import pytest
 
 from megatron_specrl.rollout.draft_tree import DraftTrees
+from megatron_specrl.rollout.store import TrajectoryStore
 from megatron_specrl.run_setup import restore_draft_trees, save_draft_trees
 
 
@@ -96,7 +97,8 @@ def test_engine_restart_reloads_the_trees_of_the_newest_checkpoint(tmp_path):
     ckpt.commit(tmp, {"step": 4}, keep=2)
     router = FakeRouter([RestartingEngine(_trees([1, 2, 9])), RestartingEngine(_trees([5, 6, 9]))])
     records = [PromptRecord(id=str(i), prompt=f"p{i}", answer="0", meta={}) for i in range(4)]
-    run = SimpleNamespace(engine=router, version=0, out=tmp_path, loader=PromptLoader(records, 2, seed=0))
+    run = SimpleNamespace(engine=router, version=0, out=tmp_path, loader=PromptLoader(records, 2, seed=0),
+                          store=TrajectoryStore())
     calls = []
 
     def collect():
@@ -129,3 +131,39 @@ def test_resumed_drafter_keeps_its_own_settings(tmp_path, impl):
     new.trees.start("r", "p2", [7])
     # a 1-token match drafts 16 tokens within depth 24 (the checkpoint's depth 8 would allow 7)
     assert new.trees.propose("r", 16, 0.0) == list(range(16))
+
+
+class NonDraftingEngine(RestartingEngine):
+    """An engine of a run with rollout.draft=none: like the real ones, it refuses trees."""
+
+    def load_draft_state(self, state):
+        raise ValueError("engine was built without tree drafting (rollout.draft=none)")
+
+
+def test_a_run_resumed_with_drafting_off_ignores_the_checkpoint_trees(tmp_path):
+    """Trees saved by a drafting run must not stop a run resumed with rollout.draft=none: its
+    engines, restarted after a failure, come back without loading them."""
+    from types import SimpleNamespace
+
+    from megatron_specrl import checkpoint as ckpt
+    from megatron_specrl.data.datasets import PromptLoader, PromptRecord
+    from megatron_specrl.engines.protocol import EngineError
+    from megatron_specrl.run_setup import with_engine_recovery
+
+    tmp = ckpt.begin(tmp_path / "checkpoints", 4)
+    save_draft_trees(FakeEngine(_trees([1, 2, 3, 4])), tmp / "draft_trees")
+    ckpt.commit(tmp, {"step": 4}, keep=2)
+    records = [PromptRecord(id=str(i), prompt=f"p{i}", answer="0", meta={}) for i in range(4)]
+    cfg = SimpleNamespace(rollout=SimpleNamespace(draft="none"))
+    run = SimpleNamespace(cfg=cfg, engine=NonDraftingEngine(), version=0, out=tmp_path,
+                          loader=PromptLoader(records, 2, seed=0), store=TrajectoryStore())
+    calls = []
+
+    def collect():
+        calls.append(run.loader.next_batch())
+        if len(calls) == 1:
+            raise EngineError("died", "fake")
+        return [], None, {}
+
+    _, _, metrics = with_engine_recovery(run, 5, collect)
+    assert metrics["engine/restarts"] == 1.0 and run.engine.trees is None
