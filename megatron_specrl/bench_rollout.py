@@ -87,8 +87,9 @@ def _parse(argv):
     return p.parse_args(argv)
 
 
-def per_epoch(rows: list[dict], steps_per_epoch: int) -> list[dict]:
-    """Sum the step rows of each epoch; `eval_accuracy` is the eval logged at the epoch's last step."""
+def per_epoch(rows: list[dict], steps_per_epoch: int, verify_in_decode: bool = False) -> list[dict]:
+    """Sum the step rows of each epoch; `eval_accuracy` is the eval logged at the epoch's last step.
+    `verify_in_decode`: the run verified its drafts in the decode loop (rollout.verify=decode)."""
     steps = [r for r in rows if "spec/rollout_s" in r]
     evals = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
     epochs = []
@@ -97,6 +98,10 @@ def per_epoch(rows: list[dict], steps_per_epoch: int) -> list[dict]:
         total = lambda k: sum(r.get(k, 0.0) for r in chunk)
         response_tokens = sum(r.get("response/mean_len", 0.0) for r in chunk)
         generated = total("spec/generated_tokens")
+        # verified in a prefill (exact, coupled), a rejected draft's first new token is the verification's
+        # draw: a response token, not reused, that spec/generated_tokens (the extension's) leaves out; in
+        # the decode loop the engine samples it, so it is among the generated tokens already
+        replaced = 0.0 if verify_in_decode else total("spec/replaced_tokens")
         # tokens per request per decode step: counted by the tree proposer; 1 without drafting
         request_steps = total("tree/request_steps")
         epochs.append({
@@ -115,7 +120,8 @@ def per_epoch(rows: list[dict], steps_per_epoch: int) -> list[dict]:
             "request_steps": request_steps or generated,
             "generated_tokens": generated,
             "accepted_tokens": total("spec/accepted_tokens"),
-            "reuse_ratio": total("spec/accepted_tokens") / max(total("spec/accepted_tokens") + generated, 1),
+            "replaced_tokens": replaced,
+            "reuse_ratio": total("spec/accepted_tokens") / max(total("spec/accepted_tokens") + generated + replaced, 1),
             "tokens_per_step": total("tree/generated_tokens") / request_steps if request_steps else 1.0,
             "decode_steps": total("spec/decode_steps") / len(chunk),
             "reward": sum(r.get("reward/mean", 0.0) for r in chunk) / len(chunk),
@@ -134,7 +140,7 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, float]:
     summary = {}
     for m, eps in steady.items():
         acc = sum(e["accepted_tokens"] for e in eps)
-        gen = sum(e["generated_tokens"] for e in eps)
+        gen = sum(e["generated_tokens"] + e.get("replaced_tokens", 0.0) for e in eps)
         summary[f"reuse_ratio_{m}"] = acc / max(acc + gen, 1)
         summary[f"rollout_s_{m}"] = secs[m]
         summary[f"tokens_per_step_{m}"] = sum(e["tokens_per_step"] for e in eps) / max(len(eps), 1)
@@ -222,7 +228,8 @@ def run_mode(args, mode: str, seed: int, root: Path, steps_per_epoch: int, conso
         "logging.wandb=false", "logging.plots=false",
     ])
     train(cfg)
-    epochs = per_epoch(read_metrics(out / "metrics.jsonl"), steps_per_epoch)
+    epochs = per_epoch(read_metrics(out / "metrics.jsonl"), steps_per_epoch,
+                       verify_in_decode=cfg.rollout.verify == "decode")
     for e in epochs:
         acc = "-" if e["eval_accuracy"] is None else f"{e['eval_accuracy']:.3f}"
         console.print(f"seed {seed} {mode:>12} epoch {e['epoch']}: rollout {e['rollout_s']:.2f}s, reuse "

@@ -147,3 +147,20 @@ def test_bench_smoke_run_writes_json(tmp_path):
     assert list(dumped) == [1, 2, 3] and all(len(rows) == 16 for rows in dumped.values())
     assert all(0 < len(r["response_ids"]) <= 16 and isinstance(r["score"], float) for r in dumped[3])
     assert data["spread"]["speedup_tree"]["min"] == data["spread"]["speedup_tree"]["max"]
+
+
+def test_reuse_ratio_counts_the_verifications_replacement_tokens_as_not_reused():
+    """Verified in a prefill (exact, coupled), a rejected draft's first new token is the verification's
+    draw: in the response, neither accepted nor in spec/generated_tokens (the extension's). Reuse is
+    the share of response tokens reused, so it belongs in the denominator; in the decode loop
+    (rollout.verify=decode) the engine samples it and spec/generated_tokens already holds it."""
+    # a step: 60 tokens accepted, 10 replacements drawn by the verification, 30 generated past them
+    rows = [_row(s, 1.0, 60, 30, **{"spec/replaced_tokens": 10.0}) for s in (1, 2, 3)]
+    (e,) = per_epoch(rows, steps_per_epoch=3)
+    assert e["reuse_ratio"] == pytest.approx(60 / 100)
+    (d,) = per_epoch(rows, steps_per_epoch=3, verify_in_decode=True)
+    assert d["reuse_ratio"] == pytest.approx(60 / 90)
+    common = {"verify_s": 0.0, "generate_s": 0.5, "loop_s": 0.0, "draft_s": 0.0, "draft_tokens": 0.0,
+              "draft_accepted": 0.0}
+    eps = [dict(e, epoch=k, **common) for k in (1, 2, 3, 4)]
+    assert summarize({"exact": eps})["reuse_ratio_exact"] == pytest.approx(0.6)

@@ -3,6 +3,8 @@
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 spec = importlib.util.spec_from_file_location("replay_drafts", Path(__file__).parent.parent / "tools" / "replay_drafts.py")
 replay_drafts = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(replay_drafts)
@@ -83,3 +85,17 @@ def test_a_bad_shared_nodes_is_refused_before_any_work(tmp_path):
         out = subprocess.run([sys.executable, str(tool), str(tmp_path / "absent"), "--shared-nodes", bad],
                              capture_output=True, text=True)
         assert out.returncode != 0 and f"--shared-nodes {bad!r}: expected non-negative integers" in out.stderr
+
+
+def test_requests_running_per_step_counts_the_prefill_steps_requests():
+    """The engine counts every step's requests, the prefill step's included (bench-rollout's
+    "requests running / step"): two requests running through all of a rollout's steps run 2 a step."""
+    resp = list(range(1, 21))
+    out = replay_drafts.replay({1: _rows(1, [resp, resp]), 2: _rows(2, [resp, resp])}, window=0, own_draft=False,
+                               settings=SETTINGS, max_k=4, max_model_len=256)
+    assert replay_drafts.running_per_step([out[2]]) == 2.0      # prefill + 4 steps, both requests in each
+    assert replay_drafts.running_per_step([out[1], out[2]]) == 2.0
+    one = replay_drafts.replay({1: _rows(1, [resp, [7]])}, window=0, own_draft=False, settings=SETTINGS,
+                               max_k=4, max_model_len=256)
+    # the one-token response ends in the prefill step: 2 requests there, 1 in each of the 19 others
+    assert replay_drafts.running_per_step([one[1]]) == pytest.approx((2 + 19) / 20)

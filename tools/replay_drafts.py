@@ -51,6 +51,7 @@ def replay_step(drafter: TreeDrafter, rows: list[dict], tag: str, own: dict | No
     pos = dict.fromkeys(reqs, 1)            # the prefill step samples every request's first token
     gained = dict.fromkeys(reqs, 1)
     running = [rid for rid, r in reqs.items() if r["response_ids"]]
+    prefilled = len(running)                 # the requests that ran in the prefill step (steps' first)
     steps, request_steps, drafted, accepted, verified = 1, 0, 0, 0, 0
     while running:
         drafter.begin_step(len(running))
@@ -77,7 +78,7 @@ def replay_step(drafter: TreeDrafter, rows: list[dict], tag: str, own: dict | No
     drafter.begin_step(0)
     drafter.end_step()                       # every request has ended: its tokens stay in the trees
     return {"steps": steps, "request_steps": request_steps, "drafted": drafted, "accepted": accepted,
-            "verified": verified}
+            "verified": verified, "prefilled": prefilled}
 
 
 def replay(steps: dict[int, list[dict]], window: int, own_draft: bool, settings: dict, max_k: int,
@@ -163,9 +164,15 @@ def main() -> None:
         print(f"  window {w or 'all':>3}{' +own' if args.own_draft else ''}{label}: decode steps / rollout "
               f"{statistics.fmean(r['steps'] for r in res):5.1f}  tokens verified / step "
               f"{total('verified') / max(total('steps') - len(res), 1):6.0f}  requests running / step "
-              f"{total('request_steps') / max(total('steps'), 1):5.1f}  draft accepted "
+              f"{running_per_step(res):5.1f}  draft accepted "
               f"{total('accepted') / max(total('drafted'), 1):4.0%}"
               + ("" if cost is None else f"  decode loop ~{loop_ms(res, cost):6.0f} ms / rollout"))
+
+
+def running_per_step(results: list[dict]) -> float:
+    """Requests running per engine step, as the engine counts them (bench-rollout's "requests running /
+    step"): every step of the rollout, the prefill's included, with the requests that ran in it."""
+    return sum(r["request_steps"] + r["prefilled"] for r in results) / max(sum(r["steps"] for r in results), 1)
 
 
 def loop_ms(results: list[dict], cost: tuple[float, float, float]) -> float:
