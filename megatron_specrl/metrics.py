@@ -18,7 +18,9 @@ class MetricsLogger:
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
-        truncate_jsonl(self.path, resume_step)
+        # a run starting at step 0 (fresh, or resumed before its first checkpoint) logs its step-0
+        # eval again: keep no row of an earlier run in this output_dir, not even that one
+        truncate_jsonl(self.path, resume_step if resume_step > 0 else -1)
         truncate_jsonl(self.dir / "data_order.jsonl", resume_step)
         self.console = Console(stderr=True)
         self.wandb = None
