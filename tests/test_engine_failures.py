@@ -142,3 +142,25 @@ def test_a_stopped_engine_says_so_for_every_call(monkeypatch, tmp_path):
     for call in (lambda: engine.weight_version, lambda: engine.submit("generate")):
         with pytest.raises(EngineError, match="engine is not running"):
             call()
+
+
+def test_a_routed_rollouts_decode_steps_are_the_longest_engines():
+    """Engines step side by side: a rollout over two engines that took 30 and 20 drafted steps took 30
+    decode steps (as `off`'s are its longest continuation), while the counters, engine steps included,
+    add up over engines."""
+    from megatron_specrl.rollout.speculative import tree_metrics
+
+    class DraftingEngine(FakeEngine):
+        def __init__(self, name, steps):
+            super().__init__(name)
+            self.steps = steps
+
+        def draft_stats(self):
+            return {"nodes": 10.0, "memory_mb": 1.0, "draft_tokens": 8.0, "accepted_tokens": 4.0,
+                    "generated_tokens": 2.0 * self.steps, "request_steps": 2.0 * self.steps,
+                    "engine_steps": float(self.steps)}
+
+    m = tree_metrics(EngineRouter([DraftingEngine("e0", 30), DraftingEngine("e1", 20)]))
+    assert m["tree/engine_steps"] == 50.0 and m["tree/engine_steps_longest"] == 30.0
+    assert m["tree/draft_tokens"] == 16.0
+    assert tree_metrics(DraftingEngine("solo", 30))["tree/engine_steps_longest"] == 30.0

@@ -116,11 +116,18 @@ class EngineRouter:
             e.reset_prefix_cache()
 
     def draft_stats(self) -> dict[str, float]:
-        """Summed over engines (counters and tree sizes alike)."""
+        """Summed over engines (counters and tree sizes alike), plus `engine_steps_longest`: the most
+        engine steps one engine took, the rollout's decode steps (engines step side by side)."""
         total: dict[str, float] = {}
+        longest = None
         for e in self.engines:
-            for k, v in e.draft_stats().items():
+            stats = e.draft_stats()
+            for k, v in stats.items():
                 total[k] = total.get(k, 0.0) + v
+            if "engine_steps" in stats:
+                longest = max(longest or 0.0, stats["engine_steps"])
+        if longest is not None:
+            total["engine_steps_longest"] = longest
         return total
 
     def draft_state(self) -> dict | None:

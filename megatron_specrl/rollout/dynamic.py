@@ -20,7 +20,8 @@ RolloutRound = Callable[[int], tuple[list[RolloutSample], torch.Tensor, torch.Te
 
 
 ADDITIVE_SUFFIXES = ("_tokens", "_s", "spec/drafts", "spec/nonfinite_logprobs", "spec/coupled_refreshed",
-                     "runahead/requests", "spec/decode_steps", "tree/engine_steps", "tree/request_steps")
+                     "runahead/requests", "spec/decode_steps", "tree/engine_steps", "tree/engine_steps_longest",
+                     "tree/request_steps")
 ADDITIVE_PREFIXES = ("tree_cost/",)     # the step-cost fit's sums
 # ratios of counters: recomputed from the step's sums (an average over rounds would weigh a small
 # round like a full one)

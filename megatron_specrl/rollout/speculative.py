@@ -97,7 +97,9 @@ def tree_metrics(engine) -> dict[str, float]:
             "tree/accept_rate": accepted / max(drafted, 1.0),
             "tree/tokens_per_step": stats["generated_tokens"] / max(stats["request_steps"], 1.0),
             "tree/generated_tokens": stats["generated_tokens"], "tree/request_steps": stats["request_steps"],
-            "tree/engine_steps": stats["engine_steps"],
+            "tree/engine_steps": stats["engine_steps"],   # summed over engines, as every counter
+            # the rollout's decode steps: one engine's, the longest, where several step side by side
+            "tree/engine_steps_longest": stats.get("engine_steps_longest", stats["engine_steps"]),
             "tree/own_draft_tokens": stats.get("own_draft_tokens", 0.0),
             # drafts taken from the shared tree of all prompts' responses, and its size
             "tree/shared_draft_tokens": stats.get("shared_draft_tokens", 0.0),
@@ -307,8 +309,9 @@ class SpeculativeRollout:
         # tokens the engine's steps verified (K a step, not all of y)
         metrics["spec/verified_tokens"] = (metrics.get("tree/own_draft_tokens", 0.0) if in_decode
                                            else float(sum(len(p.draft_ids) for p in to_verify)))
-        # engine decode steps of the generation batch: counted by the tree proposer when it drafts,
-        # otherwise one a token of the longest continuation
-        metrics["spec/decode_steps"] = metrics.get("tree/engine_steps",
+        # engine decode steps of the generation batch: counted by the tree proposer when it drafts (the
+        # longest engine's, as the longest continuation sets them without drafts), otherwise one a token
+        # of the longest continuation
+        metrics["spec/decode_steps"] = metrics.get("tree/engine_steps_longest",
                                                    float(max((len(r.token_ids) for r in results), default=0)))
         return samples, metrics
