@@ -42,10 +42,13 @@ def step_dir_name(step: int) -> str:
 
 
 def begin(root: Path, step: int) -> Path:
-    """A fresh temporary directory to write step's checkpoint into."""
-    tmp = Path(root) / f".tmp-{step_dir_name(step)}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    """A fresh temporary directory to write step's checkpoint into. Temporary directories left by an
+    earlier process (a crash mid-write) are removed: resume never reads them, and each holds a whole
+    checkpoint's bytes. One driver writes an output_dir's checkpoints, one at a time."""
+    root = Path(root)
+    for stale in root.glob(".tmp-*") if root.is_dir() else ():   # saves are synchronous: none is ours
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = root / f".tmp-{step_dir_name(step)}-{os.getpid()}"
     tmp.mkdir(parents=True)
     return tmp
 

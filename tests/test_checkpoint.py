@@ -21,8 +21,8 @@ def test_latest_complete_checkpoint_wins(tmp_path):
 
 def test_half_written_and_damaged_are_skipped(tmp_path, caplog):
     good = _write(tmp_path, 10)
-    ckpt.begin(tmp_path, 30)                       # killed while writing: only a .tmp dir
     bad = _write(tmp_path, 20)
+    ckpt.begin(tmp_path, 30)                       # killed while writing: only a .tmp dir
     (bad / "learner" / "shard.bin").write_bytes(b"flipped")
     assert ckpt.find_latest(tmp_path) == good
     assert "does not match its checksum" in caplog.text and "half-written" in caplog.text
@@ -81,3 +81,13 @@ def test_prune_never_drops_the_checkpoint_just_written(tmp_path):
     written = ckpt.commit(tmp, {"step": 5, "weight_version": 5}, keep=1)
     assert written.is_dir() and ckpt.find_latest(tmp_path) == written
     assert not (tmp_path / "step_00000004").exists()                 # keep=1: the older one goes
+
+
+def test_a_crashed_writes_temporary_directory_is_removed_by_the_next_save(tmp_path):
+    """A crash mid-write leaves a .tmp directory holding a whole checkpoint's bytes; resume never
+    reads it, so the next save removes it (disk use no longer grows with every such crash)."""
+    stale = ckpt.begin(tmp_path, 30)
+    (stale / "learner").mkdir()
+    (stale / "learner" / "shard.bin").write_bytes(b"x" * 1024)
+    done = _write(tmp_path, 40)
+    assert not stale.exists() and [p.name for p in tmp_path.iterdir()] == [done.name]
