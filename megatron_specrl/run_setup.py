@@ -202,8 +202,11 @@ def _find_resume(cfg: RunConfig, out: Path) -> Path | None:
 
 
 def save_run_checkpoint(run: Run) -> Path:
+    from megatron_specrl.learner.convert import copy_hf_metadata
     tmp = ckpt.begin(run.out / "checkpoints", run.step)
     run.learner.save_checkpoint(str(tmp / "learner"))
+    # the model's config and tokenizer beside the weights: `convert mcore-to-hf --ckpt <step>/learner`
+    copy_hf_metadata(Path(run.model_dir), tmp / "learner" / "hf")
     if run.critic is not None:
         run.critic.save_checkpoint(str(tmp / "critic"))
     run.store.save(tmp)

@@ -22,13 +22,15 @@ def model_cache(tmp_path_factory):
     ("tiny-cpu-dapo", []),
     ("tiny-cpu-ppo", []),
     ("tiny-cpu-grpo", ["learner.tp=2", "rollout.spec_mode=exact", "trainer.check_resync_every=2",
-                       "learner.recompute_old_logprobs=true"]),
+                       "learner.recompute_old_logprobs=true", "trainer.checkpoint_every=3"]),
 ])
 def test_recipe_runs(recipe, extra, tmp_path, model_cache):
     out = tmp_path / "run"
     args = [recipe, f"output_dir={out}", "trainer.total_steps=3", "data.num_synthetic=16",
             "trainer.prompts_per_step=8", "rollout.n_samples=4", "trainer.eval_every=3", "data.num_eval=16",
-            "trainer.checkpoint_every=0", "logging.wandb=false", *extra]
+            "logging.wandb=false", *extra]
+    if "trainer.checkpoint_every=3" not in extra:
+        args.append("trainer.checkpoint_every=0")
     env = dict(os.environ, MEGATRON_SPECRL_CACHE=str(model_cache))
     if recipe == "tiny-cpu-ppo":
         env["SPECRL_KILL_ENGINE_AT"] = "2"   # the engine dies; the trainer restarts it and retries
@@ -46,3 +48,12 @@ def test_recipe_runs(recipe, extra, tmp_path, model_cache):
     if "trainer.check_resync_every=2" in extra:
         assert rows[2]["resync/logprob_abs_diff"] < 1e-4
         assert rows[2]["train/rollout_learner_logprob_abs_diff"] < 1e-4
+    if "trainer.checkpoint_every=3" in extra:   # a training checkpoint converts to the HF export's weights
+        from safetensors.torch import load_file
+        conv = tmp_path / "converted"
+        proc = subprocess.run([sys.executable, "-m", "megatron_specrl.cli", "convert", "mcore-to-hf", "--ckpt",
+                               str(out / "checkpoints" / "step_00000003" / "learner"), "--out", str(conv)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        final, converted = load_file(out / "hf_final" / "model.safetensors"), load_file(conv / "model.safetensors")
+        assert final.keys() == converted.keys() and all(final[k].equal(converted[k]) for k in final)

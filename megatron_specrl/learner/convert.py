@@ -36,7 +36,7 @@ def _rank_main(rank: int, world: int, port: int, direction: str, src: str, out: 
         w.shutdown()
 
 
-def _copy_hf_metadata(hf_dir: Path, dst: Path) -> None:
+def copy_hf_metadata(hf_dir: Path, dst: Path) -> None:
     dst.mkdir(parents=True, exist_ok=True)
     for f in hf_dir.iterdir():
         if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json", ".bin")):
@@ -51,7 +51,7 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 
     out_dir.mkdir(parents=True, exist_ok=True)
     mp.spawn(_rank_main, args=(tp * pp, free_port("127.0.0.1"), "hf-to-mcore", str(hf_dir), str(out_dir), tp, pp),
              nprocs=tp * pp, join=True)
-    _copy_hf_metadata(hf_dir, out_dir / "hf")
+    copy_hf_metadata(hf_dir, out_dir / "hf")
     return out_dir
 
 
@@ -59,7 +59,8 @@ def mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int 
     import torch.multiprocessing as mp
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / "hf" / "config.json").is_file():
-        raise FileNotFoundError(f"{ckpt_dir} has no hf/config.json (was it written by `convert hf-to-mcore`?)")
+        raise FileNotFoundError(f"{ckpt_dir} has no hf/config.json: pass a directory written by `convert "
+                                f"hf-to-mcore` or a training checkpoint's learner/ (checkpoints/step_*/learner)")
     mp.spawn(_rank_main, args=(tp * pp, free_port("127.0.0.1"), "mcore-to-hf", str(ckpt_dir), str(out_dir), tp, pp),
              nprocs=tp * pp, join=True)
     return Path(out_dir)
