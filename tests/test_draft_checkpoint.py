@@ -88,8 +88,6 @@ def test_engine_restart_reloads_the_trees_of_the_newest_checkpoint(tmp_path):
 
     from megatron_specrl import checkpoint as ckpt
     from megatron_specrl.data.datasets import PromptLoader, PromptRecord
-    from megatron_specrl.engines.protocol import EngineError
-    from megatron_specrl.run_setup import with_engine_recovery
 
     tmp = ckpt.begin(tmp_path / "checkpoints", 4)
     save_draft_trees(FakeRouter([FakeEngine(_trees([1, 2, 3, 4])), FakeEngine(_trees([5, 6, 7]))]),
@@ -99,6 +97,18 @@ def test_engine_restart_reloads_the_trees_of_the_newest_checkpoint(tmp_path):
     records = [PromptRecord(id=str(i), prompt=f"p{i}", answer="0", meta={}) for i in range(4)]
     run = SimpleNamespace(engine=router, version=0, out=tmp_path, loader=PromptLoader(records, 2, seed=0),
                           store=TrajectoryStore())
+    calls, metrics = _recover_once(run)
+    assert metrics["engine/restarts"] == 1.0 and calls[0] == calls[1]     # same prompts again
+    assert _proposal(router.engines[0].trees, [1, 2]) == [3, 4]          # the checkpoint's, not [9] nor nothing
+    assert _proposal(router.engines[1].trees, [5, 6]) == [7]
+
+
+def _recover_once(run):
+    """The step's rollout fails once (a dead engine) and with_engine_recovery collects it again:
+    (the batches each attempt drew, the step's metrics)."""
+    from megatron_specrl.engines.protocol import EngineError
+    from megatron_specrl.run_setup import with_engine_recovery
+
     calls = []
 
     def collect():
@@ -108,9 +118,7 @@ def test_engine_restart_reloads_the_trees_of_the_newest_checkpoint(tmp_path):
         return [], None, {}
 
     _, _, metrics = with_engine_recovery(run, 5, collect)
-    assert metrics["engine/restarts"] == 1.0 and calls[0] == calls[1]     # same prompts again
-    assert _proposal(router.engines[0].trees, [1, 2]) == [3, 4]          # the checkpoint's, not [9] nor nothing
-    assert _proposal(router.engines[1].trees, [5, 6]) == [7]
+    return calls, metrics
 
 
 @pytest.mark.parametrize("impl", ["python", "compiled"])
@@ -147,8 +155,6 @@ def test_a_run_resumed_with_drafting_off_ignores_the_checkpoint_trees(tmp_path):
 
     from megatron_specrl import checkpoint as ckpt
     from megatron_specrl.data.datasets import PromptLoader, PromptRecord
-    from megatron_specrl.engines.protocol import EngineError
-    from megatron_specrl.run_setup import with_engine_recovery
 
     tmp = ckpt.begin(tmp_path / "checkpoints", 4)
     save_draft_trees(FakeEngine(_trees([1, 2, 3, 4])), tmp / "draft_trees")
@@ -157,13 +163,5 @@ def test_a_run_resumed_with_drafting_off_ignores_the_checkpoint_trees(tmp_path):
     cfg = SimpleNamespace(rollout=SimpleNamespace(draft="none"))
     run = SimpleNamespace(cfg=cfg, engine=NonDraftingEngine(), version=0, out=tmp_path,
                           loader=PromptLoader(records, 2, seed=0), store=TrajectoryStore())
-    calls = []
-
-    def collect():
-        calls.append(run.loader.next_batch())
-        if len(calls) == 1:
-            raise EngineError("died", "fake")
-        return [], None, {}
-
-    _, _, metrics = with_engine_recovery(run, 5, collect)
+    calls, metrics = _recover_once(run)
     assert metrics["engine/restarts"] == 1.0 and run.engine.trees is None
