@@ -222,13 +222,14 @@ def engine_memory(cfg: RunConfig, s: ModelShape, gpu_bytes: int) -> EngineMemory
 
 def engine_max_model_len(cfg: RunConfig, s: ModelShape) -> int:
     """The max_model_len the engine is started with: vLLM must hold one such sequence in its KV cache
-    or it refuses to start. A vLLM engine that drafts gets one step's drafts of room beyond
-    rollout.max_model_len (engines/vllm_engine.drafting_max_model_len)."""
+    or it refuses to start. A vLLM engine gets room beyond rollout.max_model_len: one step's drafts
+    when it drafts, else the one token a verification prefill of a full-length response samples
+    (engines/vllm_engine.drafting_max_model_len)."""
     r = cfg.rollout
-    if r.engine == "vllm" and r.draft == "tree":
-        from megatron_specrl.engines.vllm_engine import drafting_max_model_len
-        return drafting_max_model_len(r.max_model_len, r.draft_tokens, s.max_positions)
-    return r.max_model_len
+    if r.engine != "vllm":
+        return r.max_model_len
+    from megatron_specrl.engines.vllm_engine import drafting_max_model_len
+    return drafting_max_model_len(r.max_model_len, r.draft_tokens if r.draft == "tree" else 0, s.max_positions)
 
 
 # --------------------------------------------------------------------------- arithmetic

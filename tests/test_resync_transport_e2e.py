@@ -31,13 +31,15 @@ def _check(run, prompts):
                        weight_tol=WEIGHT_TOL, logprob_tol=LOGPROB_TOL)
     m = report.probe.metrics()
     assert report.passed, report.failures()
-    assert report.weight_max_abs <= WEIGHT_TOL and len(report.weight_rows[run.engine.name]) == 15
+    assert report.weight_max_abs <= WEIGHT_TOL and len(report.weight_rows[run.engine.name]) >= 15
     assert m["resync/logprob_abs_diff"] <= LOGPROB_TOL and m["resync/probe_tokens"] >= 64
     return report
 
 
-@pytest.mark.parametrize("tp, restart", [(1, True), (2, False)])   # TP=2 skips the restart: ~15 s
-def test_grpo_step_over_broadcast_serves_the_learners_weights(tp, restart, tmp_path, tiny_llama):
+# TP=2 skips the restart (~15 s) and runs Qwen2, whose q/k/v biases must reach vLLM in the bucket of
+# their weights (vLLM's in-place reload fills a module loaded in part with uninitialised memory)
+@pytest.mark.parametrize("model, tp, restart", [("tiny_llama", 1, True), ("tiny_qwen2", 2, False)])
+def test_grpo_step_over_broadcast_serves_the_learners_weights(model, tp, restart, tmp_path, request):
     import time
 
     import ray
@@ -51,7 +53,8 @@ def test_grpo_step_over_broadcast_serves_the_learners_weights(tp, restart, tmp_p
     from megatron_specrl.trainer import train_step
 
     t0 = time.perf_counter()
-    run = build_run(_config(tmp_path, tiny_llama, tp))
+    model_dir = request.getfixturevalue(model)
+    run = build_run(_config(tmp_path, model_dir, tp))
     try:
         route = run.resync_route
         assert isinstance(route, BroadcastRoute)
@@ -63,7 +66,7 @@ def test_grpo_step_over_broadcast_serves_the_learners_weights(tp, restart, tmp_p
         print(f"\nTP={tp}: setup {t1 - t0:.1f}s, GRPO step {time.perf_counter() - t1:.1f}s "
               f"(broadcast resync {metrics['resync/seconds']:.3f}s)")
         assert route.backend == "gloo" and route.generation == 1 and metrics["resync/buckets"] == 1
-        initial = load_file(str(tiny_llama / "model.safetensors"))
+        initial = load_file(str(model_dir / "model.safetensors"))
         moved = max(float((t - initial[n]).abs().max()) for n, t in learner_hf_state(run.learner).items())
         assert moved > 10 * WEIGHT_TOL                         # the step changed what had to be synced
         _check(run, prompts)
@@ -76,8 +79,9 @@ def test_grpo_step_over_broadcast_serves_the_learners_weights(tp, restart, tmp_p
                      miswire=MISWIRINGS["swap_kv"])
         assert bad["resync/buckets"] > 3
         report = run_check(run.learner, run.engine, run.version, prompts, pad_id=run.pad_id)
-        assert {r.name for rows in report.weight_rows.values() for r in rows if not r.ok(WEIGHT_TOL)} == \
-            {f"model.layers.{i}.self_attn.qkv_proj.weight" for i in range(2)}
+        wrong = {r.name for rows in report.weight_rows.values() for r in rows if not r.ok(WEIGHT_TOL)}
+        qkv = {f"model.layers.{i}.self_attn.qkv_proj.weight" for i in range(2)}
+        assert qkv <= wrong <= qkv | {n.replace("weight", "bias") for n in qkv}
         run.version += 1
         resync(run.learner, run.engine, run.version, bucket_bytes=4096, route=route)
         _check(run, prompts)

@@ -114,6 +114,21 @@ def test_score_writes_prefix_cache_for_extension(engine):
     assert ext.num_cached_tokens >= full_blocks == 64
 
 
+def test_score_verifies_a_response_that_fills_max_model_len(engine):
+    """A prompt of max_prompt_len tokens with a response that ran to max_new_tokens fills the
+    engine's max_model_len (recipes set it to exactly their sum). Generating it is fine; verifying it
+    next epoch prefills all of it and vLLM samples one token more: the engine must leave room for it
+    (it refused the whole score batch with "plus the number of requested output tokens ... is longer
+    than the maximum model length")."""
+    max_model_len = 256                                   # the fixture's
+    prompt = rand_ids(56, 21)
+    gen = engine.generate([GenerateRequest(prompt, max_model_len - len(prompt), seed=3)], T1, 0)[0]
+    cont = gen.token_ids if len(gen.token_ids) == max_model_len - len(prompt) else rand_ids(200, 22)
+    assert len(prompt) + len(cont) == max_model_len
+    s = engine.score([ScoreRequest(prompt, cont, seed=1)], SamplingSettings(temperature=0.7, top_p=0.9), 0)[0]
+    assert len(s.sample_logprobs) == len(s.replacements) == len(cont)
+
+
 def test_batched_prompt_logprobs_patch_matches_vllm_loop(engine):
     """patches/vllm_0_32_0_batched_prompt_logprobs: for plain requests the batched prompt log-probs
     are exactly what vLLM's per-request loop returns, for a mixed batch (lengths, top-k counts) in one

