@@ -9,7 +9,7 @@ with the sync methods, injected here so that learner/ never imports resync/.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_specrl.config import LearnerConfig, RayConfig, RolloutConfig
@@ -33,6 +33,36 @@ def init_ray(cfg: RayConfig | None = None) -> bool:
     return True
 
 
+def learner_bundles(learner: LearnerConfig, rollout: RolloutConfig, learner_gpus_per_rank: float,
+                    timeout_s: float = 600.0) -> tuple[list | None, list | None, list]:
+    """Ray scheduling strategies for the policy's ranks and (colocated) the engines: (None, None) on CPU.
+
+    Without them Ray packs fractional GPUs: two colocated learner ranks got the same GPU (0.5 + 0.5),
+    the engines GPUs of their own, and 1-GPU ranks spread over nodes at Ray's whim, splitting a TP
+    group across nodes and leaving no node with engine_tp free GPUs. So: one placement group of one
+    whole GPU a rank per TP group (STRICT_PACK: a TP group stays in one node), all reserved before any
+    engine; colocated engine i shares rank i's GPU (bundle), as the cuda_ipc transport expects."""
+    if not learner_gpus_per_rank:
+        return None, None, []
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    import ray
+
+    world, tp = learner.tp * learner.pp * learner.dp, learner.tp
+    colocate = learner_gpus_per_rank < 1
+    bundle = {"GPU": 1.0, "CPU": 1.01 if colocate else 0.01}       # + the colocated engine's CPU
+    groups = [placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK") for _ in range(world // tp)]
+    try:
+        ray.get([g.ready() for g in groups], timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(f"learner placement: {world // tp} group(s) of {tp} GPU(s) on one node each "
+                           f"(learner.tp={tp}) could not be reserved within {timeout_s:g} s; cluster resources: "
+                           f"{ray.available_resources()}") from None
+    ranks = [PlacementGroupSchedulingStrategy(groups[r // tp], placement_group_bundle_index=r % tp)
+             for r in range(world)]
+    return ranks, (ranks[:rollout.num_engines] if colocate else None), groups
+
+
 @dataclass
 class Actors:
     """What build_actors started; the critic and the frozen KL reference only when asked for."""
@@ -40,6 +70,7 @@ class Actors:
     engine: RolloutEngine
     critic: LearnerGroup | None = None
     reference: LearnerGroup | None = None
+    placement_groups: list = field(default_factory=list)
 
     def shutdown(self) -> list[Exception]:
         """Stop everything, engines first; returns what failed instead of stopping half-way."""
@@ -51,6 +82,10 @@ class Actors:
                 x.shutdown()
             except Exception as e:  # keep shutting the rest down
                 errors.append(e)
+        if self.placement_groups:
+            from ray.util.placement_group import remove_placement_group
+            for g in self.placement_groups:
+                remove_placement_group(g)
         return errors
 
 
@@ -64,15 +99,17 @@ def build_actors(model_dir: str | Path, learner: LearnerConfig, rollout: Rollout
     from megatron_specrl.engines.factory import make_engine
     from megatron_specrl.resync.learner_actor import RayLearnerWorker
 
-    def group(settings: LearnerConfig, role: str, worker_cls=None) -> LearnerGroup:
+    def group(settings: LearnerConfig, role: str, worker_cls=None, scheduling=None) -> LearnerGroup:
         extra = {"worker_cls": worker_cls} if worker_cls is not None else {}
-        g = LearnerGroup(settings, seed=seed, role=role, num_gpus_per_rank=learner_gpus_per_rank, **extra)
+        g = LearnerGroup(settings, seed=seed, role=role, num_gpus_per_rank=learner_gpus_per_rank,
+                         scheduling=scheduling, **extra)
         g.load_hf(str(model_dir))
         return g
 
-    policy = group(learner, "policy", RayLearnerWorker)
+    rank_bundles, engine_bundles, groups = learner_bundles(learner, rollout, learner_gpus_per_rank)
+    policy = group(learner, "policy", RayLearnerWorker, rank_bundles)
     critic = group(learner.model_copy(update={"lr": critic_lr}), "critic") if critic_lr is not None else None
     ref = group(learner, "reference") if reference else None
     engine = make_engine(rollout, str(model_dir), log_dir=str(log_dir), use_ray=True, seed=engine_seed,
-                         gpus_per_engine=gpus_per_engine)
-    return Actors(policy, engine, critic, ref)
+                         gpus_per_engine=gpus_per_engine, scheduling=engine_bundles)
+    return Actors(policy, engine, critic, ref, groups)

@@ -76,3 +76,52 @@ def test_transport_key_rejects_unknown_values():
     with pytest.raises(ConfigError, match="'trainer.resync_transport': 'nccl'"):
         _cfg("trainer.resync_transport=nccl")
     assert _cfg().trainer.resync_transport == "auto"
+
+
+@pytest.mark.parametrize("colocate", [True, False])
+def test_ranks_get_a_gpu_each_tp_groups_stay_together_and_colocated_engines_share_their_gpu(tmp_path, colocate):
+    """Ray with 8 fake GPUs: without placement groups Ray packed two 0.5-GPU learner ranks onto one GPU
+    (NCCL refuses duplicate GPUs) and gave the "colocated" engines other GPUs."""
+    import ray
+    from megatron_specrl.actors import learner_bundles
+    from megatron_specrl.config import LearnerConfig, RolloutConfig
+    from megatron_specrl.engines.ray_engine import RayEngine
+    from megatron_specrl.learner.group import LearnerGroup
+
+    class _Rank:                       # local classes: Ray ships them by value to its workers
+        def __init__(self, rank, world, addr, port, settings, seed=0, role="policy"):
+            self.rendezvous = (addr, port)
+
+        def where(self):
+            return ray.get_gpu_ids(), self.rendezvous
+
+    class _Engine:
+        def __init__(self, **kwargs):
+            pass
+
+    ray.init(address="local", num_cpus=16, num_gpus=8, include_dashboard=False, logging_level="ERROR")
+    try:
+        learner = LearnerConfig(tp=4, dp=2 if colocate else 1)
+        rollout = RolloutConfig(num_engines=8 if colocate else 1, engine_tp=1 if colocate else 4, colocate=colocate)
+        per_rank, per_engine = (0.5, 0.5) if colocate else (1.0, 4.0)
+        ranks, engine_bundles, groups = learner_bundles(learner, rollout, per_rank, timeout_s=60)
+        g = LearnerGroup(learner, seed=0, num_gpus_per_rank=per_rank, worker_cls=_Rank, scheduling=ranks)
+        where = ray.get([a.where.remote() for a in g.actors])
+        gpus = [ids for ids, _ in where]
+        assert all(len(ids) == 1 for ids in gpus) and len({ids[0] for ids in gpus}) == len(gpus)   # one GPU each
+        assert {r for _, r in where} == {where[0][1]}
+        engines = [RayEngine(_Engine, {}, name=f"e{i}", log_dir=tmp_path, num_gpus=per_engine,
+                             scheduling_strategy=engine_bundles[i] if engine_bundles else None)
+                   for i in range(rollout.num_engines)]
+        engine_gpus = [ray.get(e.actor.__ray_call__.remote(lambda self: ray.get_gpu_ids())) for e in engines]
+        if colocate:
+            assert engine_gpus == gpus                       # engine i on learner rank i's GPU
+        else:
+            assert len(engine_gpus[0]) == 4 and not set(engine_gpus[0]) & {ids[0] for ids in gpus}
+        for e in engines:
+            e.kill()
+        for a in g.actors:
+            ray.kill(a)
+        assert len(groups) == learner.dp * learner.pp
+    finally:
+        ray.shutdown()

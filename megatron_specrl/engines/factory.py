@@ -39,7 +39,8 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, log_dir: str | Path, inde
 
 def make_engine(rollout_cfg: RolloutConfig, model_path: str, log_dir: str | Path, use_ray: bool,
                 seed: int = 0, num_cpus_per_engine: float = 1,
-                gpus_per_engine: float | None = None) -> RolloutEngine:
+                gpus_per_engine: float | None = None, scheduling: list | None = None) -> RolloutEngine:
+    """`scheduling`: one Ray scheduling strategy per engine (actors.build_actors' placement groups)."""
     import torch
 
     if gpus_per_engine is None:
@@ -52,7 +53,8 @@ def make_engine(rollout_cfg: RolloutConfig, model_path: str, log_dir: str | Path
             name = kwargs.pop("name")
             kwargs.pop("log_dir")
             engines.append(RayEngine(cls, kwargs, name=name, log_dir=log_dir, num_cpus=num_cpus_per_engine,
-                                     num_gpus=gpus_per_engine, timeout_s=rollout_cfg.engine_timeout_s))
+                                     num_gpus=gpus_per_engine, timeout_s=rollout_cfg.engine_timeout_s,
+                                     scheduling_strategy=scheduling[i] if scheduling else None))
         else:
             engines.append(cls(**kwargs))
     if len(engines) == 1:

@@ -49,8 +49,9 @@ class RayEngine:
 
     def __init__(self, engine_cls, engine_kwargs: dict, name: str, log_dir: str | Path,
                  num_cpus: float = 1, num_gpus: float = 0, timeout_s: float = 600.0,
-                 start_timeout_s: float = 600.0):
+                 start_timeout_s: float = 600.0, scheduling_strategy=None):
         self.name = name
+        self.scheduling_strategy = scheduling_strategy   # a placement group bundle (actors.build_actors)
         self.engine_cls = engine_cls
         self.engine_kwargs = dict(engine_kwargs, name=name, log_dir=str(log_dir))
         self.log_path = Path(log_dir) / f"{name}.log"
@@ -65,9 +66,10 @@ class RayEngine:
     def start(self) -> None:
         import ray
 
+        where = {"scheduling_strategy": self.scheduling_strategy} if self.scheduling_strategy is not None else {}
         cls = ray.remote(EngineActor).options(
             num_cpus=self.num_cpus, num_gpus=self.num_gpus, max_restarts=0, max_concurrency=1,
-            runtime_env={"env_vars": self._actor_env()})
+            runtime_env={"env_vars": self._actor_env()}, **where)
         self.actor = cls.remote(self.engine_cls, self.engine_kwargs)
         self.starts += 1
         self._pid = self._get(self.actor.pid.remote(), self.start_timeout_s, "start")

@@ -14,6 +14,12 @@ from megatron_specrl.learner.worker import LearnerWorker
 from megatron_specrl.ports import free_port
 
 
+@ray.remote
+def _rendezvous() -> tuple[str, int]:
+    """The IP and a free port of the node this runs on (rank 0's bundle): torch.distributed's master."""
+    return ray.util.get_node_ip_address(), free_port()
+
+
 class LearnerGroup:
     """`worker_cls`: the class each rank's actor runs, a LearnerWorker. A run's policy uses
     resync.learner_actor.RayLearnerWorker (adds the sync methods; actors.start_learner passes it),
@@ -21,16 +27,24 @@ class LearnerGroup:
 
     def __init__(self, settings: LearnerConfig, seed: int, role: str = "policy",
                  num_cpus_per_rank: float = 0.01, num_gpus_per_rank: float = 0.0, env: dict | None = None,
-                 worker_cls: type[LearnerWorker] = LearnerWorker):
+                 worker_cls: type[LearnerWorker] = LearnerWorker, scheduling: list | None = None):
+        """`scheduling`: one Ray scheduling strategy per rank (actors.build_actors' placement group
+        bundles); the rendezvous is then on rank 0's node, which need not be the driver's."""
         world = settings.tp * settings.pp * settings.dp
         # Idle learner threads must not spin on the cores the engine is decoding on (OpenMP's
         # default wait policy busy-waits after every parallel region).
         env = {"OMP_WAIT_POLICY": "PASSIVE", **(env or {})}
-        actor_cls = ray.remote(worker_cls).options(
-            num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank, runtime_env={"env_vars": env})
-        addr, port = ray.util.get_node_ip_address(), free_port()
-        self.actors = [actor_cls.remote(rank, world, addr, port, settings, seed=seed, role=role)
-                       for rank in range(world)]
+        remote_cls = ray.remote(worker_cls)
+        opts = dict(num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank, runtime_env={"env_vars": env})
+        actor_cls = remote_cls.options(**opts)
+        if scheduling:
+            addr, port = ray.get(_rendezvous.options(num_cpus=0, scheduling_strategy=scheduling[0]).remote())
+            self.actors = [remote_cls.options(**opts, scheduling_strategy=scheduling[rank]).remote(
+                rank, world, addr, port, settings, seed=seed, role=role) for rank in range(world)]
+        else:
+            addr, port = ray.util.get_node_ip_address(), free_port()
+            self.actors = [actor_cls.remote(rank, world, addr, port, settings, seed=seed, role=role)
+                           for rank in range(world)]
 
     def submit(self, method: str, *args, **kwargs) -> list:
         """Start `method` on every rank without waiting; one ref per rank, rank 0 first."""
