@@ -34,12 +34,15 @@ TEMPLATE = """#!/bin/bash
 #SBATCH --requeue
 {extra_sbatch}# Rendered by `megatron-specrl launch` after the plan check passed; the plan is in {plan_file}.
 set -euo pipefail
-
+{env_exports}
 VENV={venv}
 WORKDIR={workdir}
 RECIPE={recipe}
 TRAIN_ARGS=({train_args})
+# A port of this job's own (the job id's) unless --ray-port was given: a second job's head on a shared
+# node at the same port fails, and its nodes and driver would join the first job's cluster instead.
 RAY_PORT={ray_port}
+RAY_CLIENT_PORT=$((RAY_PORT + 500))
 GPUS_PER_NODE={gpus_per_node}
 CPUS_PER_NODE={cpus_per_node}
 JOIN_TIMEOUT_S={join_timeout_s}
@@ -54,9 +57,10 @@ head_ip=$(srun --nodes=1 --ntasks=1 -w "$head_node" hostname --ip-address | awk 
 export RAY_ADDRESS="$head_ip:$RAY_PORT"
 ray_pids=()
 
+# Stops this job's `ray start --block` steps only: `ray stop` would kill every Ray on the node,
+# another job's (of the same user, on a shared node) included.
 # shellcheck disable=SC2329  # invoked by the EXIT trap below
 stop_ray() {{
-    srun --overlap --nodes="$num_nodes" --ntasks-per-node=1 "$VENV/bin/ray" stop --force >/dev/null 2>&1 || true
     if [ "${{#ray_pids[@]}}" -gt 0 ]; then
         kill "${{ray_pids[@]}}" 2>/dev/null || true
     fi
@@ -69,7 +73,7 @@ srun --nodes="$num_nodes" --ntasks-per-node=1 "$VENV/bin/python" -m megatron_spe
 
 # 2. Ray: the head on the first node, a worker on each other node; wait until all have joined.
 srun --nodes=1 --ntasks=1 -w "$head_node" "$VENV/bin/ray" start --head --node-ip-address="$head_ip" \\
-    --port="$RAY_PORT" --num-gpus="$GPUS_PER_NODE" --num-cpus="$CPUS_PER_NODE" --block &
+    --port="$RAY_PORT" --ray-client-server-port="$RAY_CLIENT_PORT" --num-gpus="$GPUS_PER_NODE" --num-cpus="$CPUS_PER_NODE" --block &
 ray_pids+=("$!")
 for node in "${{nodes[@]:1}}"; do
     srun --nodes=1 --ntasks=1 -w "$node" "$VENV/bin/ray" start --address="$RAY_ADDRESS" \\
@@ -94,7 +98,7 @@ exit "$rc"
 
 def render(recipe: str, nodes: int, gpus_per_node: int, cpus_per_node: int, time: str, partition: str | None,
            account: str | None, overrides: list[str], venv: str, log_dir: str, workdir: str, engine: str = "vllm",
-           ray_port: int = 6379, join_timeout_s: int = 600, max_requeues: int = 3, plan_file: str = "") -> str:
+           ray_port: int | None = None, join_timeout_s: int = 600, max_requeues: int = 3, plan_file: str = "") -> str:
     q = shlex.quote
     extra = "".join(f"#SBATCH --{k}={v}\n" for k, v in (("partition", partition), ("account", account)) if v)
     train_args = ["ray.address=auto", "trainer.resume=auto", *overrides]
@@ -102,7 +106,10 @@ def render(recipe: str, nodes: int, gpus_per_node: int, cpus_per_node: int, time
         job_name=f"specrl-{Path(recipe).stem}", nodes=nodes, gpus_per_node=gpus_per_node,
         cpus_per_node=cpus_per_node, time=time, log_file=_sbatch_value(f"{log_dir}/%x-%j.out"),
         extra_sbatch=extra, plan_file=plan_file or "the job's output directory", venv=q(venv), workdir=q(workdir),
-        recipe=q(recipe), train_args=" ".join(q(a) for a in train_args), ray_port=ray_port,
+        recipe=q(recipe), train_args=" ".join(q(a) for a in train_args),
+        ray_port=ray_port if ray_port is not None else "$((6379 + SLURM_JOB_ID % 500))",
+        # the SPECRL_* values the plan was checked with (a later `sbatch` from another shell gets the same run)
+        env_exports="".join(f"export {k}={q(v)}\n" for k, v in sorted(os.environ.items()) if k.startswith("SPECRL_")),
         join_timeout_s=join_timeout_s, max_requeues=max_requeues, engine=q(engine))
 
 
@@ -126,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--partition")
     p.add_argument("--account")
     p.add_argument("--venv", default=str(Path(sys.prefix)))
-    p.add_argument("--ray-port", type=int, default=6379, help="the Ray head's GCS port")
+    p.add_argument("--ray-port", type=int, help="the Ray head's GCS port (default: 6379 + the job id mod 500)")
     p.add_argument("--join-timeout-s", type=int, default=600, help="how long nodes may take to join Ray")
     p.add_argument("--max-requeues", type=int, default=3)
     p.add_argument("--out", help="where to write the sbatch script (default: <output_dir>/launch.sbatch)")
@@ -150,6 +157,7 @@ def launch_main(argv: list[str]) -> int:
     plan = build_plan(cfg)                 # raises PlanError before anything is written
     out = Path(args.out or Path(cfg.output_dir) / "launch.sbatch")
     out.parent.mkdir(parents=True, exist_ok=True)
+    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)    # #SBATCH --output's directory: Slurm creates none
     plan_file = out.with_suffix(".plan.txt")
     script = render(str(Path(recipe).resolve()), cfg.cluster.nodes, cfg.cluster.gpus_per_node, args.cpus_per_node,
                     args.time, args.partition, args.account, overrides, args.venv,

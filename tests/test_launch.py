@@ -161,3 +161,28 @@ def test_ray_join_counts_alive_nodes_with_their_gpus_and_names_a_missing_head():
     address = f"127.0.0.1:{free_port('127.0.0.1')}"
     with pytest.raises(ClusterJoinTimeout, match="the Ray head did not accept connections within 1 s"):
         wait_for_cluster(address, nodes=2, gpus_per_node=8, timeout_s=1, poll_s=0.2)
+
+
+def test_ray_port_is_the_jobs_own_unless_given(tmp_path):
+    """Two jobs on one node both used 6379: the second head failed and its workers and driver joined the
+    first job's Ray cluster; `ray stop --force` in the EXIT trap killed every Ray on the node."""
+    text = render(tmp_path, "qwen2.5-32b-dapo-4node")
+    port_lines = "\n".join(ln for ln in text.splitlines() if ln.startswith(("RAY_PORT=", "RAY_CLIENT_PORT=")))
+    ports = [subprocess.run(["bash", "-c", port_lines + '\necho "$RAY_PORT $RAY_CLIENT_PORT"'], capture_output=True,
+                            text=True, env={"SLURM_JOB_ID": str(job)}).stdout.split() for job in (1001, 1002)]
+    assert ports[0] != ports[1] and all(len(set(p)) == 2 for p in ports)
+    assert '--ray-client-server-port="$RAY_CLIENT_PORT"' in text and "ray\" stop" not in text
+    assert "RAY_PORT=7001\n" in render(tmp_path, "qwen2.5-32b-dapo-4node", "--ray-port", "7001")
+
+
+def test_log_dir_exists_and_specrl_env_is_pinned(tmp_path, monkeypatch):
+    """Slurm opens #SBATCH --output itself and creates no directory (the job failed with no log when
+    --out was elsewhere); a later `sbatch` from a shell without SPECRL_* trained other paths."""
+    monkeypatch.setenv("SPECRL_OUT", str(tmp_path / "new out"))
+    monkeypatch.setenv("SPECRL_MODEL", str(ROOT / "examples" / "models" / "qwen2.5-32b"))
+    text = render(tmp_path, "qwen2.5-32b-dapo-4node")
+    assert (tmp_path / "new out").is_dir()
+    assert f"export SPECRL_OUT='{tmp_path / 'new out'}'\n" in text and "export SPECRL_MODEL=" in text
+    script = tmp_path / "job dir" / "job.sbatch"
+    proc = subprocess.run([SHELLCHECK, "--severity=info", str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
