@@ -129,7 +129,7 @@ def build_run(cfg: RunConfig) -> Run:
                                           d.apply_chat_template, d.max_prompt_len, d.filter_overlong_prompts, "train")
     if len(train_records) < cfg.trainer.prompts_per_step:
         raise DatasetError(f"data.filter_overlong_prompts left {len(train_records)} train prompts, fewer than "
-                                 f"trainer.prompts_per_step={cfg.trainer.prompts_per_step}")
+                           f"trainer.prompts_per_step={cfg.trainer.prompts_per_step}")
     eval_records, eval_ids = render_all(load_records(d, split="eval", seed=cfg.trainer.seed) if d.num_eval else [],
                                         tokenizer, d.apply_chat_template, d.max_prompt_len,
                                         d.filter_overlong_prompts, "eval")
@@ -219,11 +219,10 @@ def save_run_checkpoint(run: Run) -> Path:
 ENGINE_TREES = "engine-{}"   # one directory per engine, by its index in the router (0 without one)
 
 
-def drafts_with_trees(run) -> bool:
+def drafts_with_trees(run: Run) -> bool:
     """Whether this run's engines hold draft trees (rollout.draft=tree). A checkpoint written with
     trees can be resumed with drafting off: its engines refuse trees (load_draft_state raises)."""
-    cfg = getattr(run, "cfg", None)
-    return cfg is None or cfg.rollout.draft == "tree"
+    return run.cfg.rollout.draft == "tree"
 
 
 def save_draft_trees(engine, directory: Path) -> None:

@@ -95,7 +95,8 @@ def test_engine_restart_reloads_the_trees_of_the_newest_checkpoint(tmp_path):
     ckpt.commit(tmp, {"step": 4}, keep=2)
     router = FakeRouter([RestartingEngine(_trees([1, 2, 9])), RestartingEngine(_trees([5, 6, 9]))])
     records = [PromptRecord(id=str(i), prompt=f"p{i}", answer="0", meta={}) for i in range(4)]
-    run = SimpleNamespace(engine=router, version=0, out=tmp_path, loader=PromptLoader(records, 2, seed=0),
+    run = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(draft="tree")),
+                          engine=router, version=0, out=tmp_path, loader=PromptLoader(records, 2, seed=0),
                           store=TrajectoryStore())
     calls, metrics = _recover_once(run)
     assert metrics["engine/restarts"] == 1.0 and calls[0] == calls[1]     # same prompts again

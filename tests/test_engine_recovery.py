@@ -20,7 +20,8 @@ def test_a_retried_rollout_sees_the_loader_and_the_store_as_before(tmp_path):
     store = TrajectoryStore()
     store.put("p0", 0, _traj([1, 2, 3], 4))              # last epoch's sample: a draft for this step
     restarts = []
-    run = SimpleNamespace(loader=PromptLoader(records, batch_size=2, seed=0), store=store, version=0,
+    run = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(draft="tree")),
+                          loader=PromptLoader(records, batch_size=2, seed=0), store=store, version=0,
                           out=tmp_path, engine=SimpleNamespace(restart=lambda: restarts.append(1)))
     attempts = []
 

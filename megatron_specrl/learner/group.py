@@ -36,15 +36,14 @@ class LearnerGroup:
         env = {"OMP_WAIT_POLICY": "PASSIVE", **(env or {})}
         remote_cls = ray.remote(worker_cls)
         opts = dict(num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank, runtime_env={"env_vars": env})
-        actor_cls = remote_cls.options(**opts)
+        where = [{"scheduling_strategy": s} for s in scheduling] if scheduling else [{}] * world
         if scheduling:
-            addr, port = ray.get(_rendezvous.options(num_cpus=0, scheduling_strategy=scheduling[0]).remote())
-            self.actors = [remote_cls.options(**opts, scheduling_strategy=scheduling[rank]).remote(
-                rank, world, addr, port, settings, seed=seed, role=role) for rank in range(world)]
+            addr, port = ray.get(_rendezvous.options(num_cpus=0, **where[0]).remote())
         else:
             addr, port = ray.util.get_node_ip_address(), free_port()
-            self.actors = [actor_cls.remote(rank, world, addr, port, settings, seed=seed, role=role)
-                           for rank in range(world)]
+        self.actors = [remote_cls.options(**opts, **where[rank]).remote(rank, world, addr, port, settings,
+                                                                         seed=seed, role=role)
+                       for rank in range(world)]
 
     def submit(self, method: str, *args, **kwargs) -> list:
         """Start `method` on every rank without waiting; one ref per rank, rank 0 first."""
