@@ -53,7 +53,9 @@ cd "$WORKDIR"
 mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 num_nodes=${{#nodes[@]}}
 head_node=${{nodes[0]}}
-head_ip=$(srun --nodes=1 --ntasks=1 -w "$head_node" hostname --ip-address | awk '{{print $1}}')
+# The head's routable address as Ray picks it (the host name can resolve to loopback on Debian hosts).
+head_ip=$(srun --nodes=1 --ntasks=1 -w "$head_node" "$VENV/bin/python" -m megatron_specrl.ray_join --print-head-ip \\
+    --nodes "$num_nodes")
 export RAY_ADDRESS="$head_ip:$RAY_PORT"
 ray_pids=()
 

@@ -27,6 +27,20 @@ def _head_reachable(address: str) -> bool:
         return False
 
 
+def head_ip(nodes: int) -> str:
+    """This node's address as Ray itself chooses it (the interface that routes outward), for the head's
+    `--node-ip-address` and every worker's `--address`. `hostname --ip-address` gives 127.0.1.1 or 127.0.0.1
+    on hosts whose /etc/hosts maps their own name to loopback (Debian's default; this CI machine), and
+    workers on other nodes then cannot reach the head. A loopback answer is refused for a multi-node job."""
+    import ray.util
+
+    ip = ray.util.get_node_ip_address()
+    if nodes > 1 and (ip.startswith("127.") or ip == "::1"):
+        raise ClusterJoinTimeout(f"--nodes={nodes}: this node's address resolves to loopback ({ip}), which the "
+                                 "other nodes cannot reach; give the node a routable address")
+    return ip
+
+
 def ready_nodes(nodes: list[dict], gpus_per_node: int) -> list[dict]:
     """The alive nodes that report at least gpus_per_node GPUs."""
     return [n for n in nodes if n.get("Alive") and n.get("Resources", {}).get("GPU", 0) >= gpus_per_node]
@@ -65,11 +79,22 @@ def wait_for_cluster(address: str, nodes: int, gpus_per_node: int, timeout_s: fl
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m megatron_specrl.ray_join", description=__doc__)
-    p.add_argument("--address", required=True, help="head IP:port")
+    p.add_argument("--print-head-ip", action="store_true",
+                   help="print this node's routable address (as Ray picks it) and exit")
+    p.add_argument("--address", help="head IP:port")
     p.add_argument("--nodes", type=int, required=True)
     p.add_argument("--gpus-per-node", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=600.0)
     args = p.parse_args(argv)
+    if args.print_head_ip:
+        try:
+            print(head_ip(args.nodes))
+        except ClusterJoinTimeout as e:
+            print(f"ray_join: {e}", file=sys.stderr)
+            return 3
+        return 0
+    if not args.address:
+        p.error("--address is required")
     try:
         ready = wait_for_cluster(args.address, args.nodes, args.gpus_per_node, args.timeout_s)
     except ClusterJoinTimeout as e:

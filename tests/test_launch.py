@@ -186,3 +186,27 @@ def test_log_dir_exists_and_specrl_env_is_pinned(tmp_path, monkeypatch):
     script = tmp_path / "job dir" / "job.sbatch"
     proc = subprocess.run([SHELLCHECK, "--severity=info", str(script)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
+
+
+def test_head_ip_is_rays_routable_address_and_loopback_is_refused_for_several_nodes(monkeypatch, tmp_path):
+    """`hostname --ip-address` is loopback where /etc/hosts maps the host's name to 127.0.x.1 (this machine):
+    the head then listened where no other node could reach it. The script asks Ray for the address."""
+    import ray.util
+
+    from megatron_specrl import ray_join
+    script = launch_main_script(tmp_path)
+    assert "hostname --ip-address" not in script and "ray_join --print-head-ip" in script
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.1.1")
+    assert ray_join.head_ip(1) == "127.0.1.1"                  # one node: loopback reaches itself
+    with pytest.raises(ray_join.ClusterJoinTimeout, match="loopback"):
+        ray_join.head_ip(2)
+    assert ray_join.main(["--print-head-ip", "--nodes", "2"]) == 3
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.1.2.3")
+    assert ray_join.head_ip(4) == "10.1.2.3"
+
+
+def launch_main_script(tmp_path) -> str:
+    out = tmp_path / "job.sbatch"
+    assert launch_main(["tiny-cpu-grpo", f"output_dir={tmp_path / 'o'}", "--nodes", "2", "--gpus-per-node", "0",
+                        "--out", str(out)]) == 0
+    return out.read_text()
