@@ -6,6 +6,8 @@ The same check through the real vLLM engine at temperature 0.7 / top-p 0.9 is in
 tests/test_processed_verification.py.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 from scipy.stats import chisquare
@@ -89,6 +91,28 @@ def test_plain_generation_matches_too():
     responses, _ = _spec_samples("off")
     pvalue, _ = _compare(responses)
     assert pvalue > 1e-3
+
+
+class _LastPositionUnverified(TabularEngine):
+    """An engine at the model's max_position_embeddings (protocol.score): a continuation reaching the
+    last position is verified without its last token."""
+
+    def score(self, requests, sampling, weight_version):
+        room = len(PROMPT) + L - 1
+        requests = [dataclasses.replace(r, continuation_ids=r.continuation_ids[:room - len(r.prompt_ids)])
+                    for r in requests]
+        return super().score(requests, sampling, weight_version)
+
+
+@pytest.mark.parametrize("sampling", [T1, SamplingSettings(temperature=0.7, top_p=0.8)])
+def test_exact_mode_is_exact_when_the_engine_verifies_a_full_length_draft_in_part(sampling):
+    """The rollout takes the verified prefix as the draft; its last token is sampled by the extension
+    (it failed with mismatched lengths when a verification came back shorter than its draft)."""
+    responses, metrics = _spec_samples("exact", sampling=sampling, engine=_LastPositionUnverified(NEW, version=1))
+    assert sum(len(r) == L for r in responses) > 0.2 * N, "test has no full-length draft to check"
+    pvalue, tv = _compare(responses, NEW, sampling)
+    assert metrics["spec/accepted_tokens"] > 0.2 * metrics["spec/verified_tokens"]
+    assert pvalue > 1e-3, f"exact rollouts differ from the new policy (p={pvalue:.2e}, tv={tv:.3f})"
 
 
 class _UnexcludedReplacements(TabularEngine):

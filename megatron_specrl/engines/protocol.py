@@ -149,7 +149,10 @@ class RolloutEngine(Protocol):
         """Log-probs of given continuations in one prefill; leaves the prefix cache warm.
         An engine whose class sets `verifies_processed_distribution = True` fills every field of
         ScoreResult for any temperature > 0, top-k and top-p; others refuse settings other than
-        temperature 1 without truncation (NotImplementedError)."""
+        temperature 1 without truncation (NotImplementedError). A continuation that reaches the
+        engine's last position is verified up to the token before it (the result is that much
+        shorter): the prefill samples one token past the continuation, and an engine already at the
+        model's max_position_embeddings has no position for it."""
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:

