@@ -31,7 +31,7 @@ from decimal import Decimal, InvalidOperation
 from typing import TYPE_CHECKING, Callable
 
 from megatron_specrl.data import synthetic
-from megatron_specrl.data.datasets import PromptRecord, file_format
+from megatron_specrl.data.datasets import PromptRecord, file_format, last_boxed
 
 if TYPE_CHECKING:   # a type only: the config imports this module to validate reward.name
     from megatron_specrl.config import DataConfig
@@ -153,8 +153,27 @@ def gsm8k_strict_reward(response: str, record: PromptRecord) -> float:
 MATH_VERIFY_TIMEOUT_S = 5
 
 
+_MATH_DELIMITER_RE = re.compile(r"(?<!\\)\$")   # a '$' that opens or closes math; '\$' is a dollar sign
+_BOXED_BRACE_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+
 def _gold_text(answer: str) -> str:
-    return answer if ("\\boxed" in answer or "$" in answer) else f"\\boxed{{{answer}}}"
+    """The gold as math-verify should read it: as given when already boxed or $-delimited, else boxed.
+    An escaped '\\$' (MATH's money answers, '\\$18.90') delimits nothing: unboxed, math-verify parses
+    nothing from it and every response would score 0."""
+    delimited = "\\boxed" in answer or _MATH_DELIMITER_RE.search(answer)
+    return answer if delimited else f"\\boxed{{{answer}}}"
+
+
+def _pred_text(response: str) -> str:
+    """The part of the response math-verify reads: its last \\boxed{...} when it has one, else all of it.
+    math-verify joins every boxed answer of a text into a set, so a response that corrects itself
+    ('\\boxed{3} ... wait, \\boxed{4}') would be scored as {3, 4}, equal to neither."""
+    start = max(response.rfind("\\boxed"), response.rfind("\\fbox"))
+    if start < 0 or not _BOXED_BRACE_RE.match(response, start):   # '\\boxed 5': math-verify reads it all
+        return response
+    boxed = last_boxed(response)
+    return response if boxed is None else f"\\boxed{{{boxed}}}"
 
 
 def _math_verify_score(response: str, answer: str, timeout_s: int | None) -> float:
@@ -163,7 +182,7 @@ def _math_verify_score(response: str, answer: str, timeout_s: int | None) -> flo
 
     try:
         gold = parse(_gold_text(answer), parsing_timeout=timeout_s)
-        pred = parse(response, parsing_timeout=timeout_s)
+        pred = parse(_pred_text(response), parsing_timeout=timeout_s)
         if not gold or not pred:
             return 0.0
         return float(verify(gold, pred, timeout_seconds=timeout_s))
@@ -197,8 +216,9 @@ _subprocess_scorer = _SubprocessScorer()
 
 @register_reward("math_verify")
 def math_verify_reward(response: str, record: PromptRecord) -> float:
-    """1.0 when math-verify finds the response's final answer (the last \\boxed{}, $...$ or 'Answer: ...')
-    equivalent to record.answer (LaTeX or plain; a gold answer without \\boxed or $ is boxed first);
+    """1.0 when math-verify finds the response's final answer (the last \\boxed{}, else $...$ or
+    'Answer: ...') equivalent to record.answer (LaTeX or plain; a gold answer without \\boxed or an
+    unescaped $ is boxed first);
     unparsable output or a parse / verify timeout (5 s) scores 0.0."""
     if threading.current_thread() is threading.main_thread():
         return _math_verify_score(response, record.answer, MATH_VERIFY_TIMEOUT_S)

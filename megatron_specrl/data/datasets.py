@@ -4,7 +4,8 @@ Every record gets a stable id, so rewards, logs, speculative caches and
 checkpoints refer to the same prompt however the data is shuffled or reloaded.
 Formats map common public layouts onto (prompt, answer):
 
-  gsm8k  question / answer, final answer after '#### '
+  gsm8k  question / answer, final answer after '#### ', and verl's GSM8K parquet
+         (prompt = chat messages, reward_model.ground_truth)
   math   MATH / DeepScaleR (problem + answer or a \\boxed{} solution) and verl's
          DAPO-Math-17k parquet (prompt = chat messages, reward_model.ground_truth)
   plain  prompt_key / answer_key as given
@@ -165,7 +166,7 @@ def _candidates(data_cfg: DataConfig, fmt: str) -> tuple[list[str], list[str]]:
     """Field names to try for (prompt, answer). Keys set explicitly in the config are used alone;
     left at their defaults, the format's conventional names are tried after them."""
     conventional = {
-        "gsm8k": (["question"], ["answer"]),
+        "gsm8k": (["question"], ["answer", "reward_model.ground_truth"]),   # the latter: verl's gsm8k parquet
         "math": (["problem", "prompt", "question"], ["answer", "reward_model.ground_truth", "solution"]),
         "plain": ([], []),
     }[fmt]
@@ -194,6 +195,10 @@ def _row_to_fields(row: dict, path: Path, where: str, fmt: str, data_cfg: DataCo
 
     meta: dict = {"format": fmt, "source": str(path)}
     if _is_messages(prompt):
+        for i, m in enumerate(prompt):   # None or multimodal parts would reach the tokenizer mid-setup, unnamed
+            if not isinstance(m["content"], str):
+                raise DatasetError(f"{path}: {where}: prompt field {pkey!r} message {i} has content of type "
+                                   f"{type(m['content']).__name__}, expected a string")
         meta["messages"] = [{"role": m.get("role", "user"), "content": m["content"]} for m in prompt]
         users = [m["content"] for m in prompt if m.get("role", "user") == "user"]
         prompt = users[-1] if users else prompt[-1]["content"]
@@ -207,7 +212,7 @@ def _row_to_fields(row: dict, path: Path, where: str, fmt: str, data_cfg: DataCo
         if answer is None:
             raise DatasetError(f"{path}: {where}: gsm8k answer field {akey!r} has no number after its last '####'")
     elif fmt == "gsm8k" and isinstance(answer, str) and not _NUMBER_RE.fullmatch(answer.strip()):
-        raise DatasetError(f"{path}: {where}: gsm8k answer field 'answer' has no '#### <number>' final answer")
+        raise DatasetError(f"{path}: {where}: gsm8k answer field {akey!r} has no '#### <number>' final answer")
     elif fmt == "math" and isinstance(answer, str) and "\\boxed" in answer:
         meta["solution"] = answer
         boxed = last_boxed(answer)
@@ -219,7 +224,10 @@ def _row_to_fields(row: dict, path: Path, where: str, fmt: str, data_cfg: DataCo
                            f"and no 'answer' field is present")
     if isinstance(answer, (list, tuple)):  # some sets store ground truths as a one-element list
         answer = answer[0] if len(answer) == 1 else json.dumps(answer)
-    return prompt, str(answer).strip(), meta
+    answer = str(answer).strip()
+    if fmt == "math" and not answer:   # nothing to verify against: every response would score 0
+        raise DatasetError(f"{path}: {where}: math answer field {akey!r} is empty")
+    return prompt, answer, meta
 
 
 # --------------------------------------------------------------------------- ids
@@ -284,7 +292,7 @@ def _synthetic_eval(data_cfg: DataConfig, seed: int) -> list[PromptRecord]:
     pool = max(2 * n, 16)
     while len(out) < n:
         out = [r for r in _synthetic(pool, seed + EVAL_SEED_OFFSET, data_cfg.synthetic_terms) if r.prompt not in train_prompts][:n]
-        if pool > 64 * max(n, 1):
+        if len(out) < n and pool > 64 * max(n, 1):   # only a draw that came up short is the last
             raise DatasetError(f"cannot draw {n} synthetic eval problems disjoint from the "
                                f"{data_cfg.num_synthetic} train problems; lower data.num_eval")
         pool *= 2
