@@ -121,3 +121,38 @@ def check_tokenizer(state: dict, ckpt: Path, fingerprint: str, model_dir: Path) 
     if state.get("tokenizer") != fingerprint:
         raise ConfigError(f"tokenizer mismatch: checkpoint {ckpt} was trained with tokenizer "
                           f"{state.get('tokenizer')}, model.path {model_dir} has {fingerprint}")
+
+
+# what makes a learner checkpoint another model's: its tensors would not fit (or mean other things)
+ARCH_KEYS = ("architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "num_key_value_heads", "vocab_size", "tie_word_embeddings")
+
+
+def check_model(ckpt: Path, model_dir: Path) -> None:
+    """A run must not resume a checkpoint of another model: the learner's dist-checkpoint load would
+    fail deep in a Ray actor with a traceback (other shapes), or load weights meant for another
+    architecture. The checkpoint's own HF config (learner/hf/config.json) is compared with model.path's;
+    a checkpoint without one (written before it was copied there) is not checked."""
+    from megatron_specrl.config import ConfigError
+    saved_file, current_file = Path(ckpt) / "learner" / "hf" / "config.json", Path(model_dir) / "config.json"
+    if not saved_file.is_file() or not current_file.is_file():
+        return
+    saved, current = json.loads(saved_file.read_text()), json.loads(current_file.read_text())
+    diff = [f"{k} {saved.get(k)!r} vs {current.get(k)!r}" for k in ARCH_KEYS if saved.get(k) != current.get(k)]
+    if diff:
+        raise ConfigError(f"model mismatch: checkpoint {ckpt} was trained with another model than model.path "
+                          f"{model_dir} ({', '.join(diff)})")
+
+
+def check_optimizer(ckpt: Path, distributed_optimizer: bool) -> None:
+    """The learner loads optimizer state only of its own kind (learner/worker.py load_checkpoint);
+    checked here too so the mismatch is one line before any actor starts, not a Ray traceback."""
+    from megatron_specrl.config import ConfigError
+    meta = Path(ckpt) / "learner" / "specrl_learner.json"
+    if not meta.is_file():
+        return
+    saved = bool(json.loads(meta.read_text()).get("distributed_optimizer", False))
+    if saved != distributed_optimizer:
+        kind = "Megatron distributed optimizer" if saved else "torch AdamW"
+        raise ConfigError(f"optimizer mismatch: checkpoint {ckpt} holds {kind} state; set "
+                          f"learner.distributed_optimizer={str(saved).lower()} to resume it")

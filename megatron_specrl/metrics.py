@@ -29,6 +29,14 @@ class MetricsLogger:
             os.environ.setdefault("WANDB_SILENT", "true")
             self.wandb = wandb.init(project=project, name=run_name, dir=str(self.dir), mode=wandb_mode,
                                     config=run_config, resume="allow", id=self._wandb_id())
+            # A resumed run continues this wandb run and logs the steps since its checkpoint again;
+            # wandb drops a log(step=s) below its current step, so those would be lost. As wandb
+            # documents for out-of-order steps (define_metric), its own step only counts log calls
+            # and the charts' x-axis is the training step logged as "step": nothing is dropped, and
+            # a replayed step shows beside its pre-crash value (metrics.jsonl keeps the replayed one).
+            # (Rewinding the run instead, resume_from="<id>?_step=N", is a private-preview feature.)
+            self.wandb.define_metric("step")
+            self.wandb.define_metric("*", step_metric="step")
 
     def _wandb_id(self) -> str:
         """One wandb run per output_dir, so a resumed run continues its curves."""
@@ -45,7 +53,7 @@ class MetricsLogger:
             f.flush()
             os.fsync(f.fileno())
         if self.wandb is not None:
-            self.wandb.log(metrics, step=step)
+            self.wandb.log({"step": step, **metrics})
         shown = "  ".join(f"{label}={metrics[k]:.3g}" for k, label in CONSOLE_KEYS if k in metrics)
         self.console.print(f"[bold]step {step}[/bold]  {shown}")
 
@@ -56,7 +64,8 @@ class MetricsLogger:
 
 def truncate_jsonl(path: Path, step: int) -> None:
     """On resume, drop lines of steps after the checkpoint: they will be run again.
-    A torn last line (killed mid-write) is dropped too."""
+    A torn last line (killed mid-write) is dropped too. The kept lines go to a temporary file that
+    replaces the old one: rewritten in place, a kill or a full disk here would lose the whole log."""
     if not path.exists():
         return
     kept = []
@@ -67,7 +76,12 @@ def truncate_jsonl(path: Path, step: int) -> None:
             continue
         if row.get("step", 0) <= step:
             kept.append(ln)
-    path.write_text("".join(ln + "\n" for ln in kept))
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write("".join(ln + "\n" for ln in kept))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def read_metrics(path: str | Path) -> list[dict]:

@@ -139,8 +139,17 @@ def build_run(cfg: RunConfig) -> Run:
     resume_from = _find_resume(cfg, out)
     state = ckpt.load_state(resume_from) if resume_from else None
     tokenizer_id = tokenizer_fingerprint(model_dir)
-    if state is not None:
+    if state is not None:   # a checkpoint that is not this run's: one line, before Ray and the actors start
         ckpt.check_tokenizer(state, resume_from, tokenizer_id, model_dir)
+        ckpt.check_model(resume_from, model_dir)
+        ckpt.check_optimizer(resume_from, cfg.learner.distributed_optimizer)
+        if cfg.algorithm.name == "ppo" and not (resume_from / "critic").is_dir():
+            raise ConfigError(f"trainer.resume: checkpoint {resume_from} has no critic (it was not a PPO run); "
+                              f"algorithm.name=ppo needs one")
+        try:
+            loader.load_state_dict(state["loader"])
+        except ValueError as e:   # other data, seed or shuffling: the data order cannot continue
+            raise ConfigError(f"trainer.resume: checkpoint {resume_from}: {e}") from None
 
     init_ray(cfg.ray)
     placement = plan_placement(cfg, cluster_gpus())
@@ -160,7 +169,6 @@ def build_run(cfg: RunConfig) -> Run:
         if critic is not None:
             critic.load_checkpoint(str(resume_from / "critic"))
         store = TrajectoryStore.load(resume_from)
-        loader.load_state_dict(state["loader"])
         step, version = state["step"], state["weight_version"]
 
     sampling = SamplingSettings(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
