@@ -64,7 +64,9 @@ class DataConfig(_Strict):
     num_synthetic: int = Field(512, gt=0)
     num_eval: int = Field(256, ge=0)
     shuffle: bool = True
-    apply_chat_template: bool = False
+    # None (auto): through the tokenizer's chat template when it has one (verl renders every prompt so);
+    # true: required (refused without one); false: the raw text of the last user turn
+    apply_chat_template: bool | None = None
     max_prompt_len: int = Field(64, gt=0)
     # verl's key: drop prompts longer than max_prompt_len when the run starts (false: refuse the run)
     filter_overlong_prompts: bool = False

@@ -401,16 +401,26 @@ class PromptLoader:
 
 # --------------------------------------------------------------------------- rendering
 
-def render_prompt(record: PromptRecord, tokenizer, apply_chat_template: bool,
+def uses_chat_template(tokenizer, apply_chat_template: bool | None) -> bool:
+    """data.apply_chat_template: None (auto) renders through the tokenizer's chat template when it has
+    one, as verl does for every prompt; true requires one (a tokenizer without it would otherwise train
+    an instruct model on raw text, silently); false encodes the raw text (the last user turn)."""
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if apply_chat_template and not has_template:
+        raise DatasetError("data.apply_chat_template=true, but the tokenizer of model.path has no chat template "
+                           "(tokenizer_config.json chat_template); set it to false or leave it unset (auto)")
+    return has_template if apply_chat_template is None else apply_chat_template
+
+
+def render_prompt(record: PromptRecord, tokenizer, apply_chat_template: bool | None,
                   max_prompt_len: int | None = None) -> list[int]:
     """Token ids of the prompt the policy continues.
 
-    With apply_chat_template and a tokenizer that has a template, the chat
-    messages (or the prompt as one user turn) are rendered with the generation
-    prompt; the template supplies any BOS. Otherwise the raw text is encoded
-    with the tokenizer's own special tokens (none for the tiny tokenizer).
+    Through the chat template (uses_chat_template), the chat messages (or the prompt as one user turn)
+    are rendered with the generation prompt; the template supplies any BOS. Otherwise the raw text is
+    encoded with the tokenizer's own special tokens (none for the tiny tokenizer).
     """
-    if apply_chat_template and getattr(tokenizer, "chat_template", None):
+    if uses_chat_template(tokenizer, apply_chat_template):
         messages = record.meta.get("messages") or [{"role": "user", "content": record.prompt}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False).input_ids
@@ -423,7 +433,7 @@ def render_prompt(record: PromptRecord, tokenizer, apply_chat_template: bool,
     return ids
 
 
-def render_all(records: list[PromptRecord], tokenizer, apply_chat_template: bool, max_prompt_len: int,
+def render_all(records: list[PromptRecord], tokenizer, apply_chat_template: bool | None, max_prompt_len: int,
                drop_overlong: bool, split: str) -> tuple[list[PromptRecord], dict[str, list[int]]]:
     """Every prompt rendered once when the run starts: (records kept, token ids by record id).
 
