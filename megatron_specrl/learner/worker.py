@@ -357,6 +357,15 @@ class LearnerWorker:
         with self._cpu_shims():
             finalize_model_grads([self.ddp], force_all_reduce=not step)
             if step:
+                # Megatron's optimizer finds inf / NaN only through an fp16 loss scaler; with the learner's
+                # fp32 parameters step() clips by a NaN norm (a no-op), steps Adam on the NaN gradients and
+                # reports success. So check the global norm first (the same on every rank: all raise).
+                # prepare_grads only assigns the main grads from DDP's buffer (no scaler): step() repeats it.
+                self.optimizer.prepare_grads()
+                grad_norm = self.optimizer.get_grad_norm()
+                if not math.isfinite(grad_norm):
+                    raise RuntimeError(f"non-finite gradients (grad norm {grad_norm}): the optimizer step was "
+                                       "skipped (a NaN / inf reward, advantage or log-prob in the batch?)")
                 ok, grad_norm, _ = self.optimizer.step()
                 if not ok:
                     raise RuntimeError("Megatron's optimizer skipped the step (non-finite gradients)")
