@@ -60,10 +60,17 @@ def _slot(s, c, mask):
 
 
 @njit(cache=True, inline="always")
+def _key(s, c):
+    """(state, token) as one int64: the token's low 32 bits, so that a negative token (the Python trees
+    take any int) cannot overwrite the state with its sign bits nor make the key -1, the empty slot."""
+    return (np.int64(s) << 32) | (np.int64(c) & np.int64(0xFFFFFFFF))
+
+
+@njit(cache=True, inline="always")
 def _get(ht, s, c):
     """The edge for transition (s, c), -1 if none."""
     mask = ht.shape[0] - 1
-    key = (np.int64(s) << 32) | np.int64(c)
+    key = _key(s, c)
     i = _slot(s, c, mask)
     while True:
         k = ht[i, 0]
@@ -80,7 +87,7 @@ def _put(ht, s, c, e):
     i = _slot(s, c, mask)
     while ht[i, 0] != -1:
         i = (i + 1) & mask
-    ht[i, 0] = (np.int64(s) << 32) | np.int64(c)
+    ht[i, 0] = _key(s, c)
     ht[i, 1] = e
 
 
