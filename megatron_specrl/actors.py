@@ -34,23 +34,28 @@ def init_ray(cfg: RayConfig | None = None) -> bool:
 
 
 def learner_bundles(learner: LearnerConfig, rollout: RolloutConfig, learner_gpus_per_rank: float,
-                    timeout_s: float = 600.0) -> tuple[list | None, list | None, list]:
-    """Ray scheduling strategies for the policy's ranks and (colocated) the engines: (None, None) on CPU.
+                    timeout_s: float = 600.0, learner_roles: int = 1) -> tuple[list | None, list | None, list, float]:
+    """Ray scheduling strategies for the learner ranks and (colocated) the engines, and the GPU share
+    each of those actors asks for: (None, None, [], 0.0) on CPU.
 
     Without them Ray packs fractional GPUs: two colocated learner ranks got the same GPU (0.5 + 0.5),
     the engines GPUs of their own, and 1-GPU ranks spread over nodes at Ray's whim, splitting a TP
     group across nodes and leaving no node with engine_tp free GPUs. So: one placement group of one
     whole GPU a rank per TP group (STRICT_PACK: a TP group stays in one node), all reserved before any
-    engine; colocated engine i shares rank i's GPU (bundle), as the cuda_ipc transport expects."""
+    engine; colocated engine i shares rank i's GPU (bundle), as the cuda_ipc transport expects.
+    `learner_roles` learner groups of the same layout (policy, PPO's critic, the KL reference) put
+    rank r in the same bundle, as verl colocates actor, critic and reference: outside the bundles
+    they found every GPU reserved and waited for one forever."""
     if not learner_gpus_per_rank:
-        return None, None, []
+        return None, None, [], 0.0
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     import ray
 
     world, tp = learner.tp * learner.pp * learner.dp, learner.tp
-    colocate = learner_gpus_per_rank < 1
-    bundle = {"GPU": 1.0, "CPU": 1.01 if colocate else 0.01}       # + the colocated engine's CPU
+    colocate = rollout.colocate
+    share = 1.0 / (learner_roles + colocate)      # of a bundle's GPU, for every actor in it
+    bundle = {"GPU": 1.0, "CPU": 0.01 * learner_roles + (1.0 if colocate else 0.0)}   # + the engine's CPU
     groups = [placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK") for _ in range(world // tp)]
     try:
         ray.get([g.ready() for g in groups], timeout=timeout_s)
@@ -60,7 +65,7 @@ def learner_bundles(learner: LearnerConfig, rollout: RolloutConfig, learner_gpus
                            f"{ray.available_resources()}") from None
     ranks = [PlacementGroupSchedulingStrategy(groups[r // tp], placement_group_bundle_index=r % tp)
              for r in range(world)]
-    return ranks, (ranks[:rollout.num_engines] if colocate else None), groups
+    return ranks, (ranks[:rollout.num_engines] if colocate else None), groups, share
 
 
 @dataclass
@@ -99,17 +104,20 @@ def build_actors(model_dir: str | Path, learner: LearnerConfig, rollout: Rollout
     from megatron_specrl.engines.factory import make_engine
     from megatron_specrl.resync.learner_actor import RayLearnerWorker
 
-    def group(settings: LearnerConfig, role: str, worker_cls=None, scheduling=None) -> LearnerGroup:
+    def group(settings: LearnerConfig, role: str, gpus_per_rank: float, worker_cls=None, scheduling=None) -> LearnerGroup:
         extra = {"worker_cls": worker_cls} if worker_cls is not None else {}
-        g = LearnerGroup(settings, seed=seed, role=role, num_gpus_per_rank=learner_gpus_per_rank,
+        g = LearnerGroup(settings, seed=seed, role=role, num_gpus_per_rank=gpus_per_rank,
                          scheduling=scheduling, **extra)
         g.load_hf(str(model_dir))
         return g
 
-    rank_bundles, engine_bundles, groups = learner_bundles(learner, rollout, learner_gpus_per_rank)
-    policy = group(learner, "policy", RayLearnerWorker, rank_bundles)
-    critic = group(learner.model_copy(update={"lr": critic_lr}), "critic") if critic_lr is not None else None
-    ref = group(learner, "reference") if reference else None
+    roles = 1 + (critic_lr is not None) + reference
+    rank_bundles, engine_bundles, groups, share = learner_bundles(learner, rollout, learner_gpus_per_rank,
+                                                                  learner_roles=roles)
+    policy = group(learner, "policy", share, RayLearnerWorker, rank_bundles)
+    critic = (group(learner.model_copy(update={"lr": critic_lr}), "critic", share, scheduling=rank_bundles)
+              if critic_lr is not None else None)
+    ref = group(learner, "reference", share, scheduling=rank_bundles) if reference else None
     engine = make_engine(rollout, str(model_dir), log_dir=str(log_dir), use_ray=True, seed=engine_seed,
-                         gpus_per_engine=gpus_per_engine, scheduling=engine_bundles)
+                         gpus_per_engine=share if engine_bundles else gpus_per_engine, scheduling=engine_bundles)
     return Actors(policy, engine, critic, ref, groups)

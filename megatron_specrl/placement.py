@@ -1,6 +1,7 @@
 """Where learner ranks and engines run: colocated (sharing GPUs) or disaggregated (separate pools).
 
-Colocated: each learner rank and an engine share a GPU (Ray fractional GPUs, 0.5 each); the engines
+Colocated: each learner rank and an engine share a GPU (Ray fractional GPUs; PPO's critic and the KL
+reference ranks share it too, actors.learner_bundles); the engines
 release their memory (vLLM sleep mode) while the learner trains and take it back for the resync.
 Disaggregated: the learner gets `world_size` GPUs and the engines `num_engines * engine_tp` others,
 and rollouts never wait for memory. On a CPU machine nothing asks for GPUs and both modes run the

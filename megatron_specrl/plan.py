@@ -15,7 +15,9 @@ Memory model (bytes per GPU, the heaviest rank):
            none/selective store every layer's tensors (on GPU flash attention stores no s^2 scores, so
            selective equals none there), full stores each layer's input plus one layer's tensors; the
            first pipeline stage holds min(pp, microbatches) microbatches in flight (1F1B), and the last
-           stage holds the fp32 logits and their log-softmax.
+           stage holds the fp32 logits and their log-softmax. PPO's critic (the same layout, a value
+           head for the LM head) and the frozen KL reference (fp32 weights) share the policy ranks'
+           GPUs (actors.learner_bundles) and stay resident.
   engine   weights in rollout.engine_dtype over engine_tp GPUs; vLLM reserves
            rollout.gpu_memory_utilization of the GPU and fills what the weights leave with KV cache.
            The KV the step's batch would need at full length (prompt + response) is reported with the
@@ -141,10 +143,15 @@ class LearnerMemory:
     activations: int
     tokens_per_microbatch: int
     microbatches_in_flight: int
+    # on the same GPUs (actors.learner_bundles): PPO's critic (weights, grads, optimizer, value head
+    # for the LM head) and the frozen KL reference (weights only); each trains or scores in turn, so
+    # the activations are the policy's
+    critic: int = 0
+    reference: int = 0
 
     @property
     def static(self) -> int:
-        return self.weights + self.grads + self.optimizer
+        return self.weights + self.grads + self.optimizer + self.critic + self.reference
 
     @property
     def total(self) -> int:
@@ -185,10 +192,16 @@ def learner_memory(cfg: RunConfig, s: ModelShape, padded_vocab: int, flash: bool
 
     logits = 2 * tokens * (padded_vocab // le.tp) * FP32           # logits + log-softmax, last stage
     acts = stage(in_flight) + logits if le.pp == 1 else max(stage(in_flight), stage(1) + logits)
-    optimizer = 2 * params * FP32
-    if le.distributed_optimizer:
-        optimizer = math.ceil(optimizer / le.dp)
-    return LearnerMemory(params, params * FP32, params * FP32, optimizer, acts, tokens, in_flight)
+    def optimizer(n: int) -> int:
+        return math.ceil(2 * n * FP32 / le.dp) if le.distributed_optimizer else 2 * n * FP32
+
+    critic = 0
+    if cfg.algorithm.name == "ppo":
+        n = max(stage_parameters(s, le.tp, le.pp, st, padded_vocab, role="critic") for st in range(le.pp))
+        critic = 2 * n * FP32 + optimizer(n)
+    reference = params * FP32 if le.loss.kl_coef > 0 else 0
+    return LearnerMemory(params, params * FP32, params * FP32, optimizer(params), acts, tokens, in_flight,
+                         critic, reference)
 
 
 @dataclass
@@ -322,7 +335,9 @@ def _memory(cfg: RunConfig, lm: LearnerMemory, em: EngineMemory) -> list[str]:
     if lm.total > gpu:
         out.append(f"cluster.gpu_memory_gb={c.gpu_memory_gb:g}: the learner needs {lm.total / GB:.1f} GB per GPU "
                    f"(weights {lm.weights / GB:.1f} + grads {lm.grads / GB:.1f} + optimizer {lm.optimizer / GB:.1f} "
-                   f"+ activations {lm.activations / GB:.1f}) at learner.tp={cfg.learner.tp} pp={cfg.learner.pp} "
+                   + (f"+ PPO critic {lm.critic / GB:.1f} " if lm.critic else "")
+                   + (f"+ KL reference {lm.reference / GB:.1f} " if lm.reference else "")
+                   + f"+ activations {lm.activations / GB:.1f}) at learner.tp={cfg.learner.tp} pp={cfg.learner.pp} "
                    f"dp={cfg.learner.dp}; raise tp/pp, set learner.distributed_optimizer / learner.recompute, "
                    "or lower learner.micro_batch_size")
     if em.kv_space < em.max_model_len * em.kv_per_token:
@@ -332,7 +347,8 @@ def _memory(cfg: RunConfig, lm: LearnerMemory, em: EngineMemory) -> list[str]:
                    f"({em.max_model_len * em.kv_per_token / GB:.2f} GB); raise it or rollout.engine_tp")
     if r.colocate and lm.static + em.budget > gpu:
         out.append(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization:g}: colocated, vLLM's {em.budget / GB:.1f} "
-                   f"GB plus the learner's resident {lm.static / GB:.1f} GB (weights, grads, optimizer) exceed "
+                   f"GB plus the learner's resident {lm.static / GB:.1f} GB (weights, grads, optimizer"
+                   + (", critic" if lm.critic else "") + (", reference" if lm.reference else "") + ") exceed "
                    f"cluster.gpu_memory_gb={c.gpu_memory_gb:g}")
     return out
 
@@ -408,6 +424,8 @@ class Plan:
             ("learner memory / GPU", f"weights {gb(self.learner.weights)} + grads {gb(self.learner.grads)} + optimizer "
                                      f"{gb(self.learner.optimizer)}"
                                      + (" (distributed)" if le.distributed_optimizer else "")
+                                     + (f" + PPO critic {gb(self.learner.critic)}" if self.learner.critic else "")
+                                     + (f" + KL reference {gb(self.learner.reference)}" if self.learner.reference else "")
                                      + f" + activations {gb(self.learner.activations)} (recompute {le.recompute}, "
                                      f"{self.learner.tokens_per_microbatch} tokens x "
                                      f"{self.learner.microbatches_in_flight} in flight) = {gb(self.learner.total)}"),

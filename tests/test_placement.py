@@ -104,13 +104,14 @@ def test_ranks_get_a_gpu_each_tp_groups_stay_together_and_colocated_engines_shar
         learner = LearnerConfig(tp=4, dp=2 if colocate else 1)
         rollout = RolloutConfig(num_engines=8 if colocate else 1, engine_tp=1 if colocate else 4, colocate=colocate)
         per_rank, per_engine = (0.5, 0.5) if colocate else (1.0, 4.0)
-        ranks, engine_bundles, groups = learner_bundles(learner, rollout, per_rank, timeout_s=60)
-        g = LearnerGroup(learner, seed=0, num_gpus_per_rank=per_rank, worker_cls=_Rank, scheduling=ranks)
+        ranks, engine_bundles, groups, share = learner_bundles(learner, rollout, per_rank, timeout_s=60)
+        assert share == per_rank
+        g = LearnerGroup(learner, seed=0, num_gpus_per_rank=share, worker_cls=_Rank, scheduling=ranks)
         where = ray.get([a.where.remote() for a in g.actors])
         gpus = [ids for ids, _ in where]
         assert all(len(ids) == 1 for ids in gpus) and len({ids[0] for ids in gpus}) == len(gpus)   # one GPU each
         assert {r for _, r in where} == {where[0][1]}
-        engines = [RayEngine(_Engine, {}, name=f"e{i}", log_dir=tmp_path, num_gpus=per_engine,
+        engines = [RayEngine(_Engine, {}, name=f"e{i}", log_dir=tmp_path, num_gpus=share if colocate else per_engine,
                              scheduling_strategy=engine_bundles[i] if engine_bundles else None)
                    for i in range(rollout.num_engines)]
         engine_gpus = [ray.get(e.actor.__ray_call__.remote(lambda self: ray.get_gpu_ids())) for e in engines]
@@ -125,3 +126,74 @@ def test_ranks_get_a_gpu_each_tp_groups_stay_together_and_colocated_engines_shar
         assert len(groups) == learner.dp * learner.pp
     finally:
         ray.shutdown()
+
+
+@pytest.mark.parametrize("colocate", [True, False])
+def test_critic_and_reference_ranks_share_the_policy_ranks_gpus(tmp_path, colocate):
+    """PPO's critic and the KL reference, outside the policy's placement groups, found every GPU reserved
+    and waited forever. They share policy rank r's GPU (bundle), as verl colocates actor, critic and
+    reference; build_actors starts all three groups and the engines on 8 fake GPUs."""
+    import ray
+    from megatron_specrl import actors
+    from megatron_specrl.config import LearnerConfig, RolloutConfig
+
+    class _Rank:
+        def __init__(self, rank, world, addr, port, settings, seed=0, role="policy"):
+            self.role = role
+
+        def load_hf(self, hf_dir):
+            pass
+
+        def where(self):
+            return self.role, ray.get_gpu_ids()
+
+        def shutdown(self):
+            pass
+
+    class _Engine:
+        def __init__(self, **kwargs):
+            pass
+
+    ray.init(address="local", num_cpus=16, num_gpus=8, include_dashboard=False, logging_level="ERROR")
+    try:
+        learner = LearnerConfig(tp=2, dp=2 if colocate else 1)
+        rollout = RolloutConfig(num_engines=4 if colocate else 1, engine_tp=1 if colocate else 2, colocate=colocate,
+                                engine_timeout_s=60)
+        built, engine_share = _build_with_fakes(actors, learner, rollout, _Rank, _Engine, 0.5 if colocate else 1.0,
+                                                None if colocate else 2.0, tmp_path)
+        assert engine_share == (0.25 if colocate else 2.0)     # policy, critic, reference (and engine) a GPU
+        try:
+            where = {g: ray.get([a.where.remote() for a in getattr(built, g).actors], timeout=60)
+                     for g in ("learner", "critic", "reference")}
+            policy_gpus = [ids for _, ids in where["learner"]]
+            assert all(len(ids) == 1 for ids in policy_gpus) and len({i[0] for i in policy_gpus}) == len(policy_gpus)
+            assert [ids for _, ids in where["critic"]] == policy_gpus == [ids for _, ids in where["reference"]]
+            assert [r for r, _ in where["critic"]] == ["critic"] * len(policy_gpus)
+        finally:
+            built.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def _build_with_fakes(actors, learner, rollout, rank_cls, engine_cls, per_rank, per_engine, tmp_path):
+    """actors.build_actors with a fake learner rank class for every role and a fake engine class."""
+    from unittest import mock
+
+    from megatron_specrl.engines import factory
+    from megatron_specrl.engines.ray_engine import RayEngine
+    from megatron_specrl.learner import group as group_mod
+
+    real_group, seen = group_mod.LearnerGroup, {}
+
+    def fake_group(settings, seed, role="policy", worker_cls=None, **kw):
+        return real_group(settings, seed, role=role, worker_cls=rank_cls, **kw)
+
+    def fake_engine(rollout_cfg, model_dir, log_dir, use_ray, seed, gpus_per_engine, scheduling):
+        seen["gpus_per_engine"] = gpus_per_engine
+        return RayEngine(engine_cls, {}, name="e0", log_dir=log_dir, num_gpus=gpus_per_engine,
+                         scheduling_strategy=scheduling[0] if scheduling else None)
+
+    with mock.patch.object(actors, "LearnerGroup", fake_group), mock.patch.object(factory, "make_engine", fake_engine):
+        built = actors.build_actors(tmp_path, learner, rollout, seed=0, log_dir=tmp_path, critic_lr=1e-5,
+                                    reference=True, learner_gpus_per_rank=per_rank, gpus_per_engine=per_engine)
+    return built, seen["gpus_per_engine"]

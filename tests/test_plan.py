@@ -263,3 +263,28 @@ def test_overlong_prompts_are_refused_before_the_run_queues_or_starts(tiny_llama
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("megatron-specrl: data error: ") and "data.max_prompt_len=4" in err[0]
     assert not (out / "engine_logs").exists()          # refused before any engine started
+
+
+def test_ppo_critic_and_kl_reference_count_on_the_policy_gpus(capsys):
+    """They share the policy ranks' GPUs (actors.learner_bundles) and stay resident: a layout that fits
+    the policy alone but not the three is refused before it queues (it ran out of memory on the GPUs)."""
+    recipe = ROOT / "examples/qwen2.5-7b-dapo-1node.yaml"
+    base = ["learner.distributed_optimizer=false", "cluster.gpu_memory_gb=10000"]
+    alone = build_plan(load_config(recipe, base), check_data=False).learner
+    both = build_plan(load_config(recipe, [*base, "algorithm.name=ppo", "learner.loss.kl_coef=0.001"]),
+                      check_data=False).learner
+    s = ModelShape.from_hf(load_hf_config(load_config(recipe, base).model.path))
+    lm_head = s.vocab * s.hidden // 4        # roughly: the LM head's share a TP rank, replaced by a value head
+    assert alone.critic == alone.reference == 0
+    assert both.reference == alone.weights
+    assert alone.static - 16 * lm_head * 1.2 < both.critic < alone.static
+    assert both.static == alone.static + both.critic + both.reference
+    util = load_config(recipe, base).rollout.gpu_memory_utilization    # colocated: vLLM's share beside it
+    fits_alone = 1.05 * max(alone.total, alone.static / (1 - util)) / GB
+    assert both.static / (1 - util) > fits_alone * GB
+    assert main(["train", str(recipe), *base[:1], f"cluster.gpu_memory_gb={fits_alone:.1f}", "--dry-run"]) == 0
+    capsys.readouterr()
+    assert main(["train", str(recipe), *base[:1], f"cluster.gpu_memory_gb={fits_alone:.1f}", "algorithm.name=ppo",
+                 "learner.loss.kl_coef=0.001", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "PPO critic" in err and "KL reference" in err
