@@ -94,7 +94,8 @@ def train(cfg: RunConfig) -> Run:
                 if cfg.trainer.check_resync_every and step % cfg.trainer.check_resync_every == 0:
                     from megatron_specrl.diagnostics.check import logprob_check
                     metrics.update(logprob_check(run.engine, run.learner, run.version, run.probe_prompts(),
-                                                 min(32, cfg.rollout.max_new_tokens), run.pad_id))
+                                                 min(32, cfg.rollout.max_new_tokens), run.pad_id,
+                                                 cfg.rollout.engine_dtype))
                 run.logger.log(step, metrics)
                 if cfg.trainer.checkpoint_every and step % cfg.trainer.checkpoint_every == 0:
                     hooks.before("checkpoint", step)

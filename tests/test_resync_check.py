@@ -131,7 +131,7 @@ def test_sync_without_cache_reset_is_caught(learner, engine, prompts):
     assert fresh.passed, fresh.failures()
 
 
-def test_cli_exit_codes_and_trainer_hook(learner, engine, tiny_llama):
+def test_cli_exit_codes_and_trainer_hook(learner, engine, tiny_llama, capsys):
     base = ["--model", str(tiny_llama), "--num-prompts", "4", "--show-tokens", "2"]
     assert check_resync_main(base + ["--train-step"], learner=learner, engine=engine) == 0
     assert check_resync_main(base + ["--swap-gate-up", "--no-weights"], learner=learner, engine=engine) == 1
@@ -141,3 +141,10 @@ def test_cli_exit_codes_and_trainer_hook(learner, engine, tiny_llama):
     metrics = logprob_check(engine, learner, engine.weight_version, prompts, max_new_tokens=8, pad_id=PAD)
     assert metrics["resync/logprob_abs_diff"] <= LOGPROB_TOL
     assert metrics["resync/logprob_max_abs_diff"] >= metrics["resync/logprob_abs_diff"]
+    assert metrics["resync/logprob_check_failed"] == 0.0
+    # an engine out of sync is said on the console, not only logged as a number
+    assert check_resync_main(base + ["--swap-gate-up", "--no-weights"], learner=learner, engine=engine) == 1
+    capsys.readouterr()
+    bad = logprob_check(engine, learner, engine.weight_version, prompts, max_new_tokens=8, pad_id=PAD)
+    assert bad["resync/logprob_check_failed"] == 1.0 and "check-resync" in capsys.readouterr().err
+    assert check_resync_main(base, learner=learner, engine=engine) == 0

@@ -250,15 +250,29 @@ def run_check(learner, engine, version: int, prompts: list[list[int]] | None, *,
 
 
 def logprob_check(engine, learner, version: int, prompts: list[list[int]], max_new_tokens: int = 32,
-                  pad_id: int = 0) -> dict[str, float]:
+                  pad_id: int = 0, engine_dtype: str = "float32") -> dict[str, float]:
     """Trainer hook (trainer.check_resync_every): engine vs learner log-probs on a few prompts at
-    the serving version; the probe's sampling seed follows the version, so reruns repeat it."""
+    the serving version; the probe's sampling seed follows the version, so reruns repeat it. A mean
+    difference over the dtype's tolerance (or a probe with no response token) is said on the console
+    and logged as resync/logprob_check_failed = 1: an engine serving other weights than the learner's
+    trains the policy on another policy's samples, and a metric alone goes unnoticed."""
     from megatron_specrl.rollout.speculative import stable_seed
     if not prompts:
         return {}
     probe = probe_logprobs(engine, learner, version, prompts, max_new_tokens, pad_id,
                            seed=stable_seed("resync-probe", version) % (1 << 31))
-    return probe.metrics()
+    metrics = probe.metrics()
+    tol = logprob_tol_for(engine_dtype)
+    diff, tokens = metrics["resync/logprob_abs_diff"], metrics["resync/probe_tokens"]
+    failed = not tokens or not diff <= tol
+    metrics["resync/logprob_check_failed"] = float(failed)
+    if failed:
+        from rich.console import Console
+        what = "no response token to compare" if not tokens else f"mean |engine - learner| log-prob {diff:.3g}"
+        Console(stderr=True).print(f"[bold red]resync check at weight version {version}: {what} (tolerance "
+                                   f"{tol:g} for a {engine_dtype} engine); the engine may serve other weights "
+                                   f"than the learner's: run `megatron-specrl check-resync`[/bold red]")
+    return metrics
 
 
 def print_report(report: CheckReport, console=None, show_tensors: int = 40, show_tokens: int = 16) -> None:
