@@ -110,6 +110,8 @@ class RolloutConfig(_Strict):
     # engine too: drafts and their verification are scored by the same (bf16) policy, so acceptance
     # stays consistent; only the PPO ratio needs learner log-probs (learner.recompute_old_logprobs).
     engine_dtype: Literal["float32", "bfloat16"] = "float32"
+    # how long one engine call (a generate holds an engine's share of a round) and the engine's start
+    # (at least 600 s: a 70B load from a shared filesystem) may take before the engine counts as dead
     engine_timeout_s: float = Field(600.0, gt=0)
     # Speculative decoding during generation with drafts from per-prompt trees of earlier responses
     # (SRT): every sample of a prompt, past epochs and this step's in-flight tokens. vLLM's rejection

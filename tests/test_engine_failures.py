@@ -164,3 +164,16 @@ def test_a_routed_rollouts_decode_steps_are_the_longest_engines():
     assert m["tree/engine_steps"] == 50.0 and m["tree/engine_steps_longest"] == 30.0
     assert m["tree/draft_tokens"] == 16.0
     assert tree_metrics(DraftingEngine("solo", 30))["tree/engine_steps_longest"] == 30.0
+
+
+def test_engine_start_may_take_as_long_as_rollout_engine_timeout_s(monkeypatch, tmp_path):
+    """A 70B engine loading from a shared filesystem can take longer than 600 s to start: the recipes'
+    rollout.engine_timeout_s (3600) bounded every call but the start, which stayed at 600 s."""
+    from megatron_specrl.config import RolloutConfig
+    from megatron_specrl.engines import factory, ray_engine
+
+    seen = []
+    monkeypatch.setattr(ray_engine, "RayEngine", lambda *a, **kw: seen.append(kw) or object())
+    for timeout, start in ((3600.0, 3600.0), (60.0, 600.0)):
+        factory.make_engine(RolloutConfig(engine_timeout_s=timeout), str(tmp_path), log_dir=tmp_path, use_ray=True)
+        assert (seen[-1]["timeout_s"], seen[-1]["start_timeout_s"]) == (timeout, start)

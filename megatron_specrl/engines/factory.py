@@ -54,6 +54,7 @@ def make_engine(rollout_cfg: RolloutConfig, model_path: str, log_dir: str | Path
             kwargs.pop("log_dir")
             engines.append(RayEngine(cls, kwargs, name=name, log_dir=log_dir, num_cpus=num_cpus_per_engine,
                                      num_gpus=gpus_per_engine, timeout_s=rollout_cfg.engine_timeout_s,
+                                     start_timeout_s=max(600.0, rollout_cfg.engine_timeout_s),
                                      scheduling_strategy=scheduling[i] if scheduling else None))
         else:
             engines.append(cls(**kwargs))
