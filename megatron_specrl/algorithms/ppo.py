@@ -17,4 +17,6 @@ def ppo_advantages(critic, batch: dict, rewards: torch.Tensor, gamma: float, lam
     batch["returns"] = returns * mask
     batch["old_values"] = values
     n = mask.sum().clamp(min=1)
-    return {"critic/value_mean": float(values.sum() / n), "critic/return_mean": float((returns * mask).sum() / n)}
+    # verl's names for the rollout batch's values and returns; `critic/value_mean` is the critic's
+    # train step's (its values during the update), which the step logs beside these
+    return {"critic/values/mean": float(values.sum() / n), "critic/returns/mean": float((returns * mask).sum() / n)}

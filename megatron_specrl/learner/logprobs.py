@@ -9,6 +9,8 @@ across TP ranks. Padded vocabulary columns are excluded.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
@@ -38,8 +40,12 @@ def _all_reduce_sum(x: Tensor) -> Tensor:
 
 
 def vocab_parallel_logprobs_entropy(logits: Tensor, targets: Tensor, true_vocab_size: int | None = None,
-                                    temperature: float = 1.0, with_entropy: bool = True):
-    """logits [..., V_local] (this rank's vocab slice), targets [...] global ids -> (logprob, entropy)."""
+                                    temperature: float = 1.0, with_entropy: bool = True, entropy_grad: bool = True):
+    """logits [..., V_local] (this rank's vocab slice), targets [...] global ids -> (logprob, entropy).
+
+    entropy_grad=False: the entropy is a metric only (entropy_coef 0), computed without autograd, so its
+    product does not keep the shifted logits ([..., V_local]) alive for a backward that never uses them
+    (verl computes it under no_grad then too)."""
     tp_rank, _ = _tp_info()
     v_local = logits.shape[-1]
     start = tp_rank * v_local
@@ -65,21 +71,22 @@ def vocab_parallel_logprobs_entropy(logits: Tensor, targets: Tensor, true_vocab_
 
     entropy = None
     if with_entropy:
-        term = exp * shifted
-        if valid is not None:
-            term = torch.where(valid, term, torch.zeros_like(term))
-        entropy = log_z - _all_reduce_sum(term.sum(dim=-1)) / sum_exp
+        with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+            term = exp * shifted
+            if valid is not None:
+                term = torch.where(valid, term, torch.zeros_like(term))
+            entropy = log_z - _all_reduce_sum(term.sum(dim=-1)) / sum_exp
     return logprob, entropy
 
 
 def token_logprobs(logits: Tensor, input_ids: Tensor, true_vocab_size: int | None = None,
-                   temperature: float = 1.0, with_entropy: bool = True):
+                   temperature: float = 1.0, with_entropy: bool = True, entropy_grad: bool = True):
     """Logits [B, T, V_local] -> log p(input_ids[:, t] | <t) aligned with input_ids, 0 at t=0.
 
     Entropy at t is that of the distribution that predicted token t (also 0 at t=0).
     """
     lp, ent = vocab_parallel_logprobs_entropy(logits[:, :-1], input_ids[:, 1:], true_vocab_size,
-                                              temperature, with_entropy)
+                                              temperature, with_entropy, entropy_grad)
     pad = lp.new_zeros(lp.shape[0], 1)
     lp = torch.cat([pad, lp], dim=1)
     if ent is not None:

@@ -200,12 +200,13 @@ class LearnerWorker:
         causal = torch.triu(torch.ones(T, T, dtype=torch.bool, device=ids.device), diagonal=1)[None, None]
         return model(ids, pos, causal)
 
-    def _heads(self, output: Tensor, mb: dict, with_entropy: bool):
+    def _heads(self, output: Tensor, mb: dict, with_entropy: bool, entropy_grad: bool = True):
         """Model output on the last stage -> (per-token values, entropy) aligned with input_ids."""
         if self.role == "critic":
             v = output[..., 0].float()
             return torch.cat([v.new_zeros(v.shape[0], 1), v[:, :-1]], dim=1), None
-        return token_logprobs(output, mb["input_ids"], self.hf_config.vocab_size, mb["temperature"], with_entropy)
+        return token_logprobs(output, mb["input_ids"], self.hf_config.vocab_size, mb["temperature"], with_entropy,
+                              entropy_grad)
 
     def _run_schedule(self, mbs: list[dict], loss_builder, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -308,7 +309,8 @@ class LearnerWorker:
         n_mb = len(mbs)
 
         def loss_fn(mb, output):
-            vals, ent = self._heads(output, mb, with_entropy=True)
+            # entropy_coef 0: the entropy is a metric only, computed without autograd (logprobs.py)
+            vals, ent = self._heads(output, mb, with_entropy=True, entropy_grad=lc.entropy_coef != 0)
             if self.role == "critic":
                 loss, met = L.value_loss(vals, mb["old_values"], mb["returns"], mb["loss_mask"], lc.value_clip,
                                          lc.agg_mode, denom, lc.loss_scale_factor)

@@ -20,23 +20,42 @@ RolloutRound = Callable[[int], tuple[list[RolloutSample], torch.Tensor, torch.Te
 
 
 ADDITIVE_SUFFIXES = ("_tokens", "_s", "spec/drafts", "spec/nonfinite_logprobs", "spec/coupled_refreshed",
+                     "spec/samples", "spec/full_reuses", "spec/lenient_excess",
                      "runahead/requests", "spec/decode_steps", "tree/engine_steps", "tree/engine_steps_longest",
                      "tree/request_steps")
 ADDITIVE_PREFIXES = ("tree_cost/",)     # the step-cost fit's sums
 # ratios of counters: recomputed from the step's sums (an average over rounds would weigh a small
-# round like a full one)
+# round like a full one); numerator and denominator as rollout/speculative.py and tree_metrics define them
 RATIOS = {"tree/accept_rate": ("tree/accepted_tokens", "tree/draft_tokens"),
-          "tree/tokens_per_step": ("tree/generated_tokens", "tree/request_steps")}
+          "tree/tokens_per_step": ("tree/generated_tokens", "tree/request_steps"),
+          "spec/mean_accept_len": ("spec/accepted_tokens", "spec/drafts"),
+          "spec/reuse_ratio": ("spec/accepted_tokens", "spec/response_tokens"),
+          "spec/full_reuse_ratio": ("spec/full_reuses", "spec/samples"),
+          "spec/lenient_bias": ("spec/lenient_excess", "spec/lenient_accepted_tokens")}
+
+
+MAXIMA = ("response/max_len",)
+GAUGES = ("tree/nodes", "tree/memory_mb", "tree/shared_nodes")   # the trees' size after the step's last round
 
 
 def _merge(rounds: list[dict]) -> dict[str, float]:
-    """Sum counters and seconds over rounds, average ratios and means."""
+    """Sum counters and seconds over rounds, recompute RATIOS from the sums, take the largest of MAXIMA
+    and the last round's GAUGES, average other means."""
     merged: dict[str, list[float]] = defaultdict(list)
     for m in rounds:
         for k, v in m.items():
             merged[k].append(v)
-    out = {k: (sum(v) if k.endswith(ADDITIVE_SUFFIXES) or k.startswith(ADDITIVE_PREFIXES) else sum(v) / len(v))
-           for k, v in merged.items()}
+
+    def combine(k: str, v: list[float]) -> float:
+        if k.endswith(ADDITIVE_SUFFIXES) or k.startswith(ADDITIVE_PREFIXES):
+            return sum(v)
+        if k in MAXIMA:
+            return max(v)
+        if k in GAUGES:
+            return v[-1]
+        return sum(v) / len(v)
+
+    out = {k: combine(k, v) for k, v in merged.items()}
     for ratio, (num, den) in RATIOS.items():
         if ratio in out and num in out and den in out:
             out[ratio] = out[num] / max(out[den], 1.0)

@@ -284,6 +284,9 @@ class SpeculativeRollout:
 
         response_tokens = sum(len(s.response_ids) for s in samples)
         accepted = sum(p.accepted for p in plans)
+        # samples that are their whole draft (not those a replacement ended: its token is new)
+        full_reuses = sum(bool(p.draft_ids) and p.accepted == len(p.draft_ids) and not p.needs_generation
+                          for p in plans)
         metrics = {
             "spec/accepted_tokens": float(accepted),
             # tokens sampled past the reused prefix (decode: the results also hold the accepted prefix)
@@ -292,10 +295,13 @@ class SpeculativeRollout:
             "runahead/requests": float(len(ahead)),
             "spec/replaced_tokens": float(replaced),   # exact: first new tokens drawn by the verification
             "spec/nonfinite_logprobs": float(nonfinite),   # NaN / +inf from the engine (never accepted)
+            # the ratios' counts are logged too: DAPO's rounds merge the ratios from the summed counts
+            # (rollout/dynamic.RATIOS)
             "spec/reuse_ratio": accepted / max(response_tokens, 1),
-            # samples that are their whole draft (not those a replacement ended: its token is new)
-            "spec/full_reuse_ratio": sum(bool(p.draft_ids) and p.accepted == len(p.draft_ids) and not p.needs_generation
-                                         for p in plans) / max(len(plans), 1),
+            "spec/response_tokens": float(response_tokens),
+            "spec/full_reuse_ratio": full_reuses / max(len(plans), 1),
+            "spec/full_reuses": float(full_reuses),
+            "spec/samples": float(len(plans)),
             "spec/mean_accept_len": accepted / max(len(drafted), 1),
             "spec/drafts": float(len(drafted)),
             "spec/cached_prompt_tokens": float(sum(r.num_cached_tokens for r in results)),
@@ -306,6 +312,7 @@ class SpeculativeRollout:
         }
         if self.mode == "lenient":
             metrics["spec/lenient_bias"] = excess / max(n_excess, 1)
+            metrics["spec/lenient_excess"], metrics["spec/lenient_accepted_tokens"] = excess, float(n_excess)
         if self.mode == "coupled":
             metrics["spec/coupled_refreshed"] = float(sum(p.refreshed for p in plans))
         metrics.update(tree_metrics(self.engine))
