@@ -412,8 +412,7 @@ def uses_chat_template(tokenizer, apply_chat_template: bool | None) -> bool:
     return has_template if apply_chat_template is None else apply_chat_template
 
 
-def render_prompt(record: PromptRecord, tokenizer, apply_chat_template: bool | None,
-                  max_prompt_len: int | None = None) -> list[int]:
+def render_prompt(record: PromptRecord, tokenizer, apply_chat_template: bool | None) -> list[int]:
     """Token ids of the prompt the policy continues.
 
     Through the chat template (uses_chat_template), the chat messages (or the prompt as one user turn)
@@ -426,11 +425,7 @@ def render_prompt(record: PromptRecord, tokenizer, apply_chat_template: bool | N
         ids = tokenizer(text, add_special_tokens=False).input_ids
     else:
         ids = tokenizer(record.prompt, add_special_tokens=True).input_ids
-    ids = list(ids)
-    if max_prompt_len is not None and len(ids) > max_prompt_len:
-        raise PromptTooLongError(f"prompt of record {record.id!r} is {len(ids)} tokens, longer than "
-                                 f"data.max_prompt_len={max_prompt_len}; raise it or filter the data set")
-    return ids
+    return list(ids)   # its length is checked for the whole data set at once (render_all)
 
 
 def render_all(records: list[PromptRecord], tokenizer, apply_chat_template: bool | None, max_prompt_len: int,
