@@ -186,6 +186,10 @@ class LearnerConfig(_Strict):
     micro_batch_size: int = Field(32, ge=1)
     max_tokens_per_microbatch: int | None = Field(None, gt=0)   # dynamic batching by tokens
     lr: float = Field(1e-4, gt=0)
+    # verl's optim.lr_warmup_steps: the lr rises linearly over this many training steps (rollout
+    # batches), as verl's constant schedule with warm-up: lr x k / warmup at the k-th step from 0
+    # (verl's first step trains at lr 0), then lr; 0: constant from the start
+    lr_warmup_steps: int = Field(0, ge=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     ppo_epochs: int = Field(1, ge=1)

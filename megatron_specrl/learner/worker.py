@@ -104,6 +104,7 @@ class LearnerWorker:
         self.model = None
         self.ddp = None           # Megatron DDP wrapper of self.model (learner.distributed_optimizer)
         self.optimizer = None
+        self.train_steps = 0      # train_step calls so far (the lr warm-up's position; checkpointed)
         self.hf_config = None
         self.hf_dir = None
 
@@ -293,12 +294,23 @@ class LearnerWorker:
         if B % s.mini_batches:
             raise ValueError(f"batch size {B} is not divisible by mini_batches={s.mini_batches}")
         per_mini = B // s.mini_batches
+        lr = self._set_lr()
         history: list[dict[str, float]] = []
         for _epoch in range(s.ppo_epochs):
             for m in range(s.mini_batches):
                 rows = list(range(m * per_mini, (m + 1) * per_mini))
                 history.append(self._optimizer_step(batch, rows))
-        return {**{k: sum(h[k] for h in history) / len(history) for k in history[0]}, **extra}
+        self.train_steps += 1
+        return {**{k: sum(h[k] for h in history) / len(history) for k in history[0]}, **extra, "lr": lr}
+
+    def _set_lr(self) -> float:
+        """This training step's lr (learner.lr_warmup_steps, verl's constant schedule with warm-up), set
+        on every parameter group of either optimizer (Megatron's scheduler sets its groups so too)."""
+        s = self.settings
+        lr = s.lr * min(1.0, self.train_steps / s.lr_warmup_steps) if s.lr_warmup_steps else s.lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
 
     def _optimizer_step(self, batch: dict, rows: list[int], step: bool = True) -> dict[str, float]:
         lc = self.settings.loss
@@ -582,7 +594,7 @@ class LearnerWorker:
         if self.rank == 0:
             (path / "specrl_learner.json").write_text(json.dumps(
                 {"tp": self.settings.tp, "pp": self.settings.pp, "dp": self.settings.dp, "role": self.role,
-                 "distributed_optimizer": self.ddp is not None}))
+                 "distributed_optimizer": self.ddp is not None, "train_steps": self.train_steps}))
         if self.world_size > 1:
             dist.barrier()
 
@@ -606,6 +618,7 @@ class LearnerWorker:
                 f"learner has learner.distributed_optimizer={self.ddp is not None}: set it to {saved_dist} to resume")
         if load_optimizer:
             self._ensure_optimizer_state()
+            self.train_steps = int(meta.get("train_steps", 0))   # the lr warm-up continues where it was
         sd = self._sharded_state_dict(optimizer=load_optimizer, rng=load_optimizer and same_layout, is_loading=True)
         with self._cpu_shims():
             loaded = dist_checkpointing.load(sd, str(path))
