@@ -50,8 +50,12 @@ def from_env(engines: Callable[[], list] = list, environ=os.environ) -> PhaseHoo
     `engines`: the engine handles (with .pid) at the time of the kill, after any restart."""
     spec, engine_spec = environ.get(ENV, ""), environ.get(ENGINE_ENV, "")
     phase, _, step = spec.partition(":")
-    kill_self = bool(spec) and step.isdigit()
-    kill_engine = engine_spec.isdigit()
+    # a typo must not turn a crash test into a run that never crashes (and so passes)
+    if spec and not step.isdigit():
+        raise ValueError(f"{ENV}={spec!r}: expected phase:step, e.g. train:3")
+    if engine_spec and not engine_spec.isdigit():
+        raise ValueError(f"{ENGINE_ENV}={engine_spec!r}: expected a step number, e.g. 2")
+    kill_self, kill_engine = bool(spec), bool(engine_spec)
     if not (kill_self or kill_engine):
         return PhaseHooks()
     return KillAt(phase if kill_self else None, int(step) if kill_self else None,

@@ -25,10 +25,15 @@ class EngineError(RuntimeError):
     """An engine died, timed out or ran out of memory. Carries its last log lines."""
 
     def __init__(self, message: str, engine: str = "", last_log_lines: list[str] | None = None):
-        self.engine = engine
+        self.message, self.engine = message, engine
         self.last_log_lines = list(last_log_lines or [])
         tail = "\n".join(self.last_log_lines[-20:])
         super().__init__(f"[{engine}] {message}" + (f"\n--- last engine log lines ---\n{tail}" if tail else ""))
+
+    def __reduce__(self):
+        # raised in an engine's actor, it reaches the driver pickled: rebuilt from the formatted
+        # message alone (BaseException's default), it would read "[] [engine] ..."
+        return type(self), (self.message, self.engine, self.last_log_lines)
 
 
 class WeightVersionMismatch(RuntimeError):
@@ -186,6 +191,12 @@ def samples_coupled(engine) -> bool:
     """Whether the engine honours GenerateRequest.coupled_seed and ScoreRequest.coupled_seed
     (position-keyed noise). A class attribute on engines; wrappers (Ray, router) forward it."""
     return bool(getattr(engine, "samples_coupled", False))
+
+
+def check_count(engine_name: str, what: str, results: list, expected: int) -> None:
+    """One result per request, in order: anything else is the engine's failure, named here."""
+    if len(results) != expected:
+        raise EngineError(f"{what}: {len(results)} results for {expected} requests", engine_name)
 
 
 def check_version(engine_name: str, serving: int, expected: int) -> None:

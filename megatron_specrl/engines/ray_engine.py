@@ -17,7 +17,7 @@ import torch
 
 from megatron_specrl.engines.protocol import (
     EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest,
-    ScoreResult, WeightVersionMismatch, samples_coupled, verifies_processed_distribution,
+    ScoreResult, WeightVersionMismatch, check_count, samples_coupled, verifies_processed_distribution,
 )
 from megatron_specrl.engines.logs import tail_lines
 
@@ -144,11 +144,15 @@ class RayEngine:
 
     def generate(self, requests: list[GenerateRequest], sampling: SamplingSettings,
                  weight_version: int) -> list[GenerateResult]:
-        return self.wait(self.submit("generate", requests, sampling, weight_version), "generate", weight_version)
+        out = self.wait(self.submit("generate", requests, sampling, weight_version), "generate", weight_version)
+        check_count(self.name, "generate", out, len(requests))
+        return out
 
     def score(self, requests: list[ScoreRequest], sampling: SamplingSettings,
               weight_version: int) -> list[ScoreResult]:
-        return self.wait(self.submit("score", requests, sampling, weight_version), "score", weight_version)
+        out = self.wait(self.submit("score", requests, sampling, weight_version), "score", weight_version)
+        check_count(self.name, "score", out, len(requests))
+        return out
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Direct load (tests, tools); a run's syncs go through resync.routes instead."""
@@ -194,10 +198,17 @@ class RayEngine:
     # -- error conversion ---------------------------------------------------------
     def _get(self, ref, timeout: float, what: str) -> Any:
         import ray
-        from ray.exceptions import GetTimeoutError, OutOfMemoryError, RayActorError
+        from ray.exceptions import GetTimeoutError, OutOfMemoryError, RayActorError, RayTaskError
 
         try:
             return ray.get(ref, timeout=timeout)
+        except RayTaskError as e:
+            # raised by the engine in the actor: Ray's wrapper reads `ray::EngineActor.call() (pid=...)`
+            # on its first line, the line a restart logs and the user reads; the engine's own error
+            # already names the engine and the problem (the Ray traceback stays chained)
+            if isinstance(e.cause, (EngineError, WeightVersionMismatch)):
+                raise e.cause from e
+            raise
         except GetTimeoutError as e:
             raise EngineError(f"{what} timed out after {timeout:.0f}s", self.name, self.last_log_lines()) from e
         except OutOfMemoryError as e:

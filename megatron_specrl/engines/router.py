@@ -18,7 +18,7 @@ import torch
 
 from megatron_specrl.engines.protocol import (
     EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest, ScoreResult,
-    WeightVersionMismatch, samples_coupled, verifies_processed_distribution,
+    WeightVersionMismatch, check_count, samples_coupled, verifies_processed_distribution,
 )
 
 
@@ -78,11 +78,13 @@ class EngineRouter:
                         for e, idx in work]
                 outs = [f.result() for f in futs]
         results: list = [None] * len(requests)
-        for (_, idx), out in zip(work, outs):
+        for (e, idx), out in zip(work, outs):
+            # zip would leave None for a missing result (and drop an extra one) far from its engine
+            check_count(e.name, method, out, len(idx))
             for i, r in zip(idx, out):
                 if r.weight_version != weight_version:
-                    raise WeightVersionMismatch(f"{self.name}: result under version {r.weight_version}, "
-                                                f"expected {weight_version}")
+                    raise WeightVersionMismatch(f"{self.name}: engine {e.name} answered {method} under version "
+                                                f"{r.weight_version}, expected {weight_version}")
                 results[i] = r
         return results
 
