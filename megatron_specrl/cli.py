@@ -8,6 +8,7 @@ from pathlib import Path
 
 from megatron_specrl.config import ConfigError, load_config, resolve_recipe, to_yaml
 from megatron_specrl.data.datasets import DatasetError
+from megatron_specrl.engines.protocol import EngineError
 from megatron_specrl.plan import PlanError
 from megatron_specrl.rewards import RewardError
 
@@ -123,6 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     except RewardError as e:    # a user reward function's NaN, at the step that met it (checkpoints kept)
         print(f"megatron-specrl: reward error: {e}", file=sys.stderr)
         return 2
+    except EngineError as e:    # died again after the restart and retry (checkpoints kept; resume continues)
+        print(f"megatron-specrl: engine error: [{e.engine}] {e.message}", file=sys.stderr)
+        for line in e.last_log_lines[-20:]:
+            print(f"  {e.engine}| {line}", file=sys.stderr)
+        return 1                # not 2: launch requeues the job (a config error it would not)
 
 
 if __name__ == "__main__":

@@ -177,3 +177,22 @@ def test_engine_start_may_take_as_long_as_rollout_engine_timeout_s(monkeypatch, 
     for timeout, start in ((3600.0, 3600.0), (60.0, 600.0)):
         factory.make_engine(RolloutConfig(engine_timeout_s=timeout), str(tmp_path), log_dir=tmp_path, use_ray=True)
         assert (seen[-1]["timeout_s"], seen[-1]["start_timeout_s"]) == (timeout, start)
+
+
+def test_an_engine_error_is_one_line_from_the_cli_then_the_engine_log(monkeypatch, capsys):
+    """An engine that dies again on the retry ended the CLI in a Python traceback; it is one line naming
+    the engine and the problem, the engine's last log lines below it, and exit 1 (launch requeues)."""
+    from megatron_specrl import cli
+    from megatron_specrl.engines.protocol import EngineError
+
+    def dies(args):
+        raise EngineError("generate: engine process died (pid 7): SIGKILL", "vllm-1", ["loading", "OOM here"])
+
+    parser = cli.build_parser()
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    for action in parser._subparsers._group_actions[0].choices.values():
+        action.set_defaults(func=dies)
+    assert cli.main(["train", "tiny-cpu-grpo"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "megatron-specrl: engine error: [vllm-1] generate: engine process died (pid 7): SIGKILL"
+    assert err[1:] == ["  vllm-1| loading", "  vllm-1| OOM here"]

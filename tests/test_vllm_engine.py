@@ -156,6 +156,28 @@ def test_score_at_the_models_last_position_verifies_all_but_the_last_token(engin
     assert len(part.logprobs) == len(cont2) and np.allclose(part.logprobs, ref2.logprobs, atol=1e-4)
 
 
+def test_nan_log_probs_from_generation_are_an_engine_error(tiny_llama, tmp_path):
+    """NaN weights in the engine (a corrupted resync) gave NaN log-probs that reached the learner as
+    TIS weights / PPO old log-probs; generate() refuses them, naming the engine."""
+    from safetensors.torch import load_file
+
+    from megatron_specrl.engines.protocol import EngineError
+    from megatron_specrl.engines.vllm_engine import VLLMEngine
+    eng = VLLMEngine(str(tiny_llama), name="vllm-nan", seed=0, max_model_len=128, kv_cache_gb=0.05,
+                     block_size=BLOCK, log_dir=tmp_path)
+    try:
+        ok = eng.generate([GenerateRequest(rand_ids(10, 41), 4, seed=0)], T1, 0)[0]
+        assert len(ok.logprobs) == 4 and np.isfinite(ok.logprobs).all()
+        name = "model.norm.weight"
+        weight = load_file(str(tiny_llama / "model.safetensors"))[name]
+        eng.update_weights([(name, torch.full_like(weight, float("nan")))], 1)
+        eng.finish_update(1)
+        with pytest.raises(EngineError, match=r"\[vllm-nan\] generate: log-prob nan"):
+            eng.generate([GenerateRequest(rand_ids(10, 41), 4, seed=0)], T1, 1)
+    finally:
+        eng.shutdown()
+
+
 def test_batched_prompt_logprobs_patch_matches_vllm_loop(engine):
     """patches/vllm_0_32_0_batched_prompt_logprobs: for plain requests the batched prompt log-probs
     are exactly what vLLM's per-request loop returns, for a mixed batch (lengths, top-k counts) in one

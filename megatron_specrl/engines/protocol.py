@@ -16,9 +16,10 @@ Log-prob conventions (README, "Speculative rollouts"):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Iterable, Protocol, runtime_checkable
 
-import torch
+if TYPE_CHECKING:   # annotations only: the CLI imports EngineError without loading torch
+    import torch
 
 
 class EngineError(RuntimeError):
