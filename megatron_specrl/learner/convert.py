@@ -43,11 +43,22 @@ def copy_hf_metadata(hf_dir: Path, dst: Path) -> None:
             shutil.copy2(f, dst / f.name)
 
 
+def check_hf_dir(hf_dir: Path) -> None:
+    """One-line errors for an HF directory the learner cannot load, before any rank is spawned."""
+    from transformers import AutoConfig
+
+    from megatron_specrl.learner.model_provider import check_hf_config
+    if not (hf_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{hf_dir} has no config.json")
+    if not any(hf_dir.glob("*.safetensors")):
+        raise FileNotFoundError(f"{hf_dir} has no *.safetensors weights (PyTorch .bin checkpoints are not read)")
+    check_hf_config(AutoConfig.from_pretrained(str(hf_dir), local_files_only=True))
+
+
 def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1) -> Path:
     import torch.multiprocessing as mp
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
-    if not (hf_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{hf_dir} has no config.json")
+    check_hf_dir(hf_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     mp.spawn(_rank_main, args=(tp * pp, free_port("127.0.0.1"), "hf-to-mcore", str(hf_dir), str(out_dir), tp, pp),
              nprocs=tp * pp, join=True)
@@ -89,8 +100,9 @@ def convert_main(argv: list[str]) -> int:
             out = hf_to_mcore(args.hf, args.out, args.tp, args.pp)
         else:
             out = mcore_to_hf(args.ckpt, args.out, args.tp, args.pp)
-    except Exception as e:  # the spawned ranks' errors arrive here with their message
-        print(f"convert failed: {e}", file=sys.stderr)
+    except Exception as e:  # a spawned rank's error arrives with its traceback: its last line is the message
+        lines = [line for line in str(e).splitlines() if line.strip()]
+        print(f"convert failed: {lines[-1] if lines else type(e).__name__}", file=sys.stderr)
         return 1
     print(f"wrote {out}")
     return 0

@@ -36,13 +36,24 @@ def check_hf_config(hf_config) -> None:
         raise ValueError(f"unsupported model_type {hf_config.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise ValueError(f"only SwiGLU (hidden_act=silu) is supported, got {hf_config.hidden_act!r}")
+    # Fields HF honours that the Megatron model built here does not: refuse rather than compute something else.
+    if hf_config.model_type == "llama" and getattr(hf_config, "attention_bias", False):
+        raise ValueError("attention_bias=true is not supported: HF Llama then biases q/k/v and o_proj, "
+                         "Megatron's add_qkv_bias covers q/k/v only")
+    if getattr(hf_config, "mlp_bias", False):
+        raise ValueError("mlp_bias=true is not supported (the converter builds bias-free MLPs)")
+    if getattr(hf_config, "use_sliding_window", False):
+        raise ValueError("use_sliding_window=true is not supported (the learner attends over the full sequence)")
     params = getattr(hf_config, "rope_parameters", None) or {}
+    partial = getattr(hf_config, "partial_rotary_factor", None) or params.get("partial_rotary_factor", 1.0)
+    if float(partial) != 1.0:
+        raise ValueError(f"partial_rotary_factor={partial} is not supported (RoPE on the whole head_dim only)")
     scaling = getattr(hf_config, "rope_scaling", None) or {}
     kind = scaling.get("rope_type", scaling.get("type")) or params.get("rope_type", "default")
     if kind == "llama3":
         llama3_rope_factor(hf_config)   # raises unless Megatron's fixed Llama 3.1 constants match
     elif kind not in (None, "default"):
-        raise ValueError(f"RoPE scaling {kind!r} is not supported by the converter")
+        raise ValueError(f"rope_scaling rope_type={kind!r} is not supported by the converter (only llama3)")
 
 
 # Megatron's RotaryEmbedding applies Llama 3.1's RoPE scaling with these constants fixed; only the

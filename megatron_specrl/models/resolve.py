@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from megatron_specrl.config import ConfigError, ModelConfig
@@ -21,13 +23,35 @@ def cache_root() -> Path:
     return Path(os.environ.get("MEGATRON_SPECRL_CACHE", Path.home() / ".cache" / "megatron_specrl"))
 
 
+_TINY_MARKER = "specrl_tiny.json"   # build_tiny_model writes it last
+
+
+def _build_tiny(base: Path, arch: str, seed: int) -> None:
+    """Build under a temporary name and rename into place, so an interrupted build (config.json
+    written, weights not) is never trusted by a later run."""
+    from megatron_specrl.models.tiny import build_tiny_model
+    base.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{base.name}.tmp-", dir=base.parent))
+    try:
+        build_tiny_model(tmp, arch=arch, seed=seed)
+        if base.exists() and not (base / _TINY_MARKER).is_file():
+            shutil.rmtree(base)   # a leftover of an interrupted build
+        try:
+            os.rename(tmp, base)
+        except OSError:
+            if not (base / _TINY_MARKER).is_file():   # another process won the race: keep its result
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def resolve_model(model_cfg: ModelConfig, seed: int = 0, task_terms: tuple[int, int] | None = None) -> Path:
     """`task_terms`: the synthetic task's (min, max) terms, which the tiny model is warmed up on."""
     if model_cfg.path in TINY:
-        from megatron_specrl.models.tiny import build_tiny_model
         base = cache_root() / f"{model_cfg.path}-seed{seed}"
-        if not (base / "config.json").is_file():
-            build_tiny_model(base, arch=TINY[model_cfg.path], seed=seed)
+        if not (base / _TINY_MARKER).is_file():
+            _build_tiny(base, TINY[model_cfg.path], seed)
         if model_cfg.warmup_steps == 0:
             return base
         from megatron_specrl.warmup import warmup_sft
@@ -37,6 +61,9 @@ def resolve_model(model_cfg: ModelConfig, seed: int = 0, task_terms: tuple[int, 
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.path={model_cfg.path!r} is not a local HF checkpoint directory "
                           f"(no config.json) and not one of {sorted(TINY)}")
+    if not any(path.glob("*.safetensors")):
+        raise ConfigError(f"model.path={model_cfg.path!r} has no *.safetensors weights (the learner does not read "
+                          "PyTorch .bin checkpoints)")
     return path
 
 
