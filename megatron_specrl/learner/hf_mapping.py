@@ -147,7 +147,8 @@ def validate_hf_state(hf_state: dict[str, Tensor], cfg) -> None:
     for name, shape in expected.items():
         if name not in hf_state:
             raise CheckpointError(f"checkpoint is missing tensor {name!r} (expected shape {list(shape)})")
-        got = tuple(hf_state[name].shape)
+        # a lazily read checkpoint (hf_checkpoint.HFCheckpoint) has the shapes from its headers
+        got = tuple(hf_state.shape(name)) if hasattr(hf_state, "shape") else tuple(hf_state[name].shape)
         if got != shape:
             if name in ("model.embed_tokens.weight", "lm_head.weight") and got[1:] == shape[1:]:
                 raise CheckpointError(f"vocab mismatch: tensor {name!r} has {got[0]} rows but "

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_specrl.learner import hf_mapping as hm
+from megatron_specrl.learner.hf_checkpoint import HFCheckpoint
 from megatron_specrl.learner import losses as L
 from megatron_specrl.learner.logprobs import token_logprobs
 from megatron_specrl.learner.model_provider import ROLES
@@ -47,19 +48,9 @@ POLICY_METRICS = ("approx_kl", "entropy", "kl", "loss", "pg_clipfrac", "pg_clipf
 CRITIC_METRICS = ("loss", "value_mean", "vf_clipfrac", "vf_loss")
 
 
-def load_hf_state(hf_dir: str | Path) -> dict[str, Tensor]:
-    """All tensors of the *.safetensors files in an HF directory."""
-    from safetensors.torch import load_file
-    files = sorted(Path(hf_dir).glob("*.safetensors"))
-    if not files:
-        raise hm.CheckpointError(f"no *.safetensors files in {hf_dir}")
-    state: dict[str, Tensor] = {}
-    for f in files:
-        try:
-            state.update(load_file(str(f)))
-        except Exception as e:  # truncated / corrupt file
-            raise hm.CheckpointError(f"cannot read {f}: {e}") from None
-    return state
+def load_hf_state(hf_dir: str | Path) -> HFCheckpoint:
+    """The tensors of an HF directory's safetensors, each read when a rank asks for it (hf_checkpoint)."""
+    return HFCheckpoint(hf_dir)
 
 
 def split_microbatches(rows: list[int], lengths: list[int], micro_batch_size: int,
