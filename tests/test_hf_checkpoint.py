@@ -68,3 +68,41 @@ def test_an_index_naming_a_missing_file_is_one_line(tiny_llama, tmp_path):
     (tmp_path / "ckpt" / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(hm.CheckpointError, match="names files that are not there.*00002"):
         HFCheckpoint(tmp_path / "ckpt")
+
+
+def test_save_hf_shards_streams_transformers_layout_and_reads_back(tiny_llama, tmp_path):
+    """Shards of at most max_shard_bytes with transformers' names and index, floating tensors in the
+    checkpoint's dtype; one shard is plain model.safetensors; an older export's files are removed."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_specrl.learner.hf_checkpoint import save_hf_shards
+    state = load_file(str(tiny_llama / "model.safetensors"))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"stale")
+    largest = max(t.numel() * 2 for t in state.values())
+    files = save_hf_shards(iter(state.items()), out, dtype=torch.bfloat16, max_shard_bytes=largest)
+    assert len(files) > 2 and files[0].name == f"model-00001-of-{len(files):05d}.safetensors"
+    assert not (out / "model.safetensors").exists()
+    assert all(f.stat().st_size <= largest + 10_000 for f in files)          # + the header
+    back = HFCheckpoint(out)
+    assert set(back) == set(state)
+    assert all(back[k].dtype == torch.bfloat16 and torch.equal(back[k], state[k].to(torch.bfloat16)) for k in state)
+    (out / "config.json").write_text((tiny_llama / "config.json").read_text())
+    for f in tiny_llama.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+            (out / f.name).write_bytes(f.read_bytes())
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)   # transformers reads it
+    assert torch.equal(model.model.norm.weight, state["model.norm.weight"].to(torch.bfloat16).float())
+
+    files = save_hf_shards(iter(state.items()), out)                        # fits one shard: plain name
+    assert [f.name for f in files] == ["model.safetensors"] and not (out / "model.safetensors.index.json").exists()
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
+    assert all(torch.equal(v, state[k]) for k, v in load_file(str(out / "model.safetensors")).items())
+
+
+def test_export_dtype_is_the_checkpoints_own():
+    from megatron_specrl.learner.worker import _checkpoint_dtype
+    assert _checkpoint_dtype(AutoConfig.for_model("llama", dtype="bfloat16")) == torch.bfloat16
+    assert _checkpoint_dtype(AutoConfig.for_model("llama", dtype="float32")) == torch.float32
+    assert _checkpoint_dtype(AutoConfig.for_model("llama")) in (None, torch.float32)

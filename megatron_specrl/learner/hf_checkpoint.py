@@ -9,6 +9,9 @@ pipeline stage's tensors (hf_mapping.hf_to_megatron_shards with `only`), keeps i
 the rest. Shapes come from the headers, so checking a checkpoint (hf_mapping.validate_hf_state) reads
 no tensor data.
 
+`save_hf_shards` writes the other way, as transformers' save_pretrained lays a checkpoint out, one
+shard in memory at a time.
+
 Which files: those `model.safetensors.index.json` names when it exists (what transformers loads; a
 stray `consolidated.safetensors` beside the shards is not read), else every `*.safetensors`. A tensor
 in two files is an error rather than whichever file came last.
@@ -17,9 +20,10 @@ in two files is an error rather than whichever file came last.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
+import torch
 from torch import Tensor
 
 from megatron_specrl.learner.hf_mapping import CheckpointError
@@ -89,3 +93,57 @@ class HFCheckpoint(Mapping):
 
     def __len__(self) -> int:
         return len(self._file_of)
+
+
+# transformers' save_pretrained default (max_shard_size="5GB"); small enough for any loader's memory
+MAX_SHARD_BYTES = 5 * 10**9
+
+
+def save_hf_shards(tensors: Iterable[tuple[str, Tensor]], out_dir: str | Path, dtype: torch.dtype | None = None,
+                   max_shard_bytes: int = MAX_SHARD_BYTES) -> list[Path]:
+    """Write (name, tensor) pairs as transformers writes a checkpoint: `model.safetensors` when they fit
+    one shard, else `model-0000k-of-0000n.safetensors` files of at most `max_shard_bytes` each and
+    `model.safetensors.index.json`. Streaming: one shard in memory at a time, not the model (the
+    learner's fp32 Llama-3.1-70B is 280 GB). Floating tensors are cast to `dtype` (the checkpoint's
+    own, from its config.json). Earlier safetensors files in `out_dir` are removed first, so a re-export
+    never mixes with an older one."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in [*out.glob("*.safetensors"), out / INDEX_FILE]:
+        old.unlink(missing_ok=True)
+    written: list[tuple[Path, list[str]]] = []
+    shard: dict[str, Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        path = out / f".shard-{len(written):05d}.safetensors"
+        save_file(shard, str(path), metadata={"format": "pt"})
+        written.append((path, list(shard)))
+        shard.clear()
+
+    for name, t in tensors:
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        t = t.contiguous()
+        n = t.numel() * t.element_size()
+        if shard and size + n > max_shard_bytes:
+            flush()
+            size = 0
+        shard[name] = t
+        size += n
+        total += n
+    if shard or not written:
+        flush()
+    if len(written) == 1:
+        final = [out / "model.safetensors"]
+    else:
+        final = [out / f"model-{i + 1:05d}-of-{len(written):05d}.safetensors" for i in range(len(written))]
+    for (tmp, _), path in zip(written, final):
+        tmp.rename(path)
+    if len(final) > 1:
+        (out / INDEX_FILE).write_text(json.dumps(
+            {"metadata": {"total_size": total},
+             "weight_map": {name: path.name for (_, names), path in zip(written, final) for name in names}}, indent=2))
+    return final

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_specrl.learner import hf_mapping as hm
-from megatron_specrl.learner.hf_checkpoint import HFCheckpoint
+from megatron_specrl.learner.hf_checkpoint import HFCheckpoint, save_hf_shards
 from megatron_specrl.learner import losses as L
 from megatron_specrl.learner.logprobs import token_logprobs
 from megatron_specrl.learner.model_provider import ROLES
@@ -51,6 +51,14 @@ CRITIC_METRICS = ("loss", "value_mean", "vf_clipfrac", "vf_loss")
 def load_hf_state(hf_dir: str | Path) -> HFCheckpoint:
     """The tensors of an HF directory's safetensors, each read when a rank asks for it (hf_checkpoint)."""
     return HFCheckpoint(hf_dir)
+
+
+def _checkpoint_dtype(hf_config) -> torch.dtype | None:
+    """The dtype a checkpoint's config.json names (transformers 5: `dtype`, earlier: `torch_dtype`)."""
+    d = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(d, str):
+        d = getattr(torch, d, None)
+    return d if isinstance(d, torch.dtype) else None
 
 
 def split_microbatches(rows: list[int], lengths: list[int], micro_batch_size: int,
@@ -499,14 +507,17 @@ class LearnerWorker:
             shards = None
 
     def export_hf(self, out_dir: str | Path) -> None:
-        """Write safetensors (+ config / tokenizer copied from the source HF dir) on rank 0."""
-        from safetensors.torch import save_file
-        state = dict(self.iter_hf_state())
-        if self.rank == 0:
+        """Write the HF checkpoint on rank 0 (+ config / tokenizer copied from the source HF dir): in the
+        source config's dtype (bf16 for published models; the learner's fp32 master weights are not
+        what users load), in transformers' 5 GB shards, streamed (hf_checkpoint.save_hf_shards: rank 0
+        held the whole fp32 model, 280 GB for 70B)."""
+        tensors = self.iter_hf_state()     # every rank iterates in lockstep; rank 0 gets the tensors
+        if self.rank != 0:
+            for _ in tensors:
+                pass
+        else:
             out = Path(out_dir)
-            out.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
-                      metadata={"format": "pt"})
+            save_hf_shards(tensors, out, dtype=_checkpoint_dtype(self.hf_config))
             for f in self.hf_dir.iterdir():
                 if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json", ".bin")):
                     shutil.copy2(f, out / f.name)
