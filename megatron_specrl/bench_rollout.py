@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import statistics
 import sys
 import tempfile
@@ -227,6 +228,7 @@ def run_mode(args, mode: str, seed: int, root: Path, steps_per_epoch: int, conso
         f"data.num_eval={args.eval_prompts}", "trainer.export_hf=false", f"trainer.rollout_data_dir={out / 'rollouts'}",
         "logging.wandb=false", "logging.plots=false",
     ])
+    shutil.rmtree(out, ignore_errors=True)      # a re-run of the bench replaces its own scratch run
     train(cfg)
     epochs = per_epoch(read_metrics(out / "metrics.jsonl"), steps_per_epoch,
                        verify_in_decode=cfg.rollout.verify == "decode")

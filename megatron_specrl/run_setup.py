@@ -119,6 +119,7 @@ def build_run(cfg: RunConfig) -> Run:
 
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    resume_from = _find_resume(cfg, out)     # before anything is written into an earlier run's directory
     (out / "config.yaml").write_text(to_yaml(cfg))
     model_dir = resolve_model(cfg.model, seed=0, task_terms=tuple(cfg.data.synthetic_terms))
     check_model_divisibility(cfg, *shape_of(read_hf_config(model_dir)))
@@ -136,7 +137,6 @@ def build_run(cfg: RunConfig) -> Run:
     loader = PromptLoader(train_records, batch_size=cfg.trainer.prompts_per_step, seed=cfg.trainer.seed,
                           shuffle=cfg.data.shuffle)
 
-    resume_from = _find_resume(cfg, out)
     state = ckpt.load_state(resume_from) if resume_from else None
     tokenizer_id = tokenizer_fingerprint(model_dir)
     if state is not None:   # a checkpoint that is not this run's: one line, before Ray and the actors start
@@ -199,6 +199,13 @@ def build_run(cfg: RunConfig) -> Run:
 def _find_resume(cfg: RunConfig, out: Path) -> Path | None:
     resume = cfg.trainer.resume
     if resume == "never":
+        # a fresh run in an earlier run's directory would trim its metrics.jsonl to nothing, and the
+        # earlier run's later checkpoints (not pruned by this one's) would be what resume=auto continues
+        earlier = ckpt.find_latest(out / "checkpoints")
+        if earlier is not None or (out / "metrics.jsonl").is_file():
+            raise ConfigError(f"trainer.resume=never: output_dir={str(out)!r} holds an earlier run ("
+                              + (f"checkpoint {earlier.name}" if earlier else "metrics.jsonl") + "); use another "
+                              "output_dir, remove it, or trainer.resume=auto to continue that run")
         return None
     if resume == "auto":
         return ckpt.find_latest(out / "checkpoints")

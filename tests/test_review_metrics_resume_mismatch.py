@@ -83,3 +83,20 @@ def test_another_optimizer_layout_is_refused_before_ray(tmp_path, tiny_llama, mo
         _build(tmp_path, tiny_llama, monkeypatch)
     with pytest.raises(_ReachedRay):
         _build(tmp_path, tiny_llama, monkeypatch, "learner.distributed_optimizer=true")
+
+
+def test_resume_never_in_an_earlier_runs_directory_is_refused(tmp_path, tiny_llama, monkeypatch):
+    """trainer.resume=never there trimmed the earlier run's metrics.jsonl to nothing, overwrote its
+    config.yaml, and left its later checkpoints for a resume=auto to continue: refused before writing."""
+    _checkpoint(tmp_path, tiny_llama)
+    (tmp_path / "config.yaml").write_text("earlier run\n")
+    with pytest.raises(ConfigError, match=r"trainer.resume=never: .* holds an earlier run \(checkpoint step_00000002\)"):
+        _build(tmp_path, tiny_llama, monkeypatch, "trainer.resume=never")
+    assert (tmp_path / "config.yaml").read_text() == "earlier run\n"
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "metrics.jsonl").write_text('{"step": 0}\n')
+    with pytest.raises(ConfigError, match=r"holds an earlier run \(metrics.jsonl\)"):
+        _build(fresh, tiny_llama, monkeypatch, "trainer.resume=never")
+    with pytest.raises(_ReachedRay):                     # an empty directory starts
+        _build(tmp_path / "empty", tiny_llama, monkeypatch, "trainer.resume=never")
