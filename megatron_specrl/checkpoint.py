@@ -53,19 +53,36 @@ def begin(root: Path, step: int) -> Path:
     return tmp
 
 
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def commit(tmp: Path, state: dict, keep: int) -> Path:
-    """Write trainer_state + manifest, fsync, rename into place, prune old checkpoints."""
+    """Write trainer_state + manifest, rename into place, prune old checkpoints. Every file and
+    directory is fsynced before the rename and the parent after it, and only then are older
+    checkpoints pruned: after a node crash (power loss, kernel panic) the newest complete checkpoint
+    is on disk, not only in the page cache while the older ones are already gone."""
     (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    for p in files:
+        _fsync(p)
     manifest = {"step": state["step"], "files": {str(p.relative_to(tmp)): file_checksum(p) for p in files}}
     with open(tmp / MANIFEST, "w") as f:
         json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
+    for d in sorted((p for p in tmp.rglob("*") if p.is_dir()), reverse=True):
+        _fsync(d)
+    _fsync(tmp)
     final = tmp.parent / step_dir_name(state["step"])
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
+    _fsync(tmp.parent)
     _prune(tmp.parent, keep, final)
     return final
 

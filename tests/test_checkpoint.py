@@ -1,6 +1,7 @@
 """Atomic checkpoints: complete ones are found, half-written or damaged ones skipped."""
 
 import json
+from pathlib import Path
 
 from megatron_specrl import checkpoint as ckpt
 
@@ -91,3 +92,23 @@ def test_a_crashed_writes_temporary_directory_is_removed_by_the_next_save(tmp_pa
     (stale / "learner" / "shard.bin").write_bytes(b"x" * 1024)
     done = _write(tmp_path, 40)
     assert not stale.exists() and [p.name for p in tmp_path.iterdir()] == [done.name]
+
+
+def test_commit_fsyncs_every_file_and_directory_before_pruning(tmp_path, monkeypatch):
+    """Only the manifest was fsynced: after a node crash the newest checkpoint could be page cache only
+    while the older ones were already pruned."""
+    import megatron_specrl.checkpoint as ck
+
+    events = []
+    monkeypatch.setattr(ck, "_fsync", lambda p: events.append(("fsync", Path(p).name)))
+    real_prune = ck._prune
+    monkeypatch.setattr(ck, "_prune", lambda *a: (events.append(("prune", "")), real_prune(*a)))
+    for step in (1, 2):
+        tmp = ck.begin(tmp_path / "checkpoints", step)
+        (tmp / "learner").mkdir()
+        (tmp / "learner" / "w.bin").write_bytes(b"x" * 10)
+        ck.commit(tmp, {"step": step}, keep=1)
+    synced = {name for kind, name in events if kind == "fsync"}
+    assert {"w.bin", "trainer_state.json", "learner", "checkpoints"} <= synced
+    assert events.index(("fsync", "checkpoints")) < events.index(("prune", ""))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000002"]
