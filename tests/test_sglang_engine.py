@@ -46,6 +46,12 @@ class FakeSGLang:
         self.calls = []
 
     def generate(self, **kw):
+        # what sglang.Engine.generate / SamplingParams.verify refuse (sglang 0.5.23)
+        assert set(kw) <= {"input_ids", "sampling_params", "return_logprob", "logprob_start_len",
+                           "top_logprobs_num", "token_ids_logprob", "custom_logit_processor", "rid", "stream"}, kw
+        for p in kw["sampling_params"]:
+            if p.get("top_k", -1) != -1 and p.get("top_k", -1) < 1:
+                raise ValueError(f"top_k must be -1 (disable) or at least 1, got {p['top_k']}.")
         self.calls.append(("generate", kw))
         if "logprob_start_len" in kw:
             return [score_out(ids, s, [-0.5] * (len(ids) - s - 1))

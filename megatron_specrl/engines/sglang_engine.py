@@ -16,6 +16,10 @@ Semantics (read from sglang 0.5.23):
   ban_first_token request is re-scored (one cached prefill) to report its unbanned log-prob.
 - Weights: `update_weights_from_tensor(named_tensors, load_format, flush_cache=False)` per
   bucket, then one `flush_cache()` (radix cache) before the version is bumped.
+- SGLang refuses inputs of context_length tokens or more and input + max_new_tokens above it, so
+  score() verifies a continuation reaching the last position up to the token before it (protocol.score).
+- Colocated GPUs: release_memory / resume_memory map onto `release_memory_occupation` /
+  `resume_memory_occupation(tags)` (memory freed only with enable_memory_saver=True).
 - Tree drafting (draft="tree", rollout.draft=tree): speculative decoding with SGLang's NGRAM
   worker drafting from our per-prompt trees (patches/sglang_0_5_23_tree_proposer.py, which says
   how our chain drafts map onto SGLang's tree verify). A request opts in with
@@ -27,6 +31,7 @@ Semantics (read from sglang 0.5.23):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -102,8 +107,9 @@ def build_generate_payload(requests: list[GenerateRequest], sampling: SamplingSe
     requests with a draft key carry it and their response start in custom_params."""
     params, procs = [], []
     for r in requests:
+        # no top-k is -1 or 0 here; SamplingParams.verify refuses 0 ("-1 (disable) or at least 1")
         p: dict[str, Any] = {"max_new_tokens": r.max_new_tokens, "temperature": sampling.temperature,
-                             "top_p": sampling.top_p, "top_k": sampling.top_k}
+                             "top_p": sampling.top_p, "top_k": sampling.top_k if sampling.top_k > 0 else -1}
         if r.seed is not None:
             p["sampling_seed"] = int(r.seed)
         if r.runahead:
@@ -131,46 +137,48 @@ def build_generate_payload(requests: list[GenerateRequest], sampling: SamplingSe
     return payload
 
 
-def _finish_reason(meta: dict) -> str:
+def _finish_reason(meta: dict, engine: str = "sglang") -> str:
     fr = meta.get("finish_reason")
     kind = fr.get("type") if isinstance(fr, dict) else fr
     if kind in ("stop", "length"):
         return kind
-    raise EngineError(f"request finished with {fr!r}", "sglang")
+    raise EngineError(f"request finished with {fr!r}", engine)
 
 
-def _check_meta_version(meta: dict, expected: int | None) -> None:
+def _check_meta_version(meta: dict, expected: int | None, engine: str = "sglang") -> None:
     got = meta.get("weight_version")
     if expected is not None and got is not None and str(got) != str(expected):
-        raise WeightVersionMismatch(f"sglang answered under weight version {got}, caller expects {expected}")
+        raise WeightVersionMismatch(f"engine {engine} answered under weight version {got}, caller expects {expected}")
 
 
 def parse_generate_response(outputs: list[dict], requests: list[GenerateRequest], weight_version: int,
-                            meta_version: int | None = None) -> list[GenerateResult]:
-    """`meta_version`: check meta_info.weight_version (set when the server's version is ours)."""
+                            meta_version: int | None = None, engine: str = "sglang") -> list[GenerateResult]:
+    """`meta_version`: check meta_info.weight_version (set when the server's version is ours).
+    `engine`: the name errors carry."""
     if len(outputs) != len(requests):
-        raise EngineError(f"{len(outputs)} outputs for {len(requests)} requests", "sglang")
+        raise EngineError(f"{len(outputs)} outputs for {len(requests)} requests", engine)
     results = []
     for out in outputs:
         meta = out["meta_info"]
-        _check_meta_version(meta, meta_version)
+        _check_meta_version(meta, meta_version, engine)
         lps = meta["output_token_logprobs"]
         toks = list(out.get("output_ids") or [t for _, t, *_ in lps])
         if [t for _, t, *_ in lps] != toks:
-            raise EngineError("output_token_logprobs do not match output_ids", "sglang")
+            raise EngineError("output_token_logprobs do not match output_ids", engine)
         results.append(GenerateResult(token_ids=toks, logprobs=[float(v) for v, *_ in lps],
-                                      finish_reason=_finish_reason(meta),
+                                      finish_reason=_finish_reason(meta, engine),
                                       num_cached_tokens=int(meta.get("cached_tokens", 0)),
                                       weight_version=weight_version))
     return results
 
 
-def build_score_payload(requests: list[ScoreRequest], sampling: SamplingSettings) -> dict:
+def build_score_payload(requests: list[ScoreRequest], sampling: SamplingSettings, engine: str = "sglang") -> dict:
     for setting, value, plain in (("temperature", sampling.temperature, 1.0), ("top_p", sampling.top_p, 1.0),
                                   ("top_k", sampling.top_k, -1)):
         if value != plain and not (setting == "top_k" and value == 0):
-            raise NotImplementedError(f"SGLang engine: score() with {setting}={value} is not supported (input "
-                                      "log-probs are untempered and untruncated); verification needs the vLLM engine")
+            raise NotImplementedError(f"SGLang engine {engine}: score() with {setting}={value} is not supported "
+                                      "(input log-probs are untempered and untruncated); verification needs the "
+                                      "vLLM engine")
     if any(not r.prompt_ids for r in requests):
         raise ValueError("score() needs a non-empty prompt")
     return {"input_ids": [list(r.prompt_ids) + list(r.continuation_ids) for r in requests],
@@ -180,15 +188,15 @@ def build_score_payload(requests: list[ScoreRequest], sampling: SamplingSettings
 
 
 def parse_score_response(outputs: list[dict], requests: list[ScoreRequest], weight_version: int,
-                         meta_version: int | None = None) -> list[ScoreResult]:
+                         meta_version: int | None = None, engine: str = "sglang") -> list[ScoreResult]:
     results = []
     for out, r in zip(outputs, requests, strict=True):
         meta = out["meta_info"]
-        _check_meta_version(meta, meta_version)
+        _check_meta_version(meta, meta_version, engine)
         n = len(r.continuation_ids)
         tail = meta["input_token_logprobs"][len(meta["input_token_logprobs"]) - n:] if n else []
         if [t for _, t, *_ in tail] != list(r.continuation_ids) or any(v is None for v, *_ in tail):
-            raise EngineError("input_token_logprobs do not cover the continuation", "sglang")
+            raise EngineError("input_token_logprobs do not cover the continuation", engine)
         results.append(ScoreResult(logprobs=[float(v) for v, *_ in tail], weight_version=weight_version))
     return results
 
@@ -225,6 +233,8 @@ class _SGLangBase:
     def _load_tensors(self, named: list[tuple[str, torch.Tensor]]) -> Any: raise NotImplementedError
     def _flush(self) -> Any: raise NotImplementedError
     def _set_server_version(self, version: int) -> None: pass
+    def _context_len(self) -> int | None: return None   # None: unknown, continuations sent whole
+    def _memory(self, call: str, tags: list[str] | None) -> Any: raise NotImplementedError
     def _tree_rpc(self, call: str, path: str) -> None:
         raise NotImplementedError(f"engine {self.name}: SGLang's HTTP server has no collective_rpc route; the "
                                   "draft trees' counters and state are reachable from the in-process engine only")
@@ -241,8 +251,10 @@ class _SGLangBase:
     def _call(self, payload: dict) -> list[dict]:
         try:
             out = self._generate_raw(payload)
-        except (EngineError, WeightVersionMismatch, NotImplementedError, ValueError):
+        except (EngineError, WeightVersionMismatch, NotImplementedError):
             raise
+        except ValueError as e:   # a request SGLang refuses (TokenizerManager / SamplingParams.verify)
+            raise ValueError(f"engine {self.name}: {e}") from e
         except Exception as e:
             raise EngineError(f"{type(e).__name__}: {e}", self.name, tail_lines(self.log_path)) from e
         return out if isinstance(out, list) else [out]
@@ -253,12 +265,15 @@ class _SGLangBase:
             return []
         self._check(weight_version)
         outs = self._call(build_generate_payload(requests, sampling, self._ban_proc, self.draft))
-        results = parse_generate_response(outs, requests, weight_version, self._meta_version())
+        results = parse_generate_response(outs, requests, weight_version, self._meta_version(), self.name)
         banned = [i for i, r in enumerate(requests) if r.ban_first_token is not None and results[i].token_ids]
         if banned:  # report the first token's log-prob under the unbanned policy
             fix = self.score([ScoreRequest(requests[i].prompt_ids, results[i].token_ids[:1]) for i in banned],
                              sampling, weight_version)
             for i, s in zip(banned, fix):
+                if not s.logprobs:   # prompt + first token fill the context: no position to score it at
+                    raise ValueError(f"engine {self.name}: cannot re-score the first token of a ban_first_token "
+                                     "request whose prompt ends one token before the context length")
                 results[i].logprobs[0] = s.logprobs[0]
         self._check(weight_version)
         return results
@@ -266,12 +281,19 @@ class _SGLangBase:
     def score(self, requests: list[ScoreRequest], sampling: SamplingSettings,
               weight_version: int) -> list[ScoreResult]:
         self._check(weight_version)
+        # SGLang refuses an input of context_len tokens or more (and input + max_new_tokens above it): a
+        # continuation reaching the last position is verified without its last token(s) (protocol.score)
+        room = None if self._context_len() is None else self._context_len() - 1
+        if room is not None:
+            requests = [r if len(r.prompt_ids) + len(r.continuation_ids) <= room else
+                        dataclasses.replace(r, continuation_ids=list(r.continuation_ids[:max(0, room - len(r.prompt_ids))]))
+                        for r in requests]
         todo = [i for i, r in enumerate(requests) if r.continuation_ids]
         results = [ScoreResult([], weight_version) for _ in requests]
         if todo:
             sub = [requests[i] for i in todo]
-            outs = self._call(build_score_payload(sub, sampling))
-            for i, r in zip(todo, parse_score_response(outs, sub, weight_version, self._meta_version())):
+            outs = self._call(build_score_payload(sub, sampling, self.name))
+            for i, r in zip(todo, parse_score_response(outs, sub, weight_version, self._meta_version(), self.name)):
                 results[i] = r
         self._check(weight_version)
         return results
@@ -294,6 +316,28 @@ class _SGLangBase:
         self.reset_prefix_cache()
         self._set_server_version(version)
         self._version, self._pending = version, None
+
+    # colocated GPUs (resync.lifecycle): SGLang's release_memory_occupation / resume_memory_occupation;
+    # the memory is freed only on a server started with enable_memory_saver=True
+    def release_memory(self) -> None:
+        """Hand weights, KV cache and CUDA graphs to the learner while it trains."""
+        self._memory_call("release", None)
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """tags=["weights"] before loading new weights, then ["kv_cache"] (with the CUDA graphs, which
+        release_memory released too and resync.lifecycle does not name)."""
+        if tags is not None and "kv_cache" in tags and "cuda_graph" not in tags:
+            tags = [*tags, "cuda_graph"]
+        self._memory_call("resume", tags)
+
+    def _memory_call(self, call: str, tags: list[str] | None) -> None:
+        try:
+            ret = self._memory(call, tags)
+        except Exception as e:
+            raise EngineError(f"{call}_memory_occupation({tags}) failed: {type(e).__name__}: {e}", self.name,
+                              tail_lines(self.log_path)) from e
+        if not _ok(ret):
+            raise EngineError(f"{call}_memory_occupation({tags}) failed", self.name, tail_lines(self.log_path))
 
     def reset_prefix_cache(self) -> None:
         if not _ok(self._flush()):
@@ -368,11 +412,18 @@ class SGLangEngine(_SGLangBase):
     def _generate_raw(self, payload):
         return self.engine.generate(**payload)
 
+    def _context_len(self):
+        n = self.server_args.get("context_length")
+        return None if n is None else int(n)
+
     def _load_tensors(self, named):
         return self.engine.update_weights_from_tensor(named_tensors=named, load_format=None, flush_cache=False)
 
     def _flush(self):
         return self.engine.flush_cache()
+
+    def _memory(self, call, tags):
+        return getattr(self.engine, f"{call}_memory_occupation")(tags=tags)
 
     def _tree_rpc(self, call, path):
         from patches.sglang_0_5_23_tree_proposer import RPC_METHOD
@@ -399,11 +450,22 @@ class SGLangHTTPEngine(_SGLangBase):
         self._set_server_version(0)   # the server starts at "default"; answers must carry ours
 
     def _urllib_post(self, path: str, body: dict) -> Any:
+        import urllib.error
         import urllib.request
         req = urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"}, method="POST")
-        with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-            text = resp.read().decode()
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                text = resp.read().decode()
+        except urllib.error.HTTPError as e:
+            if path == "/generate":
+                raise
+            # a refused control call (flush with requests running, failed load): 400 and its message
+            text = e.read().decode(errors="replace")
+            try:
+                return {**json.loads(text), "success": False}
+            except (json.JSONDecodeError, TypeError):
+                return {"success": False, "message": text}
         try:
             return json.loads(text)
         except json.JSONDecodeError:
@@ -423,6 +485,9 @@ class SGLangHTTPEngine(_SGLangBase):
 
     def _flush(self):
         return self._post("/flush_cache", {})
+
+    def _memory(self, call, tags):
+        return self._post(f"/{call}_memory_occupation", {"tags": tags})
 
     def _set_server_version(self, version: int) -> None:
         if not _ok(self._post("/update_weight_version", {"new_version": str(version)})):
