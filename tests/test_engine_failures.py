@@ -196,3 +196,25 @@ def test_an_engine_error_is_one_line_from_the_cli_then_the_engine_log(monkeypatc
     err = capsys.readouterr().err.splitlines()
     assert err[0] == "megatron-specrl: engine error: [vllm-1] generate: engine process died (pid 7): SIGKILL"
     assert err[1:] == ["  vllm-1| loading", "  vllm-1| OOM here"]
+
+
+@pytest.mark.parametrize("engine, key", [("vllm", "enable_sleep_mode"), ("sglang", "enable_memory_saver")])
+def test_colocated_engines_on_gpus_can_hand_their_memory_to_the_learner(monkeypatch, tmp_path, engine, key):
+    """Colocated engines release their GPU memory while the learner trains (resync.lifecycle); SGLang
+    frees nothing there unless started with enable_memory_saver (vLLM: enable_sleep_mode)."""
+    import sys
+    import types
+
+    import torch
+
+    from megatron_specrl.config import RolloutConfig
+    from megatron_specrl.engines import factory
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    if engine == "sglang":   # not installable here; the factory only needs the class
+        fake = types.ModuleType("megatron_specrl.engines.sglang_engine")
+        fake.SGLangEngine = object
+        monkeypatch.setitem(sys.modules, "megatron_specrl.engines.sglang_engine", fake)
+    for colocate in (True, False):
+        _, kwargs = factory.engine_kwargs(RolloutConfig(engine=engine, colocate=colocate), str(tmp_path), tmp_path,
+                                          0, 0)
+        assert kwargs.get(key, False) is colocate

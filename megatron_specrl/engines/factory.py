@@ -34,7 +34,10 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, log_dir: str | Path, inde
         sleep = {"enable_sleep_mode": True} if cfg.colocate and torch.cuda.is_available() else {}
         return VLLMEngine, dict(common, kv_cache_gb=cfg.kv_cache_gb, logprobs_mode=mode, **sleep, **draft)
     from megatron_specrl.engines.sglang_engine import SGLangEngine
-    return SGLangEngine, dict(common, **draft)
+    # SGLang's counterpart of sleep mode: without it release_memory_occupation frees nothing
+    # (it also needs the torch_memory_saver package on the GPU nodes)
+    saver = {"enable_memory_saver": True} if cfg.colocate and torch.cuda.is_available() else {}
+    return SGLangEngine, dict(common, **saver, **draft)
 
 
 def make_engine(rollout_cfg: RolloutConfig, model_path: str, log_dir: str | Path, use_ray: bool,
