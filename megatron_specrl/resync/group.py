@@ -75,7 +75,15 @@ class PyncclGroup:
                                        f"failed: {_first_line(e)}") from e
 
     def close(self) -> None:
-        self.comm = self.meta = None
+        # Free the communicator, not only the reference: PyNcclCommunicator has no finalizer, so
+        # each regroup (engine restart, failed sync) would leak one with its GPU buffers. destroy()
+        # aborts (ncclCommAbort), safe with peers gone; vLLMs without it keep the old behaviour.
+        comm, self.comm, self.meta = getattr(self, "comm", None), None, None
+        if comm is not None and hasattr(comm, "destroy"):
+            try:
+                comm.destroy()
+            except Exception:   # close() runs on error paths: never hide the error being raised
+                pass
 
 
 class BroadcastEndpoint:

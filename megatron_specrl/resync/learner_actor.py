@@ -16,6 +16,7 @@ from megatron_specrl.learner.worker import LearnerWorker
 from megatron_specrl.resync.buckets import plan_buckets
 from megatron_specrl.resync.engine_actor import load_ipc
 from megatron_specrl.resync.group import ResyncMember
+from megatron_specrl.resync.routes import wait_all
 from megatron_specrl.resync.streams import broadcast_all, drain, push_ipc
 
 
@@ -49,6 +50,11 @@ class RayLearnerWorker(LearnerWorker, ResyncMember):
             return drain(buckets)
 
         def load_everywhere(payload):
-            ray.get([a.__ray_call__.remote(load_ipc, payload, version) for a in engine_actors], timeout=timeout_s)
+            # Every engine must be done with the bucket before push_ipc frees it, also when one
+            # fails at once: a plain ray.get raises then while another still reads (or has yet to
+            # open) the handles, and freed memory is reused for the next allocation.
+            refs = [a.__ray_call__.remote(load_ipc, payload, version) for a in engine_actors]
+            wait_all({ref: (f"engine actor {i}", ray.get) for i, ref in enumerate(refs)}, timeout_s,
+                     f"resync cuda_ipc of version {version}")
         return push_ipc(buckets, self.device, load_everywhere)
 

@@ -5,6 +5,7 @@ count); `resync.lifecycle.sync_weights` wraps it with the wake / finish_update o
 engines' dtype: learner rank 0 casts to it while bucketing (resync.buckets), the same for every route.
 
 - ObjectStoreRoute ("ray"): rank 0 streams object-store refs; each engine actor reads each one.
+  Waiting for the next bucket of a learner rank times out after `timeout_s`.
 - BroadcastRoute ("broadcast"): the resync group (resync.group) is built once and rebuilt when an
   engine was restarted or a sync failed; per sync the engines start receiving, then the learner sends.
   Each group op times out after `timeout_s`; a whole sync must finish within about that too.
@@ -18,26 +19,41 @@ import time
 from typing import Callable
 
 from megatron_specrl.resync import engine_actor
-from megatron_specrl.resync.group import ResyncTransportError
-from megatron_specrl.resync.streams import drain
+from megatron_specrl.resync.group import ResyncTransportError, _first_line
 
 # The driver waits a little longer than the members' own timeouts, so their (more precise) error wins.
 GRACE_S = 30.0
 
 
 def wait_all(waits: dict, timeout_s: float, what: str) -> dict:
-    """{ref: (label, get)} -> {ref: result}; raises the first failure as soon as it happens, so a
-    dead receiver is reported instead of the sender's resulting error (or a timeout)."""
+    """{ref: (label, get)} -> {ref: result}. The first failure is the one raised, so a dead receiver
+    is reported instead of the sender's resulting error (or a timeout), but only once the other
+    members have finished too (or the deadline passed): their errors are kept as notes, and nothing
+    of a failed sync still runs when the next one starts (a re-join or load queued behind it)."""
     import ray
-    pending, out = list(waits), {}
+    pending, out, first = list(waits), {}, None
     deadline = time.monotonic() + timeout_s
     while pending:
         ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
             labels = ", ".join(waits[r][0] for r in pending)
-            raise ResyncTransportError(f"{what}: timed out after {timeout_s:g}s waiting for {labels}")
+            if first is None:
+                raise ResyncTransportError(f"{what}: timed out after {timeout_s:g}s waiting for {labels}")
+            first.add_note(f"{what}: still running after {timeout_s:g}s: {labels}")
+            break
         for ref in ready:
-            out[ref] = waits[ref][1](ref)
+            try:
+                out[ref] = waits[ref][1](ref)
+            except Exception as e:
+                if first is None:
+                    first = e
+                else:
+                    # a task's error: Ray's wrapper (header line + traceback) around the cause
+                    cause = getattr(e, "cause", None)
+                    brief = _first_line(cause if isinstance(cause, BaseException) else e)
+                    first.add_note(f"{what}: {waits[ref][0]} failed too: {brief}")
+    if first is not None:
+        raise first
     return out
 
 
@@ -74,19 +90,55 @@ def load_refs(engine, refs, version: int) -> None:
         engine.wait(engine_actor.submit(engine, engine_actor.load_payload, ref, version), "update_weights")
 
 
+class StreamTimeout(ResyncTransportError):
+    """A learner rank's bucket stream produced nothing in time (its gather is stuck)."""
+
+
+def next_ref(stream, timeout_s: float, what: str):
+    """The stream's next ref, None at its end. Iterating an ObjectRefGenerator waits forever: a
+    learner rank stuck in its gather (dead peer) would hang the run, so the wait is bounded."""
+    import ray
+    ready, _ = ray.wait([stream], timeout=max(0.0, timeout_s))
+    if not ready:
+        raise StreamTimeout(f"resync object store: {what} sent nothing for {timeout_s:g}s")
+    return next(stream, None)
+
+
+def drain_streams(streams: list, timeout_s: float, first_rank: int = 0) -> None:
+    """Read every stream to its end (the refs are dropped) within timeout_s in all."""
+    deadline = time.monotonic() + timeout_s
+    for r, stream in enumerate(streams, first_rank):
+        while next_ref(stream, deadline - time.monotonic(), f"learner rank {r}") is not None:
+            pass
+
+
 class ObjectStoreRoute:
     name = "ray"
+
+    def __init__(self, timeout_s: float = 600.0):
+        self.timeout_s = timeout_s
 
     def load(self, learner, targets: list, version: int, bucket_bytes: int, dtype: str = "float32",
              miswire: dict | None = None) -> int:
         rank0_stream, other_streams = bucket_streams(learner, bucket_bytes, dtype, miswire)
         n = 0
-        for ref in rank0_stream:
-            n += 1
-            for e in targets:
-                load_refs(e, [ref], version)
-        for stream in other_streams:   # let the other ranks' generators run to completion
-            drain(stream)
+        try:
+            while (ref := next_ref(rank0_stream, self.timeout_s, "learner rank 0")) is not None:
+                n += 1
+                for e in targets:
+                    load_refs(e, [ref], version)
+        except BaseException as e:
+            # As streams.broadcast_all: read the rest (unused) so rank 0's generator is not left
+            # parked on backpressure mid-gather, with every rank's collective and the learner's
+            # next call stuck behind it; bounded, and its own errors give way to the first one.
+            # Not when rank 0 itself is stuck: that would only wait out a second timeout.
+            if not isinstance(e, StreamTimeout):
+                try:
+                    drain_streams([rank0_stream, *other_streams], self.timeout_s)
+                except Exception:
+                    pass
+            raise
+        drain_streams(other_streams, self.timeout_s, first_rank=1)   # let the other ranks' generators finish
         return n
 
 
@@ -169,4 +221,4 @@ Route = ObjectStoreRoute | BroadcastRoute | CudaIpcRoute
 def make_route(name: str, timeout_s: float = 600.0) -> Route:
     if name not in ROUTES:
         raise ValueError(f"unknown resync transport {name!r}; expected one of {sorted(ROUTES)}")
-    return ObjectStoreRoute() if name == "ray" else ROUTES[name](timeout_s)
+    return ROUTES[name](timeout_s)
