@@ -153,7 +153,8 @@ def build_run(cfg: RunConfig) -> Run:
 
     init_ray(cfg.ray)
     placement = plan_placement(cfg, cluster_gpus())
-    transport = resolve_transport(cfg.trainer.resync_transport, placement, cfg.rollout.num_engines)
+    transport = resolve_transport(cfg.trainer.resync_transport, placement, cfg.rollout.num_engines,
+                                  cfg.rollout.engine)
     actors = build_actors(model_dir, cfg.learner, cfg.rollout, seed=cfg.trainer.seed, log_dir=out / "engine_logs",
                           critic_lr=cfg.algorithm.critic_lr if cfg.algorithm.name == "ppo" else None,
                           reference=cfg.learner.loss.kl_coef > 0,

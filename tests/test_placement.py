@@ -72,6 +72,17 @@ def test_explicit_transport_is_checked(requested, colocate, gpus, engines, ok, n
             resolve_transport(requested, placement, engines)
 
 
+def test_sglang_engines_are_never_given_cuda_ipc():
+    """IPC buckets load inside vLLM's workers; a colocated SGLang engine got auto -> cuda_ipc and failed
+    at the first sync (no update_weights_in_workers)."""
+    from megatron_specrl.resync.choose import resolve_transport
+    placement = plan_placement(_cfg("rollout.colocate=true", "rollout.num_engines=1", "learner.dp=2"), 8)
+    assert resolve_transport("auto", placement, 1, "vllm") == "cuda_ipc"
+    assert resolve_transport("auto", placement, 1, "sglang") == "ray"
+    with pytest.raises(ConfigError, match="cuda_ipc with rollout.engine=sglang"):
+        resolve_transport("cuda_ipc", placement, 1, "sglang")
+
+
 def test_transport_key_rejects_unknown_values():
     with pytest.raises(ConfigError, match="'trainer.resync_transport': 'nccl'"):
         _cfg("trainer.resync_transport=nccl")

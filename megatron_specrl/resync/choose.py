@@ -11,8 +11,10 @@ from megatron_specrl.config import RESYNC_TRANSPORTS as TRANSPORTS, ConfigError
 from megatron_specrl.placement import Placement
 
 
-def resolve_transport(requested: str, placement: Placement, num_engines: int = 1) -> str:
-    """The transport name to use; ConfigError when the requested one cannot work on this placement."""
+def resolve_transport(requested: str, placement: Placement, num_engines: int = 1, engine: str = "vllm") -> str:
+    """The transport name to use; ConfigError when the requested one cannot work on this placement.
+    cuda_ipc maps the buckets inside vLLM's workers (VLLMEngine.update_weights_in_workers): SGLang
+    engines get the object store where vLLM would get IPC."""
     on_gpu = placement.gpus_per_engine > 0
     if requested == "auto":
         if not on_gpu:
@@ -20,10 +22,13 @@ def resolve_transport(requested: str, placement: Placement, num_engines: int = 1
         if not placement.colocate:
             return "broadcast"
         # IPC handles point into one GPU's memory: only the engine on learner rank 0's GPU can map them.
-        return "cuda_ipc" if num_engines == 1 else "ray"
+        return "cuda_ipc" if num_engines == 1 and engine == "vllm" else "ray"
     if requested not in TRANSPORTS:
         raise ConfigError(f"trainer.resync_transport={requested!r}: expected auto, {', '.join(TRANSPORTS)}")
     if requested == "cuda_ipc":
+        if engine != "vllm":
+            raise ConfigError(f"trainer.resync_transport=cuda_ipc with rollout.engine={engine}: IPC buckets are "
+                              "loaded inside vLLM's workers only; use ray or broadcast")
         if not (on_gpu and placement.colocate):
             raise ConfigError("trainer.resync_transport=cuda_ipc needs engines colocated on the learner's GPUs "
                               "(rollout.colocate=true on a GPU cluster); use ray or broadcast")
