@@ -21,9 +21,7 @@ import hashlib
 import inspect
 import json
 import math
-import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -148,22 +146,13 @@ def warmup_sft(base_dir: Path, cache_root: Path, steps: int, lr: float, seed: in
     final = cache_root / f"warmup-{warmup_key(base_dir, steps, lr, seed, batch_size, terms)}"
     if (final / _MARKER).is_file():
         return final
-    cache_root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=cache_root))
-    try:
+    from megatron_specrl.models.resolve import build_once
+
+    def build(tmp: Path) -> None:
         info = _train(base_dir, tmp, steps, lr, seed, batch_size, terms)
-        (tmp / _MARKER).write_text(json.dumps(info))
-        if final.exists() and not (final / _MARKER).is_file():
-            shutil.rmtree(final)  # a leftover without its marker is not trusted
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / _MARKER).is_file():  # another process won the race: keep its result
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+        (tmp / _MARKER).write_text(json.dumps(info))     # last: the checkpoint is complete
+
+    return build_once(final, _MARKER, build)
 
 
 def read_warmup_info(path: Path) -> dict:

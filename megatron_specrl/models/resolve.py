@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from megatron_specrl.config import ConfigError, ModelConfig
 
@@ -26,24 +27,26 @@ def cache_root() -> Path:
 _TINY_MARKER = "specrl_tiny.json"   # build_tiny_model writes it last
 
 
-def _build_tiny(base: Path, arch: str, seed: int) -> None:
-    """Build under a temporary name and rename into place, so an interrupted build (config.json
-    written, weights not) is never trusted by a later run."""
-    from megatron_specrl.models.tiny import build_tiny_model
-    base.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{base.name}.tmp-", dir=base.parent))
+def build_once(final: Path, marker: str, build: Callable[[Path], None]) -> Path:
+    """Run `build(tmp)` in a temporary directory beside `final` and rename it into place: a crash never
+    leaves a half-written directory that a later run trusts. `marker` is the file `build` writes last;
+    a `final` without it (an interrupted build) is replaced, and when another process renamed its own
+    result into place first, that result is kept."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
-        build_tiny_model(tmp, arch=arch, seed=seed)
-        if base.exists() and not (base / _TINY_MARKER).is_file():
-            shutil.rmtree(base)   # a leftover of an interrupted build
+        build(tmp)
+        if final.exists() and not (final / marker).is_file():
+            shutil.rmtree(final)
         try:
-            os.rename(tmp, base)
+            os.rename(tmp, final)
         except OSError:
-            if not (base / _TINY_MARKER).is_file():   # another process won the race: keep its result
+            if not (final / marker).is_file():
                 raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    return final
 
 
 def resolve_model(model_cfg: ModelConfig, seed: int = 0, task_terms: tuple[int, int] | None = None) -> Path:
@@ -51,7 +54,8 @@ def resolve_model(model_cfg: ModelConfig, seed: int = 0, task_terms: tuple[int, 
     if model_cfg.path in TINY:
         base = cache_root() / f"{model_cfg.path}-seed{seed}"
         if not (base / _TINY_MARKER).is_file():
-            _build_tiny(base, TINY[model_cfg.path], seed)
+            from megatron_specrl.models.tiny import build_tiny_model
+            build_once(base, _TINY_MARKER, lambda tmp: build_tiny_model(tmp, arch=TINY[model_cfg.path], seed=seed))
         if model_cfg.warmup_steps == 0:
             return base
         from megatron_specrl.warmup import warmup_sft
