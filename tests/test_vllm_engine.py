@@ -6,8 +6,6 @@ Tests run in file order; the weight-update test goes last because it changes wei
 import os
 import random
 
-import numpy as np
-
 import pytest
 import torch
 
@@ -129,53 +127,6 @@ def test_score_verifies_a_response_that_fills_max_model_len(engine):
     assert len(prompt) + len(cont) == max_model_len
     s = engine.score([ScoreRequest(prompt, cont, seed=1)], SamplingSettings(temperature=0.7, top_p=0.9), 0)[0]
     assert len(s.sample_logprobs) == len(s.replacements) == len(cont)
-
-
-def test_score_at_the_models_last_position_verifies_all_but_the_last_token(engine, tmp_path):
-    """rollout.max_model_len = max_position_embeddings: the engine gets no position beyond it, and a
-    verification filling it left vLLM no room for its one sampled token (the whole score batch
-    failed). It verifies all but the last token (protocol.score), with the log-probs the engine with
-    room gives; a shorter request in the same batch is untouched."""
-    from megatron_specrl.engines.vllm_engine import VLLMEngine
-    from megatron_specrl.models.tiny import build_tiny_model
-    model = build_tiny_model(tmp_path / "pos128", arch="llama", seed=0, max_position_embeddings=128)
-    short = VLLMEngine(str(model), name="vllm-pos128", seed=0, max_model_len=128, kv_cache_gb=0.05,
-                       block_size=BLOCK, log_dir=tmp_path)
-    try:
-        assert short.llm.llm_engine.model_config.max_model_len == 128
-        prompt, cont, cont2 = rand_ids(40, 31), rand_ids(88, 32), rand_ids(30, 33)
-        sampling = SamplingSettings(temperature=0.7, top_p=0.9)
-        full, part = short.score([ScoreRequest(prompt, cont, seed=1), ScoreRequest(prompt, cont2, seed=1)],
-                                 sampling, 0)
-        ref, ref2 = engine.score([ScoreRequest(prompt, cont, seed=1), ScoreRequest(prompt, cont2, seed=1)],
-                                 sampling, 0)
-    finally:
-        short.shutdown()
-    assert len(full.logprobs) == len(full.sample_logprobs) == len(full.replacements) == len(cont) - 1
-    assert np.allclose(full.sample_logprobs, ref.sample_logprobs[:-1], atol=1e-4)
-    assert len(part.logprobs) == len(cont2) and np.allclose(part.logprobs, ref2.logprobs, atol=1e-4)
-
-
-def test_nan_log_probs_from_generation_are_an_engine_error(tiny_llama, tmp_path):
-    """NaN weights in the engine (a corrupted resync) gave NaN log-probs that reached the learner as
-    TIS weights / PPO old log-probs; generate() refuses them, naming the engine."""
-    from safetensors.torch import load_file
-
-    from megatron_specrl.engines.protocol import EngineError
-    from megatron_specrl.engines.vllm_engine import VLLMEngine
-    eng = VLLMEngine(str(tiny_llama), name="vllm-nan", seed=0, max_model_len=128, kv_cache_gb=0.05,
-                     block_size=BLOCK, log_dir=tmp_path)
-    try:
-        ok = eng.generate([GenerateRequest(rand_ids(10, 41), 4, seed=0)], T1, 0)[0]
-        assert len(ok.logprobs) == 4 and np.isfinite(ok.logprobs).all()
-        name = "model.norm.weight"
-        weight = load_file(str(tiny_llama / "model.safetensors"))[name]
-        eng.update_weights([(name, torch.full_like(weight, float("nan")))], 1)
-        eng.finish_update(1)
-        with pytest.raises(EngineError, match=r"\[vllm-nan\] generate: log-prob nan"):
-            eng.generate([GenerateRequest(rand_ids(10, 41), 4, seed=0)], T1, 1)
-    finally:
-        eng.shutdown()
 
 
 def test_batched_prompt_logprobs_patch_matches_vllm_loop(engine):
