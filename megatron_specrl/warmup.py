@@ -146,7 +146,7 @@ def warmup_sft(base_dir: Path, cache_root: Path, steps: int, lr: float, seed: in
     final = cache_root / f"warmup-{warmup_key(base_dir, steps, lr, seed, batch_size, terms)}"
     if (final / _MARKER).is_file():
         return final
-    from megatron_specrl.models.resolve import build_once
+    from megatron_specrl.models.cache import build_once
 
     def build(tmp: Path) -> None:
         info = _train(base_dir, tmp, steps, lr, seed, batch_size, terms)

@@ -10,12 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Callable
 
 from megatron_specrl.config import ConfigError, ModelConfig
+from megatron_specrl.models.cache import build_once
 
 TINY = {"tiny-llama": "llama", "tiny-qwen2": "qwen2"}
 
@@ -25,28 +23,6 @@ def cache_root() -> Path:
 
 
 _TINY_MARKER = "specrl_tiny.json"   # build_tiny_model writes it last
-
-
-def build_once(final: Path, marker: str, build: Callable[[Path], None]) -> Path:
-    """Run `build(tmp)` in a temporary directory beside `final` and rename it into place: a crash never
-    leaves a half-written directory that a later run trusts. `marker` is the file `build` writes last;
-    a `final` without it (an interrupted build) is replaced, and when another process renamed its own
-    result into place first, that result is kept."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        build(tmp)
-        if final.exists() and not (final / marker).is_file():
-            shutil.rmtree(final)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / marker).is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
 
 
 def resolve_model(model_cfg: ModelConfig, seed: int = 0, task_terms: tuple[int, int] | None = None) -> Path:
