@@ -10,6 +10,7 @@ weight version, data position, RNG, tokenizer fingerprint), manifest.json (last)
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -57,6 +58,9 @@ def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as e:   # some filesystems (FUSE mounts) cannot fsync a directory: nothing more to do there
+        if not (e.errno == errno.EINVAL and path.is_dir()):
+            raise
     finally:
         os.close(fd)
 
