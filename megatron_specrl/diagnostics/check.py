@@ -222,7 +222,9 @@ class CheckReport:
                for eng, rows in self.weight_rows.items() for r in rows if not r.ok(self.weight_tol)]
         if self.probe is not None:
             m = self.probe.metrics()
-            if not m["resync/logprob_abs_diff"] <= self.logprob_tol:
+            if not m["resync/probe_tokens"]:   # a mean over nothing is 0: nothing was compared
+                out.append("log-prob probe has no response token to compare (every response empty)")
+            elif not m["resync/logprob_abs_diff"] <= self.logprob_tol:
                 out.append(f"mean |engine - learner| log-prob {m['resync/logprob_abs_diff']:.3g} > {self.logprob_tol:g} "
                            f"(score path {m['resync/score_logprob_abs_diff']:.3g}, generate path "
                            f"{m['resync/gen_logprob_abs_diff']:.3g})")

