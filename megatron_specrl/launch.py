@@ -74,11 +74,13 @@ srun --nodes="$num_nodes" --ntasks-per-node=1 "$VENV/bin/python" -m megatron_spe
     --gpus "$GPUS_PER_NODE" --engine "$ENGINE"
 
 # 2. Ray: the head on the first node, a worker on each other node; wait until all have joined.
-srun --nodes=1 --ntasks=1 -w "$head_node" "$VENV/bin/ray" start --head --node-ip-address="$head_ip" \\
+#    --cpus-per-task on each step: srun of Slurm 22.05+ does not inherit sbatch's (SLURM_CPUS_PER_TASK), and
+#    the step's CPU binding would hold Ray and every learner and engine process under it to one core.
+srun --nodes=1 --ntasks=1 --cpus-per-task="$CPUS_PER_NODE" -w "$head_node" "$VENV/bin/ray" start --head --node-ip-address="$head_ip" \\
     --port="$RAY_PORT" --ray-client-server-port="$RAY_CLIENT_PORT" --num-gpus="$GPUS_PER_NODE" --num-cpus="$CPUS_PER_NODE" --block &
 ray_pids+=("$!")
 for node in "${{nodes[@]:1}}"; do
-    srun --nodes=1 --ntasks=1 -w "$node" "$VENV/bin/ray" start --address="$RAY_ADDRESS" \\
+    srun --nodes=1 --ntasks=1 --cpus-per-task="$CPUS_PER_NODE" -w "$node" "$VENV/bin/ray" start --address="$RAY_ADDRESS" \\
         --num-gpus="$GPUS_PER_NODE" --num-cpus="$CPUS_PER_NODE" --block &
     ray_pids+=("$!")
 done
@@ -105,8 +107,8 @@ def render(recipe: str, nodes: int, gpus_per_node: int, cpus_per_node: int, time
     extra = "".join(f"#SBATCH --{k}={v}\n" for k, v in (("partition", partition), ("account", account)) if v)
     train_args = ["ray.address=auto", "trainer.resume=auto", *overrides]
     return TEMPLATE.format(
-        job_name=f"specrl-{Path(recipe).stem}", nodes=nodes, gpus_per_node=gpus_per_node,
-        cpus_per_node=cpus_per_node, time=time, log_file=_sbatch_value(f"{log_dir}/%x-%j.out"),
+        job_name=_sbatch_value(f"specrl-{Path(recipe).stem}", "recipe"), nodes=nodes, gpus_per_node=gpus_per_node,
+        cpus_per_node=cpus_per_node, time=time, log_file=_sbatch_value(log_dir.replace("%", "%%") + "/%x-%j.out"),   # %% : a literal % in the directory
         extra_sbatch=extra, plan_file=plan_file or "the job's output directory", venv=q(venv), workdir=q(workdir),
         recipe=q(recipe), train_args=" ".join(q(a) for a in train_args),
         ray_port=ray_port if ray_port is not None else "$((6379 + SLURM_JOB_ID % 500))",
@@ -115,12 +117,17 @@ def render(recipe: str, nodes: int, gpus_per_node: int, cpus_per_node: int, time
         join_timeout_s=join_timeout_s, max_requeues=max_requeues, engine=q(engine))
 
 
-def _sbatch_value(value: str) -> str:
-    """#SBATCH lines are not shell: sbatch reads a double-quoted value as one, spaces included."""
-    if '"' in value or "\n" in value:
+def _sbatch_value(value: str, key: str = "output_dir") -> str:
+    """#SBATCH lines are not shell: sbatch splits them at whitespace, takes ' and " as quotes, a backslash
+    as an escape and an unquoted # as the start of a comment (sbatch/opt.c, get_argument). Inside double
+    quotes only \\ and " are special, so the value is double-quoted with those two escaped. A backslash
+    left in a file name also turns off Slurm's %-patterns (%x, %j), so it is refused with newlines."""
+    if "\n" in value or "\\" in value:
         from megatron_specrl.config import ConfigError
-        raise ConfigError(f"output_dir={value!r}: a double quote or newline cannot be passed to #SBATCH --output")
-    return f'"{value}"' if any(c.isspace() for c in value) else value
+        raise ConfigError(f"{key}={value!r}: a backslash or newline cannot be passed to an #SBATCH line")
+    if not any(c.isspace() or c in "'\"#" for c in value):
+        return value
+    return '"' + value.replace('"', '\\"') + '"'
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -43,6 +43,9 @@ def test_renders_head_workers_join_check_and_driver(tmp_path):
     assert "megatron_specrl.gpu_stack" in text and "trap stop_ray EXIT" in text
     assert "TRAIN_ARGS=(ray.address=auto trainer.resume=auto learner.lr=2e-6)" in text
     assert "sleep" not in text and 'exit "$rc"' in text and 'scontrol requeue "$SLURM_JOB_ID"' in text
+    # srun (Slurm 22.05+) does not inherit sbatch's cpus-per-task: each Ray step asks for the node's CPUs
+    ray_steps = [ln for ln in text.splitlines() if '"$VENV/bin/ray" start' in ln]
+    assert len(ray_steps) == 2 and all('--cpus-per-task="$CPUS_PER_NODE"' in ln for ln in ray_steps)
     assert (tmp_path / "job dir" / "job.plan.txt").read_text().startswith("model: ")
 
 
