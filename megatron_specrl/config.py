@@ -228,7 +228,11 @@ class AlgorithmConfig(_Strict):
 
 class TrainerConfig(_Strict):
     total_steps: int = Field(128, ge=1)
-    prompts_per_step: int = Field(16, ge=1)
+    prompts_per_step: int = Field(16, ge=1)        # [data.train_batch_size] groups a step trains on
+    # [data.gen_batch_size] DAPO's dynamic sampling: prompts rolled out in one round, of which the first
+    # prompts_per_step informative groups are kept (verl's recipe/dapo: 3 x the train batch, so one
+    # round usually fills the step instead of several small rounds one after another); unset: prompts_per_step
+    gen_prompts_per_step: int | None = Field(None, ge=1)
     seed: int = 1
     eval_every: int = Field(16, ge=0)
     checkpoint_every: int = Field(32, ge=0)
@@ -242,6 +246,12 @@ class TrainerConfig(_Strict):
     export_hf: bool = True
     # verl's key: write every step's samples (text, score, token ids) to <dir>/<step>.jsonl; null: off
     rollout_data_dir: str | None = None
+
+    def round_prompts_key(self) -> str:
+        """`key=value` of the setting that decides how many prompts a rollout round draws (error messages)."""
+        if self.gen_prompts_per_step not in (None, self.prompts_per_step):
+            return f"trainer.gen_prompts_per_step={self.gen_prompts_per_step}"
+        return f"trainer.prompts_per_step={self.prompts_per_step}"
 
 
 class LoggingConfig(_Strict):
@@ -343,6 +353,16 @@ class RunConfig(_Strict):
         loss = le.loss
         if loss.loss_scale_factor is None:
             loss.loss_scale_factor = float(r.max_new_tokens)
+        t = self.trainer
+        if t.gen_prompts_per_step is None:
+            t.gen_prompts_per_step = t.prompts_per_step
+        elif t.gen_prompts_per_step != t.prompts_per_step and not self.algorithm.dynamic_sampling:
+            raise ValueError(f"trainer.gen_prompts_per_step={t.gen_prompts_per_step} differs from "
+                             f"trainer.prompts_per_step={t.prompts_per_step} without algorithm.dynamic_sampling: "
+                             "only DAPO's group filter chooses which generated groups a step trains on")
+        elif t.gen_prompts_per_step < t.prompts_per_step:
+            raise ValueError(f"trainer.gen_prompts_per_step={t.gen_prompts_per_step} is below "
+                             f"trainer.prompts_per_step={t.prompts_per_step}: a round generates at least a step's prompts")
         batch = self.trainer.prompts_per_step * r.n_samples
         if batch % (le.dp * le.mini_batches) != 0:
             raise ValueError(f"trainer.prompts_per_step * rollout.n_samples = {batch} is not divisible by "

@@ -224,7 +224,7 @@ def engine_memory(cfg: RunConfig, s: ModelShape, gpu_bytes: int) -> EngineMemory
     dtype = ENGINE_BYTES[r.engine_dtype]
     weights = full_parameters(s) * dtype // r.engine_tp
     kv_per_token = 2 * s.layers * max(1, s.kv_heads // r.engine_tp) * s.head_dim * dtype
-    seqs = math.ceil(cfg.trainer.prompts_per_step * r.n_samples / r.num_engines)
+    seqs = math.ceil(cfg.trainer.gen_prompts_per_step * r.n_samples / r.num_engines)   # a rollout round's
     seq = cfg.data.max_prompt_len + r.max_new_tokens
     budget = int(r.gpu_memory_utilization * gpu_bytes)
     space = budget - weights
@@ -271,8 +271,10 @@ def gpus_needed(cfg: RunConfig) -> tuple[int, int]:
 def _divisibility(cfg: RunConfig, s: ModelShape) -> list[str]:
     le, r, out = cfg.learner, cfg.rollout, []
     for key, size in (("learner.tp", le.tp), ("rollout.engine_tp", r.engine_tp)):
+        # Megatron splits the KV heads (query groups) over TP; vLLM / SGLang replicate them when the
+        # engine's TP is a multiple of their count (QKVParallelLinear: num_kv_head_replicas)
         bad = [f"{name}={n}" for name, n in (("num_attention_heads", s.heads), ("num_key_value_heads", s.kv_heads))
-               if n % size]
+               if n % size and not (key == "rollout.engine_tp" and name == "num_key_value_heads" and size % n == 0)]
         if bad:
             out.append(f"{key}={size} does not divide {' and '.join(bad)} of model.path={cfg.model.path!r}")
     if s.layers % le.pp:
@@ -327,6 +329,24 @@ def _layout(cfg: RunConfig) -> list[str]:
     return out
 
 
+def _transport(cfg: RunConfig) -> list[str]:
+    """trainer.resync_transport against the layout, as the run resolves it once Ray has placed the actors
+    (resync/choose.py): cuda_ipc disaggregated or with several engines, or broadcast colocated on GPUs,
+    would otherwise fail only after the job left the queue. Without cluster.gpus_per_node the plan does not
+    know the machine's GPUs (a local run finds them through Ray): the run checks it then."""
+    from megatron_specrl.placement import Placement
+    from megatron_specrl.resync.choose import resolve_transport
+    r = cfg.rollout
+    if cfg.cluster.gpus_per_node == 0:
+        return []
+    placement = Placement(r.colocate, 1.0, float(r.engine_tp))
+    try:
+        resolve_transport(cfg.trainer.resync_transport, placement, r.num_engines, r.engine)
+    except ConfigError as e:
+        return [str(e)]
+    return []
+
+
 def _memory(cfg: RunConfig, lm: LearnerMemory, em: EngineMemory) -> list[str]:
     c, r, out = cfg.cluster, cfg.rollout, []
     if c.gpus_per_node == 0:
@@ -369,9 +389,8 @@ def _data(cfg: RunConfig) -> list[str]:
         except DatasetError as e:
             out.append(f"{key}={value!r}: {e}")
             continue
-        if split == "train" and len(records) < cfg.trainer.prompts_per_step:
-            out.append(f"{key}={value!r}: {len(records)} prompts, fewer than trainer.prompts_per_step="
-                       f"{cfg.trainer.prompts_per_step}")
+        if split == "train" and len(records) < cfg.trainer.gen_prompts_per_step:
+            out.append(f"{key}={value!r}: {len(records)} prompts, fewer than {cfg.trainer.round_prompts_key()}")
     return out
 
 
@@ -416,7 +435,9 @@ class Plan:
                         + ("colocated" if r.colocate else f"disaggregated ({engine_gpus} GPUs)")),
             ("batch", f"{cfg.trainer.prompts_per_step} prompts x {r.n_samples} = {ba['rows']} sequences; "
                       f"{ba['rows_per_dp_minibatch']} per dp rank and mini-batch, {ba['microbatches']} microbatches, "
-                      f"{ba['optimizer_steps']} optimizer steps"),
+                      f"{ba['optimizer_steps']} optimizer steps"
+                      + (f"; rounds of {cfg.trainer.gen_prompts_per_step} prompts (DAPO filter)"
+                         if cfg.trainer.gen_prompts_per_step != cfg.trainer.prompts_per_step else "")),
             ("lengths", f"prompt {cfg.data.max_prompt_len} + response {r.max_new_tokens}"
                         + (f" (overlong buffer {cfg.algorithm.overlong_buffer})" if cfg.algorithm.name == "dapo" else "")
                         + f", max_model_len {r.max_model_len}"),
@@ -466,7 +487,7 @@ def build_plan(cfg: RunConfig, check_data: bool = True) -> Plan:
     gpu_bytes = int(cfg.cluster.gpu_memory_gb * GB)
     lm = learner_memory(cfg, s, padded, flash)
     em = engine_memory(cfg, s, gpu_bytes)
-    failures = _hf_support(cfg, hf) + _divisibility(cfg, s) + _layout(cfg) + _memory(cfg, lm, em)
+    failures = _hf_support(cfg, hf) + _divisibility(cfg, s) + _layout(cfg) + _transport(cfg) + _memory(cfg, lm, em)
     if check_data:
         failures += _data(cfg)
     if failures:

@@ -65,7 +65,7 @@ class Run:
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=False))
 
     def next_prompts(self) -> list[tuple[str, list[int]]]:
-        """The loader's next batch as (prompt id, token ids)."""
+        """The loader's next batch (a rollout round: trainer.gen_prompts_per_step) as (prompt id, token ids)."""
         return [(r.id, self.train_prompt_ids[r.id]) for r in self.loader.next_batch()]
 
     def upcoming_prompts(self) -> list[tuple[str, list[int]]]:
@@ -128,13 +128,13 @@ def build_run(cfg: RunConfig) -> Run:
     d = cfg.data
     train_records, train_ids = render_all(load_records(d, split="train", seed=cfg.trainer.seed), tokenizer,
                                           d.apply_chat_template, d.max_prompt_len, d.filter_overlong_prompts, "train")
-    if len(train_records) < cfg.trainer.prompts_per_step:
+    if len(train_records) < cfg.trainer.gen_prompts_per_step:
         raise DatasetError(f"data.filter_overlong_prompts left {len(train_records)} train prompts, fewer than "
-                           f"trainer.prompts_per_step={cfg.trainer.prompts_per_step}")
+                           f"{cfg.trainer.round_prompts_key()}")
     eval_records, eval_ids = render_all(load_records(d, split="eval", seed=cfg.trainer.seed) if d.num_eval else [],
                                         tokenizer, d.apply_chat_template, d.max_prompt_len,
                                         d.filter_overlong_prompts, "eval")
-    loader = PromptLoader(train_records, batch_size=cfg.trainer.prompts_per_step, seed=cfg.trainer.seed,
+    loader = PromptLoader(train_records, batch_size=cfg.trainer.gen_prompts_per_step, seed=cfg.trainer.seed,
                           shuffle=cfg.data.shuffle)
 
     state = ckpt.load_state(resume_from) if resume_from else None

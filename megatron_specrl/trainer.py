@@ -25,7 +25,7 @@ from megatron_specrl.run_setup import Run, build_run, evaluate, save_run_checkpo
 def train_step(run: Run, step: int, hooks: faults.PhaseHooks = faults.PhaseHooks()) -> dict[str, float]:
     cfg, alg, t0 = run.cfg, run.cfg.algorithm, time.perf_counter()
 
-    def rollout_round(i: int):   # 1-2. one batch of prompts -> G samples each (speculative) -> rewards
+    def rollout_round(i: int):   # 1-2. a round's prompts (gen_prompts_per_step) -> G samples each -> rewards
         prompts = run.next_prompts()
         upcoming = run.upcoming_prompts() if cfg.rollout.runahead else []   # run-ahead feeds their draft trees
         samples, metrics = run.rollout.run(prompts, cfg.rollout.n_samples, run.version, step=f"{step}.{i}",
@@ -34,7 +34,7 @@ def train_step(run: Run, step: int, hooks: faults.PhaseHooks = faults.PhaseHooks
                                                               run.tokenizer, alg, cfg.rollout.max_new_tokens)
         return samples, rewards, task_rewards, {**metrics, **reward_metrics}
 
-    def collect():               # 3. DAPO filter: more rounds until prompts_per_step groups are informative
+    def collect():               # 3. DAPO filter: rounds until prompts_per_step groups are informative
         if alg.dynamic_sampling:
             return filter_rounds(rollout_round, cfg.trainer.prompts_per_step, alg.max_sampling_tries)
         samples, rewards, _, metrics = rollout_round(0)

@@ -101,7 +101,7 @@ def test_too_few_prompts_for_a_step(tmp_path, capsys):
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"problem": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(8)))
     assert main(["train", "qwen2.5-7b-dapo-1node", f"data.source={data}", "--dry-run"]) == 2
-    assert "8 prompts, fewer than trainer.prompts_per_step=32" in capsys.readouterr().err
+    assert "8 prompts, fewer than trainer.gen_prompts_per_step=96" in capsys.readouterr().err   # a DAPO round
 
 
 def test_flag_anywhere_and_tiny_layouts(capsys):

@@ -19,7 +19,7 @@ def model_cache(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe, extra", [
-    ("tiny-cpu-dapo", []),
+    ("tiny-cpu-dapo", ["trainer.gen_prompts_per_step=12"]),   # verl's gen_batch_size: rounds of 12 prompts
     ("tiny-cpu-ppo", []),
     ("tiny-cpu-grpo", ["learner.tp=2", "rollout.spec_mode=exact", "trainer.check_resync_every=2",
                        "learner.recompute_old_logprobs=true", "trainer.checkpoint_every=3"]),
@@ -42,6 +42,10 @@ def test_recipe_runs(recipe, extra, tmp_path, model_cache):
     last = rows[-1]
     assert "eval/accuracy" in last and "train/loss" in last and last["weight_version"] == 3
     assert (out / "hf_final" / "model.safetensors").is_file() and (out / "plots" / "reward.png").is_file()
+    if recipe == "tiny-cpu-dapo":   # each round drew 12 prompts; each step trained on 8 groups
+        assert all(r["dapo/groups_seen"] % 12 == 0 and r["dapo/groups_seen"] >= 12 for r in rows[1:])
+        order = [json.loads(ln) for ln in (out / "data_order.jsonl").read_text().splitlines()]
+        assert [len(o["prompt_ids"]) for o in order] == [8, 8, 8]
     if recipe == "tiny-cpu-ppo":
         assert "critic/vf_loss" in last
         assert rows[2].get("engine/restarts") == 1.0 and "restarting the engines" in proc.stderr

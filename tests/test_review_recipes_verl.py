@@ -49,9 +49,10 @@ def test_cluster_dapo_recipes_use_the_published_dapo_settings(recipe):
     assert alg.name == "dapo" and alg.dynamic_sampling and alg.normalize_std
     assert alg.overlong_penalty == 1.0 and 0 < alg.overlong_buffer <= 4096
     assert alg.overlong_buffer <= r.max_new_tokens // 4
-    # verl's filter budget: max_num_gen_batches 10 of gen_batch_size = 3 x train_batch_size, i.e. 30 rounds
-    # of prompts_per_step here; 4 stops a base-model run whose early kept fraction is below 1/4
-    assert alg.max_sampling_tries >= 30
+    # verl's filter budget: max_num_gen_batches 10 of gen_batch_size = 3 x train_batch_size (4 rounds of
+    # one train batch would stop a base-model run whose early kept fraction is below 1/4)
+    assert cfg.trainer.gen_prompts_per_step == 3 * cfg.trainer.prompts_per_step
+    assert alg.max_sampling_tries == 10
 
 
 @pytest.mark.parametrize("recipe", CLUSTER_DAPO)
