@@ -275,6 +275,8 @@ def _divisibility(cfg: RunConfig, s: ModelShape) -> list[str]:
         # engine's TP is a multiple of their count (QKVParallelLinear: num_kv_head_replicas)
         bad = [f"{name}={n}" for name, n in (("num_attention_heads", s.heads), ("num_key_value_heads", s.kv_heads))
                if n % size and not (key == "rollout.engine_tp" and name == "num_key_value_heads" and size % n == 0)]
+        if s.ffn % size:   # the MLP's column-parallel split (Megatron's and vLLM's divide() assert it)
+            bad.append(f"intermediate_size={s.ffn}")
         if bad:
             out.append(f"{key}={size} does not divide {' and '.join(bad)} of model.path={cfg.model.path!r}")
     if s.layers % le.pp:

@@ -178,3 +178,15 @@ def test_recipe_pages_state_the_recipes_sampling_tries(recipe):
     cfg = _cfg(recipe)
     for n in re.findall(r"<= (\d+) (?:tries|rounds)", page):
         assert int(n) == cfg.algorithm.max_sampling_tries, (recipe, n)
+
+
+def test_a_tp_that_does_not_divide_the_mlp_fails_the_plan(tmp_path):
+    """Megatron's and vLLM's column-parallel MLP split the intermediate size over TP (divide() asserts)."""
+    model = tmp_path / "odd-ffn"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "intermediate_size": 11010, "vocab_size": 32000,
+        "max_position_embeddings": 16384, "tie_word_embeddings": False}))
+    with pytest.raises(PlanError, match="learner.tp=4 does not divide intermediate_size=11010"):
+        build_plan(_cfg("qwen2.5-7b-dapo-1node", f"model.path={model}"), check_data=False)
