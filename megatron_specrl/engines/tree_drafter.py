@@ -144,9 +144,15 @@ class RequestOpts:
     prompt_len: int        # tokens that were in the request when it arrived
     runahead: bool = False
     own_draft: tuple[int, ...] = ()   # drafted first while the response equals its prefix
+    # where the engine ends the request: its sequence's last position (prompt + max_tokens; None:
+    # unknown) and the tokens that stop it. vLLM's runner hands over every token a step sampled,
+    # also those after a stop token or past max_tokens, which its scheduler then drops
+    max_end: int | None = None
+    stops: frozenset = frozenset()
 
 
-def opts_from_params(params: dict | None, prompt_len: int) -> RequestOpts | None:
+def opts_from_params(params: dict | None, prompt_len: int, max_tokens: int | None = None,
+                     stops=()) -> RequestOpts | None:
     """The opt-in dict both engines carry per request (vLLM extra_args, SGLang custom_params)."""
     key = (params or {}).get(DRAFT_KEY)
     if key is None:
@@ -155,7 +161,9 @@ def opts_from_params(params: dict | None, prompt_len: int) -> RequestOpts | None
     if not 0 <= start <= prompt_len:
         raise ValueError(f"{RESPONSE_START}={start} outside the prompt (length {prompt_len})")
     own = tuple(int(t) for t in params.get(OWN_DRAFT) or ())
-    return RequestOpts(str(key), start, int(prompt_len), bool(params.get(RUNAHEAD)), own)
+    return RequestOpts(str(key), start, int(prompt_len), bool(params.get(RUNAHEAD)), own,
+                       None if max_tokens is None else int(prompt_len) + int(max_tokens),
+                       frozenset(int(t) for t in stops if t is not None))
 
 
 class TreeDrafter:
@@ -169,8 +177,8 @@ class TreeDrafter:
         self.trees = self._trees_cls(max_depth=max_depth, max_match=int(s["max_match"]),
                                      max_nodes=int(s["max_nodes"]))
         # request id -> [response start, tokens of the response already in the tree, last draft length,
-        # run-ahead (0/1)]; None for requests that did not opt in
-        self._live: dict[str, list[int] | None] = {}
+        # run-ahead (0/1), last position the engine keeps, stop tokens]; None for requests that did not opt in
+        self._live: dict[str, list | None] = {}
         self._own: dict[str, tuple[int, ...]] = {}   # request id -> own draft, while its response follows it
         self.counters = dict.fromkeys(COUNTERS, 0)
         self._k_max, self._step_min_prob, self._seen, self._drafting = 0, 0.0, set(), False
@@ -217,17 +225,31 @@ class TreeDrafter:
             return None
         if gained == 0:
             return []
-        start, consumed, last_draft, runahead = live
+        start, consumed, last_draft, runahead, max_end, stops = live
         self._drafting = self._drafting or not runahead
         new = list(seq(start + consumed, end))
         n = len(new) if gained is None else gained
+        # the engine keeps the tokens up to the first stop token or up to max_end and ends the request
+        # there: the rest never enters the trees or the counters, and a request that ended drafts nothing
+        kept = min(len(new), max(0, max_end - start - consumed))
+        ended = kept < len(new) or start + consumed + kept >= max_end
+        for j in range(kept):
+            if new[j] in stops:
+                kept, ended = j + 1, True
+                break
+        accepted = max(0, min(n - 1, last_draft))
+        if kept < len(new):
+            n = max(0, n - (len(new) - kept))
+            accepted = min(accepted, n)
+            del new[kept:]
         c = self.counters
         own = self._own.get(req_id)
         if own is not None and tuple(new) != own[consumed:consumed + len(new)]:
             del self._own[req_id]   # the response left its own draft: the tree drafts from here on
             own = None
         new_in_tree = False
-        k = min(self._k_max, self.max_model_len - end - 1)
+        # a step gains at most the draft + 1 tokens: no draft past max_end (vLLM's scheduler would verify it)
+        k = 0 if ended else min(self._k_max, max_end - end - 1)
         ids = (req_id, (req_id, SHARED_KEY)) if self.shared_nodes else (req_id,)
         kind = None        # the counter of the draft's source, besides draft_tokens
         if own is not None and end - start < len(own):
@@ -251,8 +273,9 @@ class TreeDrafter:
             else:
                 c["generated_tokens"] += n
                 c["request_steps"] += 1
-                if last_draft:
-                    c["accepted_tokens"] += max(0, min(n - 1, last_draft))
+                c["accepted_tokens"] += accepted
+        if stops and draft:   # the request would end at a drafted stop token: verify no token after it
+            draft = next((draft[:j + 1] for j, t in enumerate(draft) if t in stops), draft)
         live[2] = len(draft)
         if not runahead:       # as its accepted tokens: kept out of this rollout's counters
             c["draft_tokens"] += len(draft)
@@ -304,8 +327,9 @@ class TreeDrafter:
             self.trees.start((req_id, SHARED_KEY), SHARED_KEY, prefix)
         if opts.own_draft and tuple(prefix) == opts.own_draft[:len(prefix)]:
             self._own[req_id] = opts.own_draft
+        max_end = self.max_model_len if opts.max_end is None else min(opts.max_end, self.max_model_len)
         live = self._live[req_id] = [opts.response_start, opts.prompt_len - opts.response_start, 0,
-                                     int(opts.runahead)]
+                                     int(opts.runahead), max_end, opts.stops]
         return live
 
     # -- driver-side calls -------------------------------------------------------------------

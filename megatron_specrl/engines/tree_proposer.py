@@ -91,7 +91,10 @@ class TreeProposer:
         prompt = getattr(state, "prompt_token_ids", None)
         if params is None or prompt is None:
             return None
-        return opts_from_params(params.extra_args, len(prompt))
+        # where vLLM's scheduler ends the request (vllm.v1.core.sched.utils.check_stop): its runner hands
+        # over every sampled token, also those past a stop token or max_tokens
+        stops = [getattr(params, "eos_token_id", None), *(getattr(params, "stop_token_ids", None) or ())]
+        return opts_from_params(params.extra_args, len(prompt), getattr(params, "max_tokens", None), stops)
 
     # -- driver-side calls (through collective_rpc) -------------------------------------
     def take_stats(self) -> dict[str, float]:

@@ -339,22 +339,31 @@ class VLLMEngine:
             engine.add_request(f"specrl-{tag}-{i}", prompts[i], params[i])
             return f"specrl-{tag}-{i}"
 
-        index = {add(i): i for i, ra in enumerate(runahead) if not ra}
-        pending, waiting = set(index), [i for i, ra in enumerate(runahead) if ra]
-        tail = max(1, int(self.RUNAHEAD_TAIL * len(pending)))
+        index: dict[str, int] = {}
         latest: dict[int, object] = {}
         started: list[str] = []
-        while pending:
-            if waiting and len(pending) <= tail:
-                for i in waiting:
-                    rid = add(i)
-                    index[rid] = i
-                    started.append(rid)
-                waiting = []
-            for out in engine.step():
-                latest[index[out.request_id]] = out
-                if out.finished:
-                    pending.discard(out.request_id)
+        try:
+            for i, ra in enumerate(runahead):
+                if not ra:
+                    index[add(i)] = i
+            pending, waiting = set(index), [i for i, ra in enumerate(runahead) if ra]
+            tail = max(1, int(self.RUNAHEAD_TAIL * len(pending)))
+            while pending:
+                if waiting and len(pending) <= tail:
+                    for i in waiting:
+                        rid = add(i)
+                        index[rid] = i
+                        started.append(rid)
+                    waiting = []
+                for out in engine.step():
+                    latest[index[out.request_id]] = out
+                    if out.finished:
+                        pending.discard(out.request_id)
+        except BaseException:
+            # a request vLLM refused (or an interrupt) must not leave the others in the engine: the next
+            # LLM.generate would run them and sort their outputs by int(request id)
+            engine.abort_request([rid for rid, i in index.items() if not getattr(latest.get(i), "finished", False)])
+            raise
         live = [rid for rid in started if not (latest.get(index[rid]) and latest[index[rid]].finished)]
         if live:
             engine.abort_request(live)
