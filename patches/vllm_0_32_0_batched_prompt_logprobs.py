@@ -125,8 +125,13 @@ def _verify_settings(request, vocab: int) -> tuple[_Verify, int] | None:
     top_k = sp.top_k if 0 < sp.top_k < vocab else vocab
     seed = extra.get(SEED_KEY, sp.seed)
     coupled = extra.get(COUPLED_KEY)
+    if coupled is not None:
+        # the 64-bit seed as the int64 the noise hashes: a seed >= 2**63 made its rows' array uint64, and
+        # concatenated with other requests' int64 rows the whole batch's seeds went through float64
+        from megatron_specrl.rollout.coupled import _i64
+        coupled = _i64(int(coupled))
     return _Verify(float(sp.temperature), int(top_k), float(sp.top_p), None if seed is None else int(seed),
-                   None if coupled is None else int(coupled), start), start
+                   coupled, start), start
 
 
 def _batched_prompt_logprobs_dict(self, hidden_states: torch.Tensor, num_scheduled_tokens: dict[str, int]):

@@ -48,7 +48,9 @@ def _coupled_setting(req) -> tuple[int, int, object] | None:
     extra = getattr(sp, "extra_args", None)
     if not extra or extra.get(COUPLED_KEY) is None:
         return None
-    return int(extra[COUPLED_KEY]), int(extra.get(RESPONSE_START, len(req.prompt_token_ids or ()))), sp
+    from megatron_specrl.rollout.coupled import _i64
+    # a 64-bit seed as the int64 the noise hashes (a seed >= 2**63 overflowed np.int64 in the step)
+    return _i64(int(extra[COUPLED_KEY])), int(extra.get(RESPONSE_START, len(req.prompt_token_ids or ()))), sp
 
 
 def _coupled_requests(runner) -> tuple[np.ndarray, np.ndarray, np.ndarray, list] | None:

@@ -41,6 +41,9 @@ _VOCAB_STEP = 0xD1B54A32D192ED03      # a second odd constant: rows and columns 
 _M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
+_U_MAX = 1.0 - 2.0 ** -53               # the largest float64 below 1
+
+
 def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
     """Logical right shift of int64 (torch's >> is arithmetic)."""
     return (z >> s) & ((1 << (64 - s)) - 1)
@@ -92,8 +95,10 @@ def _uniforms_into(out: torch.Tensor, z: torch.Tensor, tmp: torch.Tensor, keys: 
             z.mul_(_i64(mult))
     torch.bitwise_right_shift(z, 11, out=tmp)
     tmp.bitwise_and_((1 << 53) - 1)
-    # top 53 bits, centred in their interval: never exactly 0 or 1
-    out.copy_(tmp).add_(0.5).mul_(1.0 / (1 << 53))
+    # top 53 bits, centred in their interval: never exactly 0; the top one, 2**53 - 0.5, rounds to
+    # 2**53 (ties to even), so it is clamped below 1 (a uniform of 1 is a Gumbel of +inf: NaN and
+    # argmax on a token outside the nucleus)
+    out.copy_(tmp).add_(0.5).mul_(1.0 / (1 << 53)).clamp_(max=_U_MAX)
 
 
 # rows per block in `coupled_tokens`: about this many (row, token) cells. On a CPU the scratch then
@@ -146,4 +151,4 @@ def uniforms_np(seed: int, position: int, vocab: int) -> np.ndarray:
     with np.errstate(over="ignore"):
         key = splitmix64_np(splitmix64_np(np.uint64(seed & _MASK64)) + np.uint64(position + 1) * np.uint64(_GOLDEN))
         z = splitmix64_np(key + (np.arange(vocab, dtype=np.uint64) + np.uint64(1)) * np.uint64(_VOCAB_STEP))
-    return ((z >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
+    return np.minimum(((z >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53)), _U_MAX)
