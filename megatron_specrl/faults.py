@@ -1,7 +1,8 @@
 """Fault injection for crash/resume tests, as a hook the training loop calls before each phase.
 
 SPECRL_KILL_AT="phase:step" SIGKILLs the driver there; SPECRL_KILL_ENGINE_AT="step" SIGKILLs the
-first engine's process just before that step's rollout. Phases: rollout, train, resync, checkpoint.
+first engine's process just before that step's rollout, "phase:step" before that phase of the step.
+Phases: rollout, train, resync, checkpoint.
 A real SIGKILL (no cleanup, no atexit) is what a preempted Slurm node or an OOM kill does, so
 resume is tested against that.
 
@@ -28,16 +29,18 @@ class PhaseHooks:
 
 
 class KillAt(PhaseHooks):
-    """SIGKILL this process at (phase, step), and/or the first engine before `engine_step`'s rollout."""
+    """SIGKILL this process at (phase, step), and/or the first engine before (engine_phase, engine_step)."""
 
     def __init__(self, phase: str | None = None, step: int | None = None, engine_step: int | None = None,
-                 engines: Callable[[], list] = list):
-        if phase is not None and phase not in PHASES:
-            raise ValueError(f"{ENV}: unknown phase {phase!r}; expected one of {PHASES}")
+                 engines: Callable[[], list] = list, engine_phase: str = "rollout"):
+        for var, p in ((ENV, phase), (ENGINE_ENV, engine_phase)):
+            if p is not None and p not in PHASES:
+                raise ValueError(f"{var}: unknown phase {p!r}; expected one of {PHASES}")
         self.phase, self.step, self.engine_step, self.engines = phase, step, engine_step, engines
+        self.engine_phase = engine_phase
 
     def before(self, phase: str, step: int) -> None:
-        if phase == "rollout" and step == self.engine_step:
+        if (phase, step) == (self.engine_phase, self.engine_step):
             engines = self.engines()
             if engines and getattr(engines[0], "pid", None):
                 os.kill(engines[0].pid, signal.SIGKILL)
@@ -53,10 +56,11 @@ def from_env(engines: Callable[[], list] = list, environ=os.environ) -> PhaseHoo
     # a typo must not turn a crash test into a run that never crashes (and so passes)
     if spec and not step.isdigit():
         raise ValueError(f"{ENV}={spec!r}: expected phase:step, e.g. train:3")
-    if engine_spec and not engine_spec.isdigit():
-        raise ValueError(f"{ENGINE_ENV}={engine_spec!r}: expected a step number, e.g. 2")
+    engine_phase, _, engine_step = engine_spec.rpartition(":")
+    if engine_spec and not engine_step.isdigit():
+        raise ValueError(f"{ENGINE_ENV}={engine_spec!r}: expected a step number or phase:step, e.g. 2 or resync:2")
     kill_self, kill_engine = bool(spec), bool(engine_spec)
     if not (kill_self or kill_engine):
         return PhaseHooks()
     return KillAt(phase if kill_self else None, int(step) if kill_self else None,
-                  int(engine_spec) if kill_engine else None, engines)
+                  int(engine_step) if kill_engine else None, engines, engine_phase or "rollout")

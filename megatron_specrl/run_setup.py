@@ -275,7 +275,6 @@ def with_engine_recovery(run: Run, step: int, collect: Callable[[], tuple[list, 
     weights and collect once more from the same prompts (the loader is rewound, so the data order
     does not change, and the trajectory store too, so the retry drafts from last epoch's samples)."""
     from megatron_specrl.engines.protocol import EngineError
-    from megatron_specrl.resync.lifecycle import engines_of
 
     loader_state = run.loader.state_dict()
     run.store.begin_step()
@@ -284,18 +283,48 @@ def with_engine_recovery(run: Run, step: int, collect: Callable[[], tuple[list, 
     except EngineError as err:
         log.warning("rollout of step %d failed: %s; restarting the engines at weight version %d",
                     step, str(err).splitlines()[0], run.version)
-    for e in engines_of(run.engine):
-        e.restart()
     if run.version > 0:
-        run.resync()
-    latest = ckpt.find_latest(run.out / "checkpoints") if drafts_with_trees(run) else None
-    if latest is not None:   # the restarted engines draft from the trees of the newest checkpoint
-        restore_draft_trees(run.engine, latest / "draft_trees")
+        restart_engines(run)
+    else:
+        restart_engines(run, resync=False)   # they load the model's own weights: version 0
     run.loader.load_state_dict(loader_state)
     run.store.undo_step()
     samples, rewards, metrics = collect()
     metrics["engine/restarts"] = 1.0
     return samples, rewards, metrics
+
+
+def resync_with_recovery(run: Run, step: int, wake_engines: bool = False) -> dict[str, float]:
+    """run.resync(); if an engine dies or the transport fails on the way (a half-loaded engine then holds
+    a mix of two versions), restart every engine and push the weights once more: the learner holds them,
+    so nothing is lost. A second failure ends the run (launch requeues it; resume continues from the
+    newest checkpoint)."""
+    from megatron_specrl.engines.protocol import EngineError
+    from megatron_specrl.resync.group import ResyncTransportError
+    from megatron_specrl.resync.routes import StreamTimeout
+
+    try:
+        return run.resync(wake_engines=wake_engines)
+    except (EngineError, ResyncTransportError, StreamTimeout) as err:
+        log.warning("resync of step %d failed: %s; restarting the engines at weight version %d",
+                    step, str(err).splitlines()[0], run.version)
+    metrics = restart_engines(run)
+    metrics["engine/resync_restarts"] = 1.0
+    return metrics
+
+
+def restart_engines(run: Run, resync: bool = True) -> dict[str, float]:
+    """Fresh engines (the model from its path), then the learner's current weights (the resync's
+    metrics), drafting from the trees of the newest checkpoint."""
+    from megatron_specrl.resync.lifecycle import engines_of
+
+    for e in engines_of(run.engine):
+        e.restart()
+    metrics = run.resync() if resync else {}
+    latest = ckpt.find_latest(run.out / "checkpoints") if drafts_with_trees(run) else None
+    if latest is not None:
+        restore_draft_trees(run.engine, latest / "draft_trees")
+    return metrics
 
 
 def evaluate(run: Run) -> dict[str, float]:

@@ -19,7 +19,9 @@ from megatron_specrl.resync.lifecycle import engines_of, release_engine_memory
 from megatron_specrl.rollout.batch import build_batch
 from megatron_specrl.rollout.dump import dump_rollouts
 from megatron_specrl.rollout.dynamic import filter_rounds
-from megatron_specrl.run_setup import Run, build_run, evaluate, save_run_checkpoint, with_engine_recovery
+from megatron_specrl.run_setup import (
+    Run, build_run, evaluate, resync_with_recovery, save_run_checkpoint, with_engine_recovery,
+)
 
 
 def train_step(run: Run, step: int, hooks: faults.PhaseHooks = faults.PhaseHooks()) -> dict[str, float]:
@@ -68,10 +70,11 @@ def train_step(run: Run, step: int, hooks: faults.PhaseHooks = faults.PhaseHooks
     metrics.update({f"train/{k}": v for k, v in run.learner.train_step(batch).items()})
     metrics["time/train_s"] = time.perf_counter() - t_train
 
-    # 6. resync the engines to the new weights (and wake them first if they slept)
+    # 6. resync the engines to the new weights (and wake them first if they slept); an engine that dies
+    #    on the way is restarted and synced again
     run.version += 1
     hooks.before("resync", step)
-    metrics.update(run.resync(wake_engines=sleeping))
+    metrics.update(resync_with_recovery(run, step, wake_engines=sleeping))
     metrics["time/step_s"] = time.perf_counter() - t0
     metrics["weight_version"] = run.version
     return metrics

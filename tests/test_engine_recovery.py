@@ -44,3 +44,31 @@ def test_a_retried_rollout_sees_the_loader_and_the_store_as_before(tmp_path):
     assert metrics["engine/restarts"] == 1.0 and restarts == [1]
     assert retry == first          # the same prompts, each finding the stored samples it found the first time
     assert all(store.get(p, 0).token_ids == [7, 7] for batch, _, _ in retry for p in batch)
+
+
+def test_a_failed_resync_restarts_the_engines_and_pushes_the_weights_again(tmp_path):
+    """The learner still holds the step's weights: a resync that fails half way (an engine dies, the
+    group times out) is repaired by fresh engines and one more full push; a second failure ends the run."""
+    import pytest
+
+    from megatron_specrl.resync.group import ResyncTransportError
+    from megatron_specrl.run_setup import resync_with_recovery
+
+    events = []
+    failures = [ResyncTransportError("resync broadcast: timed out waiting for vllm-0")]
+
+    def resync(wake_engines=False):
+        events.append(("resync", wake_engines))
+        if failures:
+            raise failures.pop(0)
+        return {"resync/version": 7.0}
+
+    run = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(draft="none")), version=7, out=tmp_path,
+                          engine=SimpleNamespace(restart=lambda: events.append(("restart",))), resync=resync)
+    metrics = resync_with_recovery(run, step=3, wake_engines=True)
+    assert events == [("resync", True), ("restart",), ("resync", False)]   # restarted engines are awake
+    assert metrics == {"resync/version": 7.0, "engine/resync_restarts": 1.0}
+
+    failures[:] = [EngineError("engine vllm-0 died"), EngineError("engine vllm-0 died again")]
+    with pytest.raises(EngineError, match="again"):
+        resync_with_recovery(run, step=4)

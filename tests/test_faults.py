@@ -27,3 +27,17 @@ def test_kill_at_phase_and_step_and_engine_before_its_rollout(monkeypatch):
 def test_unknown_phase_fails_loudly():
     with pytest.raises(ValueError, match="unknown phase"):
         faults.from_env(environ={faults.ENV: "trian:3"})
+
+
+def test_engine_kill_before_another_phase(monkeypatch):
+    killed = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: killed.append((pid, phase, step)))
+    hooks = faults.from_env(lambda: [SimpleNamespace(pid=4242)], {faults.ENGINE_ENV: "resync:2"})
+    for step in (1, 2, 3):
+        for phase in faults.PHASES:
+            hooks.before(phase, step)
+    assert killed == [(4242, "resync", 2)]
+    with pytest.raises(ValueError, match="unknown phase"):
+        faults.from_env(environ={faults.ENGINE_ENV: "resycn:2"})
+    with pytest.raises(ValueError, match="phase:step"):
+        faults.from_env(environ={faults.ENGINE_ENV: "resync:"})

@@ -94,6 +94,14 @@ def test_grpo_step_over_broadcast_serves_the_learners_weights(model, tp, restart
         metrics = train_step(run, 2, hooks)
         assert metrics["engine/restarts"] == 1.0 and route.generation == 2
         _check(run, prompts)
+
+        # 4. the engine dies just before step 3's resync (the learner has trained): restarted, a new group,
+        #    and the weights pushed again, so the engine serves the step's new weights
+        hooks = KillAt(engine_step=3, engines=lambda: engines_of(run.engine), engine_phase="resync")
+        metrics = train_step(run, 3, hooks)
+        assert metrics["engine/resync_restarts"] == 1.0 and "engine/restarts" not in metrics
+        assert route.generation == 3 and metrics["resync/version"] == run.version == 5
+        _check(run, prompts)
     finally:
         run.shutdown()
         ray.shutdown()
