@@ -11,10 +11,13 @@ from megatron_specrl.engines import tree_proposer as tp
 from megatron_specrl.engines.tree_drafter import SHARED_KEY
 
 
-def _proposer(monkeypatch, k=8, **settings):
+EOS = 2
+
+
+def _proposer(monkeypatch, k=8, max_model_len=256, **settings):
     monkeypatch.setenv(tp.SETTINGS_ENV, tp.settings_env(**settings))
     cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
-                          model_config=SimpleNamespace(max_model_len=256))
+                          model_config=SimpleNamespace(max_model_len=max_model_len))
     return tp.TreeProposer(cfg)
 
 
@@ -26,7 +29,8 @@ class Batch:
         self.num_tokens_no_spec = np.zeros(4, dtype=np.int64)
         self.req_ids, self.requests = [], {}
 
-    def add(self, req_id, prompt, key, response_start=None, own=None):
+    def add(self, req_id, prompt, key, response_start=None, own=None, max_tokens=None, stop_token_ids=None):
+        """With max_tokens: vLLM's own SamplingParams (its EOS and stop tokens, as the input processor sets them)."""
         i = len(self.req_ids)
         self.req_ids.append(req_id)
         self.token_ids_cpu[i, :len(prompt)] = prompt
@@ -34,8 +38,12 @@ class Batch:
         extra = None if key is None else {tp.DRAFT_KEY: key, tp.RESPONSE_START: response_start or len(prompt)}
         if own is not None:
             extra[tp.OWN_DRAFT] = list(own)
-        self.requests[req_id] = SimpleNamespace(prompt_token_ids=list(prompt),
-                                                sampling_params=SimpleNamespace(extra_args=extra))
+        params = SimpleNamespace(extra_args=extra)
+        if max_tokens is not None:
+            from vllm import SamplingParams
+            params = SamplingParams(max_tokens=max_tokens, stop_token_ids=stop_token_ids, extra_args=extra)
+            params.update_from_generation_config({}, EOS)
+        self.requests[req_id] = SimpleNamespace(prompt_token_ids=list(prompt), sampling_params=params)
 
     def sample(self, i, tokens):
         n = self.num_tokens_no_spec[i]
@@ -315,3 +323,43 @@ def test_trees_keep_counts_as_deep_as_a_match_plus_a_draft(monkeypatch):
     assert _proposer(monkeypatch, k=16).trees.max_depth == 16 + 16
     assert _proposer(monkeypatch, k=4, max_match=8).trees.max_depth == 12
     assert _proposer(monkeypatch, k=4, max_depth=40).trees.max_depth == 40
+
+
+def test_drafts_stop_at_the_requests_remaining_max_tokens(monkeypatch):
+    """A request that may generate r more tokens gains at most r from a step: the step's bonus token
+    plus r - 1 draft tokens. vLLM's scheduler verifies whatever it is given."""
+    p = _proposer(monkeypatch, k=8, min_prob=0.0)
+    p.trees.insert("q", list(range(10, 40)))
+    b = Batch()
+    b.add("a", [50, 51], "q", max_tokens=5)
+    assert p.propose_batch(b, b.requests, [b.sample(0, [10])]) == [[11, 12, 13]]   # 4 more tokens: 3 + bonus
+    assert p.propose_batch(b, b.requests, [b.sample(0, [11, 12])]) == [[13]]        # 2 more: 1 + bonus
+
+
+def test_tokens_past_a_stop_or_max_tokens_enter_no_tree_and_no_counter(monkeypatch):
+    """The runner hands over all of a step's sampled tokens; the scheduler keeps them up to the first
+    stop token (EOS or stop_token_ids) or up to max_tokens, and the request ends there."""
+    p = _proposer(monkeypatch, k=8, min_prob=0.0)
+    b = Batch()
+    b.add("eos", [50], "q", max_tokens=20)
+    b.add("stop", [50], "q", max_tokens=20, stop_token_ids=[7])
+    b.add("len", [50], "q", max_tokens=3)
+    p.propose_batch(b, b.requests, [b.sample(0, [4]), b.sample(1, [4]), b.sample(2, [4])])
+    # a step accepting drafts through the end: [5, EOS] and [5, 7] and [5, 6] are kept
+    p.propose_batch(b, b.requests, [b.sample(0, [5, EOS, 8, 9]), b.sample(1, [5, 7, 8, 9]),
+                                    b.sample(2, [5, 6, 8, 9])])
+    for tree in ("q", SHARED_KEY):
+        assert p.trees.count(tree, [4, 5]) == 3
+        assert p.trees.count(tree, [8]) == 0 and p.trees.count(tree, [9]) == 0, tree
+    stats = p.take_stats()
+    assert stats["generated_tokens"] == 3 * 3, stats
+
+
+def test_drafts_end_at_a_stop_token(monkeypatch):
+    """Draft tokens after a stop token are verified for nothing: the request ends at the stop token."""
+    p = _proposer(monkeypatch, k=8, min_prob=0.0)
+    p.trees.insert("q", [10, 11, EOS])
+    p.trees.insert(SHARED_KEY, [10, 11, EOS, 30, 31, 32])   # another prompt's tree went on past EOS
+    b = Batch()
+    b.add("a", [50], "q", max_tokens=20)
+    assert p.propose_batch(b, b.requests, [b.sample(0, [10])]) == [[11, EOS]]
