@@ -19,9 +19,14 @@ as upstream does (`self.enable_overlap and not batch.grammar_needs_sync()`).
 The patch replaces `_prepare_draft_tokens` with ours: each request with a draft key in its
 custom_params drafts from its prompt's tree (the tokens it gained since the last step are inserted
 first, in flight), with the draft length and cut-off of the batch size; `_update_ngram_corpus`
-becomes a no-op (SGLang's corpus is not used); a Scheduler method `specrl_tree_rpc` lets the engine
-read the counters and save / load the trees through `Engine.collective_rpc`, which returns no values,
-so results travel through a file (TP rank 0 writes it; every rank keeps the same trees).
+becomes a no-op (SGLang's corpus is not used). SGLang's verify accepts past a stop token and past
+max_new_tokens and its result processing cuts the request there afterwards (`finished_len`), and the
+overlap scheduler runs a finished request's next step once more, its last run (tokens past the end
+included) in spec_info: each request's max_new_tokens and stop token ids go to the drafter, which
+keeps those tokens out of the trees and counters and drafts nothing past the end (`_opts`). A
+Scheduler method `specrl_tree_rpc` lets the engine read the counters and save / load the trees
+through `Engine.collective_rpc`, which returns no values, so results travel through a file (TP rank 0
+writes it; every rank keeps the same trees).
 
 Mapping our chain onto SGLang's tree verify: SGLang verifies a tree of exactly draft_token_num
 nodes per request. Our draft d_1..d_L (L <= draft_token_num - 1) is a chain: node j (1..L) has the
@@ -104,8 +109,7 @@ def _prepare_draft_tokens(self, batch) -> tuple[np.ndarray, np.ndarray]:
     for i, req in enumerate(reqs):
         prompt = req.origin_input_ids_unpadded
         seq = _Seq(prompt, req.output_ids, prev[i])
-        params = getattr(req.sampling_params, "custom_params", None)
-        draft = drafter.request(str(req.rid), lambda: opts_from_params(params, len(prompt)), seq, seq.len) or []
+        draft = drafter.request(str(req.rid), lambda: _opts(req, len(prompt)), seq, seq.len) or []
         draft = draft[:n - 1]
         tokens[i, 0] = seq(seq.len - 1, seq.len)[0]
         tokens[i, 1:1 + len(draft)] = draft
@@ -113,6 +117,28 @@ def _prepare_draft_tokens(self, batch) -> tuple[np.ndarray, np.ndarray]:
             mask[i, j, :j + 1] = True
     drafter.end_step(_retracted_since_last_step(self, reqs))
     return tokens.reshape(-1), mask.reshape(-1)
+
+
+def _opts(req, prompt_len: int):
+    """The request's opt-in, with where SGLang ends it. The verify (`eagle_sample`) accepts along the
+    draft past a stop token and past max_new_tokens, result processing extends `output_ids` with the
+    whole run and `Req.update_finish_state` then cuts `finished_len` at the first stop token or at
+    max_new_tokens; under the overlap scheduler the finished request is in the next step's batch once
+    more, its run (tokens past the end included) in `spec_info.accept_tokens`. Stop tokens as
+    `Req._check_token_based_finish` checks them: none under ignore_eos; else the sampling params'
+    stop_token_ids, the request's eos_token_ids and its tokenizer's eos_token_id and
+    additional_stop_token_ids (stop strings and regexes are not tokens: not seen here)."""
+    sp = req.sampling_params
+    stops: set = set()
+    if not getattr(sp, "ignore_eos", False):
+        stops.update(getattr(sp, "stop_token_ids", None) or ())
+        stops.update(getattr(req, "eos_token_ids", None) or ())
+        tok = getattr(req, "tokenizer", None)
+        if tok is not None:
+            stops.add(getattr(tok, "eos_token_id", None))
+            stops.update(getattr(tok, "additional_stop_token_ids", None) or ())
+    return opts_from_params(getattr(sp, "custom_params", None), prompt_len,
+                            getattr(sp, "max_new_tokens", None), stops)
 
 
 def _retracted_since_last_step(worker, reqs) -> set[str]:
