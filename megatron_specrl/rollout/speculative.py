@@ -284,9 +284,11 @@ class SpeculativeRollout:
 
         response_tokens = sum(len(s.response_ids) for s in samples)
         accepted = sum(p.accepted for p in plans)
-        # samples that are their whole draft (not those a replacement ended: its token is new)
-        full_reuses = sum(bool(p.draft_ids) and p.accepted == len(p.draft_ids) and not p.needs_generation
-                          for p in plans)
+        # samples that are their whole draft (not those a replacement ended: its token is new); decode:
+        # every request runs in the engine, a sample is its whole draft where the response is the draft
+        full_reuses = sum(bool(p.draft_ids) and p.accepted == len(p.draft_ids)
+                          and (len(s.response_ids) == p.accepted if in_decode else not p.needs_generation)
+                          for p, s in zip(plans, samples))
         metrics = {
             "spec/accepted_tokens": float(accepted),
             # tokens sampled past the reused prefix (decode: the results also hold the accepted prefix)
