@@ -283,10 +283,7 @@ def with_engine_recovery(run: Run, step: int, collect: Callable[[], tuple[list, 
     except EngineError as err:
         log.warning("rollout of step %d failed: %s; restarting the engines at weight version %d",
                     step, str(err).splitlines()[0], run.version)
-    if run.version > 0:
-        restart_engines(run)
-    else:
-        restart_engines(run, resync=False)   # they load the model's own weights: version 0
+    restart_engines(run, resync=run.version > 0)   # version 0: the model's own weights, which they load
     run.loader.load_state_dict(loader_state)
     run.store.undo_step()
     samples, rewards, metrics = collect()
@@ -300,12 +297,11 @@ def resync_with_recovery(run: Run, step: int, wake_engines: bool = False) -> dic
     so nothing is lost. A second failure ends the run (launch requeues it; resume continues from the
     newest checkpoint)."""
     from megatron_specrl.engines.protocol import EngineError
-    from megatron_specrl.resync.group import ResyncTransportError
-    from megatron_specrl.resync.routes import StreamTimeout
+    from megatron_specrl.resync.group import ResyncTransportError   # timeouts of every route included
 
     try:
         return run.resync(wake_engines=wake_engines)
-    except (EngineError, ResyncTransportError, StreamTimeout) as err:
+    except (EngineError, ResyncTransportError) as err:
         log.warning("resync of step %d failed: %s; restarting the engines at weight version %d",
                     step, str(err).splitlines()[0], run.version)
     metrics = restart_engines(run)
