@@ -128,7 +128,7 @@ def test_an_error_raised_inside_the_actor_keeps_its_one_line_message(ray_engine,
 # -- fault injection -------------------------------------------------------------------
 @pytest.mark.parametrize("environ", [
     {faults.ENV: "train"}, {faults.ENV: "train:x"}, {faults.ENV: "train-3"},
-    {faults.ENGINE_ENV: "rollout:2"}, {faults.ENGINE_ENV: "two"},
+    {faults.ENGINE_ENV: "rollout:x"}, {faults.ENGINE_ENV: "rollot:2"}, {faults.ENGINE_ENV: "two"},
 ])
 def test_a_malformed_kill_variable_fails_loudly(environ):
     """A typo turned the crash test into a run without a crash, which then passed."""
