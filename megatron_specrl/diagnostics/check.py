@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_specrl.diagnostics.readout import (
-    WeightRow, compare_weights, decode_worker_result, read_weights_in_worker,
+    WeightRow, compare_weights, merge_tp_shards, read_weights_in_worker,
 )
 from megatron_specrl.engines.protocol import GenerateRequest, SamplingSettings, ScoreRequest
 from megatron_specrl.resync.lifecycle import engines_of, sync_weights
@@ -158,7 +158,9 @@ def resync(learner, engine, version: int, bucket_bytes: int = 64 << 20, miswire:
 def read_engine_weights(engine) -> dict[str, dict[str, torch.Tensor]]:
     """{engine name: {vLLM name: fp32 tensor}} for every engine behind `engine`."""
     out = {}
-    kwargs = {"as_bytes": True}   # a safetensors blob crosses any process boundary (multiprocess vLLM)
+    # a safetensors blob crosses any process boundary (multiprocess vLLM); with engine TP > 1 each
+    # worker holds a shard, merged back into full tensors with the layouts the workers report
+    kwargs = {"as_bytes": True, "with_layout": True}
     for e in engines_of(engine):
         if hasattr(e, "submit"):   # a Ray engine: the call runs in its actor
             results = e.wait(e.submit("run_in_workers", read_weights_in_worker, kwargs), "read_weights")
@@ -166,7 +168,7 @@ def read_engine_weights(engine) -> dict[str, dict[str, torch.Tensor]]:
             results = e.run_in_workers(read_weights_in_worker, kwargs)
         else:
             raise NotImplementedError(f"engine {e.name} ({type(e).__name__}) has no weight readout")
-        out[e.name] = decode_worker_result(results[0])   # worker 0 (engine TP 1: the whole model)
+        out[e.name] = merge_tp_shards(results)
     return out
 
 
@@ -332,6 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny-llama", help="HF checkpoint dir, or tiny-llama / tiny-qwen2")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--engine-tp", type=int, default=1, help="the engine's tensor parallel size (its workers' "
+                   "shards are read and merged)")
     p.add_argument("--train-step", action="store_true", help="one optimizer step on the probe batch before the sync")
     p.add_argument("--lr", type=float, default=1e-4, help="learning rate of that step")
     p.add_argument("--swap-kv", action="store_true", help="inject a bug: sync k_proj and v_proj swapped")
@@ -401,9 +405,11 @@ def check_resync_main(argv: list[str] | None = None, learner=None, engine=None) 
     built = None                    # what this call started, and so shuts down
     try:
         if learner is None:
-            console.print(f"learner: TP={args.tp} x PP={args.pp} ({args.tp * args.pp} Ray actors), {model_dir}")
+            console.print(f"learner: TP={args.tp} x PP={args.pp} ({args.tp * args.pp} Ray actors), "
+                          f"engine TP={args.engine_tp}, {model_dir}")
             built = build_actors(model_dir, LearnerConfig(tp=args.tp, pp=args.pp, lr=args.lr),
-                                 RolloutConfig(kv_cache_gb=0.25, engine_dtype=args.engine_dtype), seed=args.seed,
+                                 RolloutConfig(kv_cache_gb=0.25, engine_dtype=args.engine_dtype,
+                                               engine_tp=args.engine_tp), seed=args.seed,
                                  log_dir=args.log_dir or tempfile.mkdtemp(prefix="check-resync-"),
                                  engine_seed=args.seed)
             learner, engine = built.learner, built.engine

