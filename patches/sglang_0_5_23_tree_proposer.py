@@ -23,7 +23,11 @@ becomes a no-op (SGLang's corpus is not used). SGLang's verify accepts past a st
 max_new_tokens and its result processing cuts the request there afterwards (`finished_len`), and the
 overlap scheduler runs a finished request's next step once more, its last run (tokens past the end
 included) in spec_info: each request's max_new_tokens and stop token ids go to the drafter, which
-keeps those tokens out of the trees and counters and drafts nothing past the end (`_opts`). A
+keeps those tokens out of the trees and counters and drafts nothing past the end (`_opts`). Without
+the overlap scheduler a request's last run would never reach the drafter (it learns a step's tokens
+when it drafts the next, and a finished request is in no next batch): `note_request_finished`, the hook
+SGLang's result processing calls on the spec worker when a step finishes a request, hands it over
+(nothing twice under overlap) and releases the request's place in the drafter at once. A
 Scheduler method `specrl_tree_rpc` lets the engine read the counters and save / load the trees
 through `Engine.collective_rpc`, which returns no values, so results travel through a file (TP rank 0
 writes it; every rank keeps the same trees).
@@ -109,13 +113,16 @@ def _prepare_draft_tokens(self, batch) -> tuple[np.ndarray, np.ndarray]:
     for i, req in enumerate(reqs):
         prompt = req.origin_input_ids_unpadded
         seq = _Seq(prompt, req.output_ids, prev[i])
-        draft = drafter.request(str(req.rid), lambda: _opts(req, len(prompt)), seq, seq.len) or []
+        if req.finished():   # its result was processed before this batch ran: it has left the drafter
+            draft = []
+        else:
+            draft = drafter.request(str(req.rid), lambda: _opts(req, len(prompt)), seq, seq.len) or []
         draft = draft[:n - 1]
         tokens[i, 0] = seq(seq.len - 1, seq.len)[0]
         tokens[i, 1:1 + len(draft)] = draft
         for j in range(1, 1 + len(draft)):    # a chain: node j's ancestors are 0..j
             mask[i, j, :j + 1] = True
-    drafter.end_step(_retracted_since_last_step(self, reqs))
+    drafter.end_step(_held_since_last_step(self, reqs))
     return tokens.reshape(-1), mask.reshape(-1)
 
 
@@ -141,23 +148,55 @@ def _opts(req, prompt_len: int):
                             getattr(sp, "max_new_tokens", None), stops)
 
 
-def _retracted_since_last_step(worker, reqs) -> set[str]:
-    """Ids of requests that left the decode batch retracted, not finished. Under decode-memory
-    pressure SGLang's `ScheduleBatch.retract_decode` sends requests back to the waiting queue with
-    their output_ids kept (`Req.reset_for_retract` sets `is_retracted`, cleared when they are prefilled
+def _held_since_last_step(worker, reqs) -> set[str]:
+    """Ids of requests that left the decode batch without finishing. Under decode-memory pressure
+    SGLang's `ScheduleBatch.retract_decode` sends requests back to the waiting queue with their
+    output_ids kept (`Req.reset_for_retract` sets `is_retracted`, cleared when they are prefilled
     again): the drafter must keep their place, or their whole response would enter the trees a second
-    time when they are back. The worker cannot see the scheduler's queue, so the last step's requests
-    are held by weak reference: one the scheduler dropped (aborted while waiting) is gone."""
+    time when they are back. Under the overlap scheduler `Scheduler._reqs_finishing_inflight` leaves
+    out of the next batch a request whose next token reaches max_new_tokens
+    (`Req.next_output_finishes_by_length`) while its last run is still in flight: it is held until
+    that run's result finishes it (`note_request_finished`). The worker cannot see the scheduler's
+    queue, so the last step's requests are held by weak reference: one the scheduler dropped (aborted
+    while waiting) is gone, one that finished is over."""
     last = worker.__dict__.get("specrl_last_reqs", {})
     now = {str(r.rid) for r in reqs}
     held = {}
     for rid, ref in last.items():
         req = ref()
-        if (rid not in now and req is not None and getattr(req, "is_retracted", False)
-                and not req.finished()):
+        if rid in now or req is None or req.finished():
+            continue
+        if getattr(req, "is_retracted", False) or (worker.enable_overlap and _last_token_in_flight(req)):
             held[rid] = ref
     worker.specrl_last_reqs = {**held, **{str(r.rid): weakref.ref(r) for r in reqs}}
     return set(held)
+
+
+def _last_token_in_flight(req) -> bool:
+    """Req.next_output_finishes_by_length, the test of Scheduler._reqs_finishing_inflight."""
+    max_new = getattr(req.sampling_params, "max_new_tokens", None)
+    return max_new is not None and len(req.output_ids) + 1 >= max_new
+
+
+def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
+    """SGLang's hook (BaseSpecWorker's no-op, which NGRAMWorker does not override) that result
+    processing calls once when a decode/verify step finishes a request
+    (`SchedulerBatchResultProcessor._handle_finish_state_updated_req`, after `process_batch_result_decode`
+    extended `output_ids` with the step's run and `Req.update_finish_state` ended it). Without the
+    overlap scheduler the drafter has not seen that run (it learns a step's tokens when it drafts the
+    next, and a finished request is in no next batch): it enters the trees and the counters now, cut
+    at the stop token or max_new_tokens as any step's (`_opts`). Under overlap the drafter already
+    read it from spec_info when it prepared the next step, unless the request was left out of that
+    step (held, `_held_since_last_step`): then it enters now; nothing enters twice. Either way the
+    request's place in the drafter is released here. Only `rid` comes with the hook: the request is
+    the one the last step held, by weak reference."""
+    drafter = self.__dict__.get("specrl_drafter")
+    if drafter is None:
+        return
+    ref = self.__dict__.get("specrl_last_reqs", {}).get(str(rid))
+    req = ref() if ref is not None else None
+    seq = None if req is None else _Seq(req.origin_input_ids_unpadded, req.output_ids)
+    drafter.finish(str(rid), seq, None if seq is None else seq.len)
 
 
 def _update_ngram_corpus(self, batch) -> None:
@@ -201,9 +240,11 @@ def _enabled() -> bool:
     return bool(os.environ.get(SETTINGS_ENV))
 
 
-_WORKER = PinnedPatch(VERSION, _worker, ["_prepare_draft_tokens", "_update_ngram_corpus"],
+_WORKER = PinnedPatch(VERSION, _worker,
+                      ["_prepare_draft_tokens", "_update_ngram_corpus", "note_request_finished"],
                       lambda originals: {"_prepare_draft_tokens": _prepare_draft_tokens,
-                                         "_update_ngram_corpus": _update_ngram_corpus},
+                                         "_update_ngram_corpus": _update_ngram_corpus,
+                                         "note_request_finished": note_request_finished},
                       when=_enabled, package="sglang")
 _SCHEDULER = PinnedPatch(VERSION, _scheduler, [RPC_METHOD], lambda originals: {RPC_METHOD: specrl_tree_rpc},
                          when=_enabled, package="sglang")

@@ -317,6 +317,25 @@ class TreeDrafter:
             self.trees.keep_newest(SHARED_KEY, self.shared_nodes // 2)
             self._shared_after_rebuild = self.trees.nodes_of(SHARED_KEY)
 
+    def finish(self, req_id: str, seq: Callable[[int, int], Sequence[int]] | None = None,
+               end: int | None = None) -> None:
+        """The engine ended the request (between steps). `seq`/`end`: its final sequence, for an engine
+        whose drafter never sees a request's last step (SGLang without its overlap scheduler): what it
+        gained since the last step enters the trees and the counters as a step's gain would (cut at a
+        stop token and at max_end; already there: nothing), and nothing is drafted. Its place is then
+        released; the trees keep its tokens. A request the drafter does not hold: nothing."""
+        if seq is not None and self._live.get(req_id) is not None:
+            k_max, self._k_max = self._k_max, 0       # no draft: the request has ended
+            try:
+                self.request(req_id, lambda: None, seq, end)
+            finally:
+                self._k_max = k_max
+        self._own.pop(req_id, None)
+        if self._live.pop(req_id, None) is not None:
+            self.trees.finish(req_id)
+            if self.shared_nodes:
+                self.trees.finish((req_id, SHARED_KEY))
+
     def _start(self, req_id: str, opts: RequestOpts | None, seq) -> list[int] | None:
         if opts is None:
             self._live[req_id] = None
