@@ -5,7 +5,8 @@ file with a checksum, so `resume=auto` can also skip one damaged later on.
 
 Layout: learner/ (Megatron dist checkpoint, written by the learner ranks),
 trajectories.{npz,json} (the speculative drafts), trainer_state.json (step,
-weight version, data position, RNG, tokenizer fingerprint), manifest.json (last).
+weight version, data position, tokenizer fingerprint; the learner's RNG states are in learner/),
+manifest.json (last).
 """
 
 from __future__ import annotations

@@ -71,10 +71,16 @@ class TrajectoryStore:
         keys = list(self._items)
         trajs = [self._items[k] for k in keys]
         lengths = np.array([len(t.token_ids) for t in trajs], dtype=np.int64)
+        token_ids = np.array([i for t in trajs for i in t.token_ids], dtype=np.int64)
+        if not len(token_ids) or (token_ids.min() >= np.iinfo(np.int32).min and token_ids.max() <= np.iinfo(np.int32).max):
+            token_ids = token_ids.astype(np.int32)   # every vocabulary fits: 4 bytes a token, as the log-probs' 4 saved
         np.savez(
             d / "trajectories.npz",
-            token_ids=np.array([i for t in trajs for i in t.token_ids], dtype=np.int64),
-            logprobs=np.array([x for t in trajs for x in t.logprobs], dtype=np.float32),
+            token_ids=token_ids,
+            # float64, what the store holds in memory (Python floats): a resumed run must draft and accept
+            # (spec_mode=lenient compares these q with new log-probs) from exactly the values the
+            # uninterrupted run would have used; float32 rounded any value an engine did not give in float32
+            logprobs=np.array([x for t in trajs for x in t.logprobs], dtype=np.float64),
             lengths=lengths,
             versions=np.array([t.weight_version for t in trajs], dtype=np.int64),
             # -1: no noise seed (seeds are 63-bit, never negative)
