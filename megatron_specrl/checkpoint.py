@@ -17,6 +17,8 @@ import json
 import logging
 import os
 import shutil
+import time
+from collections.abc import Iterable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -98,6 +100,33 @@ def _prune(root: Path, keep: int, newest: Path) -> None:
     done = sorted(p for p in root.glob("step_*") if p.name <= newest.name)
     for old in done[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def set_aside_newer(root: Path, step: int, logs: Iterable[Path] = ()) -> Path | None:
+    """A run resuming at `step` with later checkpoints in `root` (an abandoned run's, resumed from an
+    older one; or damaged ones resume=auto skipped) moves them, before it writes anything, into
+    `root/abandoned-after-step_N-<time>/`, with copies of `logs` (the metrics and data order the
+    resumed run is about to trim to `step`): resume=auto and engine restarts (find_latest) then see
+    only the resumed timeline, pruning never counts them, and nothing is deleted. None if none."""
+    root = Path(root)
+    newer = sorted(p for p in root.glob("step_*") if p.is_dir() and p.name > step_dir_name(step))
+    if not newer:
+        return None
+    base = root / f"abandoned-after-{step_dir_name(step)}-{time.strftime('%Y%m%d-%H%M%S')}"
+    dest, n = base, 1
+    while dest.exists():
+        dest, n = base.with_name(f"{base.name}-{n}"), n + 1
+    dest.mkdir()
+    for p in newer:
+        os.rename(p, dest / p.name)
+    for f in logs:
+        if Path(f).is_file():
+            shutil.copy2(f, dest / Path(f).name)
+    _fsync(dest)
+    _fsync(root)
+    log.warning("resuming at step %d: moved the later checkpoints %s (not this timeline's) into %s",
+                step, ", ".join(p.name for p in newer), dest)
+    return dest
 
 
 def verify(ckpt: Path) -> str | None:

@@ -150,6 +150,10 @@ def build_run(cfg: RunConfig) -> Run:
             loader.load_state_dict(state["loader"])
         except ValueError as e:   # other data, seed or shuffling: the data order cannot continue
             raise ConfigError(f"trainer.resume: checkpoint {resume_from}: {e}") from None
+        # resumed from an older checkpoint: the abandoned run's later ones go aside (kept, with its
+        # logs), or resume=auto and engine restarts would continue that run
+        ckpt.set_aside_newer(out / "checkpoints", state["step"],
+                             logs=(out / "metrics.jsonl", out / "data_order.jsonl"))
 
     init_ray(cfg.ray)
     placement = plan_placement(cfg, cluster_gpus())
