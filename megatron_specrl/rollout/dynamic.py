@@ -20,7 +20,7 @@ RolloutRound = Callable[[int], tuple[list[RolloutSample], torch.Tensor, torch.Te
 
 
 ADDITIVE_SUFFIXES = ("_tokens", "_s", "spec/drafts", "spec/nonfinite_logprobs", "spec/coupled_refreshed",
-                     "spec/samples", "spec/full_reuses", "spec/lenient_excess",
+                     "spec/samples", "spec/full_reuses", "spec/lenient_excess", "spec/redraws",
                      "runahead/requests", "spec/decode_steps", "tree/engine_steps", "tree/engine_steps_longest",
                      "tree/request_steps")
 ADDITIVE_PREFIXES = ("tree_cost/",)     # the step-cost fit's sums

@@ -16,6 +16,14 @@ Per (prompt, sample k) at step t:
   5. assemble prefix + continuation and store it for the next epoch.
 All requests of a step go to the engine as one verification batch and one extension batch.
 
+A pair that an earlier DAPO round of this step already rolled out (a prompt drawn again: the
+loader wrapped at an epoch end) finds that round's sample in the store, drawn under the current
+weights. `lenient` would accept all of it (p == q) and `coupled` redraw it with the same noise: the
+same group again, one the filter may just have dropped. So `lenient` and `coupled` roll such a
+pair out without its draft (`coupled` with noise of its own for the round), as a first draw of
+the step would be sampled. `exact` keeps the draft: it accepts y_t with p(y_t) and replaces with
+the round's own randomness, so its sample is exact and independent of the draft.
+
 With rollout.verify=decode (`exact` with tree drafting) steps 2-4 happen inside the engine's decode
 loop instead: every request starts from the prompt with its draft y as an own draft, which the
 engine's proposer drafts first, K tokens a step, while the response still equals y's prefix; the
@@ -74,7 +82,8 @@ class _Plan:
     finish_reason: str = "length"   # when no generation is needed
     needs_generation: bool = True
     noise_seed: int | None = None   # coupled: the seed of this (prompt, sample)'s position-keyed noise
-    refreshed: bool = False         # coupled: the noise was re-drawn this step (rollout.coupled_refresh)
+    refreshed: bool = False         # coupled: the noise was re-drawn this step (rollout.coupled_refresh, or a redraw)
+    redraw: bool = False            # an earlier round of this step drew the pair: its draft is this step's sample
 
 
 def stable_seed(*parts) -> int:
@@ -150,10 +159,14 @@ class SpeculativeRollout:
         self.coupled_refresh = coupled_refresh
         self.runahead = runahead   # most run-ahead requests per rollout (0: off)
 
-    def _noise_seed(self, prompt_id: str, k: int, draft: Trajectory | None, step) -> tuple[int, bool]:
+    def _noise_seed(self, prompt_id: str, k: int, draft: Trajectory | None, step,
+                    redraw: bool = False) -> tuple[int, bool]:
         """(noise seed, re-drawn?) of a (prompt, sample) under spec_mode=coupled: the draft's seed, so
         that this epoch's noise is last epoch's, except for a `coupled_refresh` fraction of pairs per
-        step (and pairs never drawn), which get a seed of their own."""
+        step (and pairs never drawn), which get a seed of their own. A redraw (an earlier round of this
+        step drew the pair) gets the round's own seed: `step` names the round."""
+        if redraw:
+            return stable_seed(self.seed, "coupled", prompt_id, k, step), True
         if draft is None or draft.noise_seed is None:
             return stable_seed(self.seed, "coupled", prompt_id, k), False
         u = np.random.default_rng(stable_seed(self.seed, step, "refresh", prompt_id, k)).random()
@@ -172,11 +185,15 @@ class SpeculativeRollout:
                                            seed=stable_seed(self.seed, step, "runahead", pid, k), runahead=True))
         return out
 
-    def _plan(self, prompt_id: str, k: int, prompt_ids: list[int], step) -> _Plan:
+    def _plan(self, prompt_id: str, k: int, prompt_ids: list[int], step, weight_version: int) -> _Plan:
         draft = self.store.get(prompt_id, k) if self.mode != "off" else None
-        plan = _Plan(prompt_id, k, prompt_ids, draft)
+        # a draft of the current weights is a sample an earlier round of this step stored (the version
+        # changes every step): lenient and coupled would serve it again, so they draw afresh
+        redraw = draft is not None and draft.weight_version == weight_version and self.mode in ("lenient", "coupled")
+        plan = _Plan(prompt_id, k, prompt_ids, None if redraw else draft, redraw=redraw)
         if self.mode == "coupled":
-            plan.noise_seed, plan.refreshed = self._noise_seed(prompt_id, k, draft, step)
+            plan.noise_seed, plan.refreshed = self._noise_seed(prompt_id, k, draft, step, redraw)
+        draft = plan.draft
         if draft is not None and draft.token_ids:
             L = self.max_new_tokens
             plan.draft_ids = list(draft.token_ids[:L])   # an old response longer than L is truncated
@@ -191,7 +208,7 @@ class SpeculativeRollout:
         `runahead` run-ahead requests: sampled in the tail of this step's generation only to feed
         their draft trees (GenerateRequest.runahead), never part of the samples or the store."""
         t0 = time.perf_counter()
-        plans = [self._plan(pid, k, ids, step) for pid, ids in prompts for k in range(n_samples)]
+        plans = [self._plan(pid, k, ids, step, weight_version) for pid, ids in prompts for k in range(n_samples)]
 
         # 2. verify every draft in one batch (rollout.verify=decode: in the engine's decode loop, in 4.)
         in_decode = self.verify == "decode"
@@ -304,6 +321,7 @@ class SpeculativeRollout:
             "spec/full_reuse_ratio": full_reuses / max(len(plans), 1),
             "spec/full_reuses": float(full_reuses),
             "spec/samples": float(len(plans)),
+            "spec/redraws": float(sum(p.redraw for p in plans)),   # drawn again this step, without the draft
             "spec/mean_accept_len": accepted / max(len(drafted), 1),
             "spec/drafts": float(len(drafted)),
             "spec/cached_prompt_tokens": float(sum(r.num_cached_tokens for r in results)),
