@@ -329,7 +329,7 @@ def test_payload_carries_the_draft_key_in_custom_params():
     plain = se.build_generate_payload(reqs[:1], s, draft="none")["sampling_params"]
     assert "custom_params" not in plain[0]
     with pytest.raises(NotImplementedError, match="run-ahead"):
-        se.build_generate_payload([GenerateRequest([1], 4, draft_key="p", runahead=True)], s, draft="tree")
+        se.build_generate_payload([GenerateRequest([1], 4, draft_key="p", response_start=1, runahead=True)], s, draft="tree")
 
 
 def test_own_draft_travels_in_custom_params_and_is_drafted_first(worker):

@@ -75,7 +75,7 @@ def test_an_engine_starts_after_the_compiled_trees_ran_in_the_process(tiny_llama
     try:
         # drafted random sampling: the rejection sampler's kernels, which the scan must still rebind
         for _ in range(2):
-            out = eng.generate([GenerateRequest([1, 2, 3], 12, seed=i, draft_key="p") for i in range(8)],
+            out = eng.generate([GenerateRequest([1, 2, 3], 12, seed=i, draft_key="p", response_start=3) for i in range(8)],
                                SamplingSettings(), eng.weight_version)
             assert len(out) == 8 and all(len(o.token_ids) == 12 for o in out)
         assert eng.draft_stats()["draft_tokens"] > 0

@@ -64,8 +64,10 @@ class GenerateRequest:
     # Tree drafting (rollout.draft=tree): the tree this request drafts from and feeds (the prompt
     # id: all samples of a prompt share one), and where in prompt_ids the response starts (an
     # extension's prompt ends with the accepted part of its draft, which is part of the response).
+    # Required with draft_key or coupled_seed (0 would take the whole prompt for response: its
+    # tokens would enter the tree, the noise positions would count from the prompt's start).
     draft_key: str | None = None
-    response_start: int = 0
+    response_start: int | None = None
     # Coupled sampling (rollout.spec_mode=coupled): the token at response position t (counted from
     # response_start) is drawn with noise that depends only on (coupled_seed, t), so an extension
     # that starts inside the response draws what a generation from the prompt would
@@ -82,6 +84,16 @@ class GenerateRequest:
     # follows it; its rejection sampler accepts each drafted token y with p(y) and otherwise samples
     # p without y, the `exact` rule. Engines without tree drafting refuse it.
     own_draft: list[int] | None = None
+
+    def __post_init__(self):
+        if self.response_start is None:
+            if self.draft_key is not None or self.coupled_seed is not None:
+                raise ValueError("GenerateRequest: draft_key and coupled_seed need response_start, where the "
+                                 "response begins in prompt_ids (len(prompt_ids) for a fresh response)")
+            self.response_start = 0
+        if not 0 <= self.response_start <= len(self.prompt_ids):
+            raise ValueError(f"GenerateRequest: response_start={self.response_start} is outside the "
+                             f"{len(self.prompt_ids)}-token prompt_ids")
 
 
 @dataclass
