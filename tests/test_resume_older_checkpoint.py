@@ -8,45 +8,21 @@ manager itself.
 
 import json
 import logging
-import shutil
 
 import pytest
+import test_review_metrics_resume_mismatch as resume_checks
 
 from megatron_specrl import checkpoint as ckpt
-from megatron_specrl.config import load_config
 from megatron_specrl.metrics import MetricsLogger
-from megatron_specrl.models.resolve import tokenizer_fingerprint
-
-
-class _ReachedRay(Exception):
-    pass
 
 
 def _checkpoint(out, model_dir, step, keep=10):
-    tmp = ckpt.begin(out / "checkpoints", step)
-    hf = tmp / "learner" / "hf"
-    hf.mkdir(parents=True)
-    for f in model_dir.iterdir():
-        if f.is_file() and not f.name.endswith(".safetensors"):
-            shutil.copy2(f, hf / f.name)
-    (tmp / "learner" / "shard.bin").write_bytes(f"weights of step {step}".encode())
-    state = {"step": step, "weight_version": step, "tokenizer": tokenizer_fingerprint(model_dir),
-             "model_dir": str(model_dir),
-             "loader": {"epoch": 0, "position": 8, "seed": 0, "shuffle": True, "num_records": 16}}
-    return ckpt.commit(tmp, state, keep=keep)
+    return resume_checks._checkpoint(out, model_dir, step=step, keep=keep)
 
 
 def _build(out, model_dir, monkeypatch, *extra):
-    from megatron_specrl import actors
-    from megatron_specrl.run_setup import build_run
-
-    def reached(*a, **k):
-        raise _ReachedRay
-    monkeypatch.setattr(actors, "init_ray", reached)
-    cfg = load_config(None, [f"output_dir={out}", f"model.path={model_dir}", "data.num_synthetic=16",
-                             "trainer.prompts_per_step=8", "data.num_eval=0", "trainer.seed=0", *extra])
-    with pytest.raises(_ReachedRay):
-        build_run(cfg)
+    with pytest.raises(resume_checks._ReachedRay):
+        resume_checks._build(out, model_dir, monkeypatch, *extra)
 
 
 def _rows(path):

@@ -15,8 +15,8 @@ class _ReachedRay(Exception):
     pass
 
 
-def _checkpoint(root, model_dir, hf_config=None, loader=None, critic=False):
-    tmp = ckpt.begin(root / "checkpoints", 2)
+def _checkpoint(root, model_dir, hf_config=None, loader=None, critic=False, step=2, keep=2):
+    tmp = ckpt.begin(root / "checkpoints", step)
     hf = tmp / "learner" / "hf"
     hf.mkdir(parents=True)
     for f in model_dir.iterdir():
@@ -26,10 +26,11 @@ def _checkpoint(root, model_dir, hf_config=None, loader=None, critic=False):
         (hf / "config.json").write_text(json.dumps(hf_config))
     if critic:
         (tmp / "critic").mkdir()
-    state = {"step": 2, "weight_version": 2, "tokenizer": tokenizer_fingerprint(model_dir),
+    (tmp / "learner" / "shard.bin").write_bytes(f"weights of step {step}".encode())
+    state = {"step": step, "weight_version": step, "tokenizer": tokenizer_fingerprint(model_dir),
              "model_dir": str(model_dir),
              "loader": loader or {"epoch": 0, "position": 8, "seed": 0, "shuffle": True, "num_records": 16}}
-    return ckpt.commit(tmp, state, keep=2)
+    return ckpt.commit(tmp, state, keep=keep)
 
 
 def _build(tmp_path, tiny_llama, monkeypatch, *extra):
