@@ -10,6 +10,7 @@ the log file the engine writes, so the caller can `restart()` and retry the batc
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -215,6 +216,23 @@ class RayEngine:
             raise EngineError(f"{what}: engine killed for out of memory: {e}", self.name,
                               self.last_log_lines()) from e
         except RayActorError as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise EngineError(f"{what}: engine process died (pid {self._pid}): {first}", self.name,
+            raise EngineError(f"{what}: engine process died (pid {self._pid}): {death_cause(e)}", self.name,
                               self.last_log_lines()) from e
+
+
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*(?:Error|Exception)): (.+)$")
+
+
+def death_cause(e: BaseException) -> str:
+    """One line for why an engine actor died. Ray's first line says only that the actor died; when it
+    died in its creation task (the engine failed to start: bad settings, too few CPUs, vLLM refusing
+    the model) the traceback Ray appends ends in the exception that says why: that line."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    if "creation task" in lines[0]:
+        for ln in reversed(lines):
+            m = _EXCEPTION_LINE.match(ln)
+            if m:
+                return f"its start raised {m[1]}: {m[2]}"
+    return lines[0]
