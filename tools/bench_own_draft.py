@@ -4,7 +4,7 @@ bench-rollout measures rollouts under training, where the weights move every ste
 move 15-30% between runs. This isolates the decode loop: one in-process engine with tree drafting
 on a warmed-up model, 16 prompts x 8 samples of the model's task; a first round gives every sample
 an "old" response (and fills the prompts' trees), then each round generates all 128 again under
-four arms, in alternating order (ABCD DCBA ...), with fresh seeds:
+three arms, in alternating order (ABC CBA ...), with fresh seeds:
 
 - `own`:   rollout.verify=decode: each sample drafts its own old response while it follows it,
            then the prompt's tree (GenerateRequest.own_draft);
@@ -42,6 +42,20 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 ARMS = ("own", "tree", "plain")
+
+
+def arm_counts(drafter_stats: dict, results) -> dict:
+    """A generation's counts: the tree drafter's, which count only the steps where a request that opted
+    in to drafting ran; for an arm whose requests did not (`plain`), the steps follow from the outputs,
+    one token a request and step: the longest output's length in engine steps (as bench-rollout counts
+    `off`'s decode steps) and every output token a request-step."""
+    out = dict(drafter_stats)
+    if not out.get("engine_steps"):
+        lengths = [len(r.token_ids) for r in results]
+        out["engine_steps"] = float(max(lengths, default=0))
+        out["request_steps"] = float(sum(lengths))
+        out["generated_tokens"] = float(sum(lengths))
+    return out
 
 
 def main() -> None:
@@ -93,11 +107,11 @@ def main() -> None:
                 t = time.perf_counter()
                 if arm == args.profile:
                     profile.enable()
-                engine.generate(requests(arm, 10_000 * (r + 1), old), sampling, 0)
+                results = engine.generate(requests(arm, 10_000 * (r + 1), old), sampling, 0)
                 if arm == args.profile:
                     profile.disable()
                 times[arm].append(time.perf_counter() - t)
-                stats[arm].append(engine.draft_stats())
+                stats[arm].append(arm_counts(engine.draft_stats(), results))
         engine.shutdown()
 
     plain = statistics.median(times["plain"])

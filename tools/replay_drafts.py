@@ -19,7 +19,9 @@ a step costs on a CPU), requests running per step, and draft acceptance. With `-
 + C ms a draft token) it also prints what the decode loop would take per rollout, so a drafting
 policy (`--token-budget`, `--min-prob`, `--draft-tokens`) can be chosen for that machine. The first rollout of each
 prompt has no earlier responses; `--from-step` (default: the first step at which every prompt of
-the step has been seen before) sets where the summary starts.
+the step has been seen before) sets where the summary starts. As in the engine, no draft runs past
+a request's last position (prompt + max_new_tokens: `--max-new-tokens`, by default the longest
+response the dump marks `finish_reason: length`).
 
     python tools/replay_drafts.py <dir with <step>.jsonl> [--window 0,1,2] [--own-draft]
 """
@@ -39,13 +41,17 @@ from megatron_specrl.rollout.dump import read_rollouts  # noqa: E402
 from megatron_specrl.rollout.speculative import common_prefix  # noqa: E402
 
 
-def replay_step(drafter: TreeDrafter, rows: list[dict], tag: str, own: dict | None = None) -> dict:
+def replay_step(drafter: TreeDrafter, rows: list[dict], tag: str, own: dict | None = None,
+                max_new_tokens: int | None = None) -> dict:
     """One rollout's decode loop: returns engine steps, request steps, drafted/accepted tokens and the
-    tokens verified per step (drafts + one per running request)."""
+    tokens verified per step (drafts + one per running request). `max_new_tokens`: the requests'
+    max_tokens, where the engine's drafter stops drafting (None: unknown, drafts run on)."""
     reqs = {f"{tag}/{i}": r for i, r in enumerate(rows)}
-    # per request: its drafting options (own draft: the sample's previous response) and all its tokens
+    # per request: its drafting options (own draft: the sample's previous response; the last position
+    # the engine keeps, past which it drafts nothing) and all its tokens
     opts = {rid: RequestOpts(r["prompt_id"], len(r["prompt_ids"]), len(r["prompt_ids"]), False,
-                             tuple(own.get((r["prompt_id"], r["sample_idx"]), ())) if own is not None else ())
+                             tuple(own.get((r["prompt_id"], r["sample_idx"]), ())) if own is not None else (),
+                             None if max_new_tokens is None else len(r["prompt_ids"]) + int(max_new_tokens))
             for rid, r in reqs.items()}
     seqs = {rid: r["prompt_ids"] + r["response_ids"] for rid, r in reqs.items()}
     pos = dict.fromkeys(reqs, 1)            # the prefill step samples every request's first token
@@ -81,8 +87,15 @@ def replay_step(drafter: TreeDrafter, rows: list[dict], tag: str, own: dict | No
             "verified": verified, "prefilled": prefilled}
 
 
+def infer_max_new_tokens(steps: dict[int, list[dict]]) -> int | None:
+    """The run's max_new_tokens as its dump shows it: the longest response that ended at its length
+    limit (finish_reason "length"); None when none did."""
+    return max((len(r["response_ids"]) for rows in steps.values() for r in rows
+                if r.get("finish_reason") == "length"), default=None)
+
+
 def replay(steps: dict[int, list[dict]], window: int, own_draft: bool, settings: dict, max_k: int,
-           max_model_len: int) -> dict[int, dict]:
+           max_model_len: int, max_new_tokens: int | None = None) -> dict[int, dict]:
     """Every step in order under one policy; window 0 keeps one drafter for the whole run."""
     history: dict[str, deque] = defaultdict(lambda: deque(maxlen=window or None))
     last: dict[tuple, list[int]] = {}
@@ -97,7 +110,7 @@ def replay(steps: dict[int, list[dict]], window: int, own_draft: bool, settings:
                         drafter.trees.insert(pid, resp)
                         if drafter.shared_nodes:
                             drafter.trees.insert(SHARED_KEY, resp)
-        out[step] = replay_step(drafter, rows, f"s{step}", last if own_draft else None)
+        out[step] = replay_step(drafter, rows, f"s{step}", last if own_draft else None, max_new_tokens)
         by_prompt = defaultdict(list)
         for r in rows:
             by_prompt[r["prompt_id"]].append(r["response_ids"])
@@ -119,6 +132,8 @@ def main() -> None:
                     help="the shared tree's bound (rollout.draft_shared_nodes; 0: prompt trees only), one run each")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--from-step", type=int, default=None)
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help="the run's rollout.max_new_tokens (default: the longest response that ended at its limit)")
     ap.add_argument("--step-cost", default=None, metavar="A,B,C",
                     help="ms per decode step, per request in it, per draft token (bench-rollout's step cost fit)")
     args = ap.parse_args()
@@ -153,12 +168,13 @@ def main() -> None:
     if start is None:
         raise SystemExit(f"{args.rollouts}: no step whose prompts all came before; pass --from-step")
     settings = {"token_budget": args.token_budget, "min_prob": args.min_prob}
+    max_new = args.max_new_tokens if args.max_new_tokens is not None else infer_max_new_tokens(steps)
     print(f"{args.rollouts}: {len(steps)} rollouts of {len(next(iter(steps.values())))} samples; summary from step "
-          f"{start}")
+          f"{start}; max_new_tokens {max_new if max_new is not None else 'unknown (drafts not cut)'}")
     for w, n in ((int(x), n) for x in args.window.split(",") for n in shared):
         policy = settings if n is None else dict(settings, shared_nodes=n)
         res = [r for s, r in replay(steps, w, args.own_draft, policy, args.draft_tokens,
-                                    args.max_model_len).items() if s >= start]
+                                    args.max_model_len, max_new).items() if s >= start]
         total = lambda k: sum(r[k] for r in res)
         label = "" if n is None else f" shared {n}"
         print(f"  window {w or 'all':>3}{' +own' if args.own_draft else ''}{label}: decode steps / rollout "
