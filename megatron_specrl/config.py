@@ -156,7 +156,8 @@ class LossConfig(_Strict):
     # 3.0 as in verl; null turns it off (plain PPO clip).
     dual_clip_c: float | None = Field(3.0, gt=1)
     # [loss_agg_mode] token-mean | seq-mean-token-sum | seq-mean-token-mean (GRPO) |
-    # seq-mean-token-sum-norm (Dr. GRPO: token sums / loss_scale_factor)
+    # seq-mean-token-sum-norm (Dr. GRPO: mean over sequences of token sums / loss_scale_factor; verl's is
+    # that times a batch-size factor, README's loss table)
     agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                       "seq-mean-token-sum-norm"] = "token-mean"
     # [loss_scale_factor] the constant of seq-mean-token-sum-norm; unset: rollout.max_new_tokens (RunConfig)
@@ -224,6 +225,9 @@ class AlgorithmConfig(_Strict):
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(0.95, ge=0, le=1)
     critic_lr: float = Field(1e-4, gt=0)
+    # [critic.optim.lr_warmup_steps] the critic's own linear warm-up (as learner.lr_warmup_steps, which
+    # warms up the policy only); 0, verl's default: the critic trains at critic_lr from its first step
+    critic_lr_warmup_steps: int = Field(0, ge=0)
 
 
 class TrainerConfig(_Strict):
@@ -350,6 +354,11 @@ class RunConfig(_Strict):
             raise ValueError(f"learner.recompute_old_logprobs=false with rollout.top_p={r.top_p} / top_k={r.top_k}: "
                              "the PPO ratio would use the rollout's log-probs renormalised over the nucleus, not "
                              "the learner's tempered ones; leave it unset or true")
+        longest = self.data.max_prompt_len + r.max_new_tokens
+        if le.max_tokens_per_microbatch is not None and le.max_tokens_per_microbatch < longest:
+            raise ValueError(f"learner.max_tokens_per_microbatch={le.max_tokens_per_microbatch} < data.max_prompt_len + "
+                             f"rollout.max_new_tokens = {longest}: a row of that length would not fit in a "
+                             "microbatch (verl: ppo_max_token_len_per_gpu); raise the budget or shorten the rows")
         loss = le.loss
         if loss.loss_scale_factor is None:
             loss.loss_scale_factor = float(r.max_new_tokens)

@@ -161,6 +161,7 @@ def build_run(cfg: RunConfig) -> Run:
                                   cfg.rollout.engine)
     actors = build_actors(model_dir, cfg.learner, cfg.rollout, seed=cfg.trainer.seed, log_dir=out / "engine_logs",
                           critic_lr=cfg.algorithm.critic_lr if cfg.algorithm.name == "ppo" else None,
+                          critic_lr_warmup_steps=cfg.algorithm.critic_lr_warmup_steps,
                           reference=cfg.learner.loss.kl_coef > 0,
                           learner_gpus_per_rank=placement.learner_gpus_per_rank,
                           gpus_per_engine=placement.gpus_per_engine)

@@ -39,6 +39,10 @@ def aggregate(loss_mat: Tensor, mask: Tensor, mode: str = "token-mean", denom: f
     seq-mean-token-sum-norm:  mean over sequences of sum_t loss / loss_scale_factor   (Dr. GRPO: one
                               constant, the max response length, instead of each sequence's length)
 
+    verl's seq-mean-token-sum-norm leaves out the mean over sequences: its value is ours times
+    ppo_micro_batch_size_per_gpu (legacy workers) or the sequences per DP rank (engine workers), and
+    split-dependent with use_dynamic_bsz; ours keeps Dr. GRPO's 1/G, independent of the split (README).
+
     Sequences whose mask is all zero do not count in the seq-mean-* means. `denom`, when given,
     replaces aggregation_denominator(mask, mode) (a global one, so microbatches sum to the batch).
     """

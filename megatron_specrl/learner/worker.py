@@ -63,11 +63,17 @@ def _checkpoint_dtype(hf_config) -> torch.dtype | None:
 
 def split_microbatches(rows: list[int], lengths: list[int], micro_batch_size: int,
                        max_tokens: int | None) -> list[list[int]]:
-    """Fixed-size microbatches, or (dynamic batching) greedy packs with n * max_len <= max_tokens."""
+    """Fixed-size microbatches, or (dynamic batching) greedy packs with n * max_len <= max_tokens.
+
+    A row longer than max_tokens is an error, as in verl (RunConfig refuses a budget below
+    data.max_prompt_len + rollout.max_new_tokens, so this is a guard)."""
     if not max_tokens:
         return [rows[i:i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)]
     out, cur, cur_max = [], [], 0
     for r, n in zip(rows, lengths):
+        if n > max_tokens:
+            raise ValueError(f"row {r} has {n} tokens (prompt + response), more than "
+                             f"learner.max_tokens_per_microbatch={max_tokens}: raise the budget")
         new_max = max(cur_max, n)
         if cur and new_max * (len(cur) + 1) > max_tokens:
             out.append(cur)
