@@ -91,16 +91,19 @@ def qwen_state(tiny_qwen2):
 @pytest.fixture(scope="module")
 def engine(tiny_qwen2, tmp_path_factory):
     from megatron_specrl.engines.vllm_engine import VLLMEngine
-    saved = os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    # vLLM's multiprocess executor sets this process's torch threads to 1 and its own environment
+    # variables; a Ray engine actor does not mind, but the in-process engines of later test modules
+    # would then run their CPU attention with fewer threads than its metadata was built for
+    saved_env, saved_threads = dict(os.environ), torch.get_num_threads()
+    os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
     eng = VLLMEngine(str(tiny_qwen2), name="vllm-tp2", seed=0, max_model_len=128, kv_cache_gb=0.25,
                      tensor_parallel_size=2, log_dir=tmp_path_factory.mktemp("engine-logs"),
                      draft="tree", draft_tokens=8, draft_settings={"min_prob": 0.0})
     yield eng
     eng.shutdown()
-    if saved is None:
-        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-    else:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved
+    os.environ.clear()
+    os.environ.update(saved_env)
+    torch.set_num_threads(saved_threads)
 
 
 def _bump_norm_on_rank_1(worker):
