@@ -105,13 +105,12 @@ def read_weights_in_worker(worker, names: list[str] | None = None, checksums_onl
             and hasattr(head, "embedding_dim") and (wanted is None or "lm_head.weight" in wanted)):
         t = _unpack_linear(head, head.weight.dtype, head.embedding_dim).float()
         out["lm_head.weight"] = [checksum(t), float(t.double().norm())] if checksums_only else t
-    layout = {n: tp_layout(modules[n.rsplit(".", 1)[0]], n.rsplit(".", 1)[1]) for n in out}
+    layout = ({n: tp_layout(modules[n.rsplit(".", 1)[0]], n.rsplit(".", 1)[1]) for n in out}
+              if with_layout else None)
     if as_bytes and not checksums_only:
         from safetensors.torch import save
         out = save({k: v.contiguous() for k, v in out.items()})
-    if with_layout:
-        return out, layout, _tp_rank()
-    return out
+    return (out, layout, _tp_rank()) if with_layout else out
 
 
 def _tp_rank() -> int:

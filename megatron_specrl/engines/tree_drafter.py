@@ -302,11 +302,7 @@ class TreeDrafter:
             self._last_step = [self._step_t0, self._step_running, self._step_drafts]
         self._last_ids = self._seen
         for req_id in [r for r in self._live if r not in self._seen and (alive is None or r not in alive)]:
-            self._own.pop(req_id, None)
-            if self._live.pop(req_id) is not None:
-                self.trees.finish(req_id)
-                if self.shared_nodes:
-                    self.trees.finish((req_id, SHARED_KEY))
+            self._release(req_id)
         # rebuilt from its newest half once past its bound; where the running requests alone hold more
         # than that (long responses, large batches), only once it has doubled since the last rebuild:
         # a rebuild costs the tree's size, so rebuilding every step would cost the batch's tokens a step
@@ -330,6 +326,10 @@ class TreeDrafter:
                 self.request(req_id, lambda: None, seq, end)
             finally:
                 self._k_max = k_max
+        self._release(req_id)
+
+    def _release(self, req_id: str) -> None:
+        """An ended request leaves the drafter; the trees keep its tokens."""
         self._own.pop(req_id, None)
         if self._live.pop(req_id, None) is not None:
             self.trees.finish(req_id)
