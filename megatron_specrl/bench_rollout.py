@@ -84,7 +84,8 @@ def _parse(argv):
                    help="held-out prompts for greedy accuracy at the start and after every epoch (0: off)")
     p.add_argument("--output-dir", default=None)
     p.add_argument("--json", dest="json_path", default=None, help="write per-epoch results and a summary here")
-    p.add_argument("--plot", dest="plot_path", default=None, help="write a PNG of the curves here")
+    p.add_argument("--plot", dest="plot_path", default=None,
+                   help="write a PNG of the curves here (every seed's; with --seeds > 1 their mean too)")
     return p.parse_args(argv)
 
 
@@ -191,27 +192,58 @@ def spread(summaries: list[dict[str, float]]) -> dict[str, dict[str, float]]:
                 "max": max(s[k] for s in summaries)} for k in keys}
 
 
-def plot(results: dict[str, list[dict]], path: str) -> None:
+PLOT_PANELS = (("rollout_s", "rollout seconds / epoch"), ("reuse_ratio", "reuse ratio"),
+               ("reward", "mean rollout reward"), ("eval_accuracy", "held-out greedy accuracy"))
+
+
+def plot_series(runs: list[dict]) -> dict[str, dict[str, list[tuple[int, list[int], list[float]]]]]:
+    """Per panel key (PLOT_PANELS) and mode: one (seed, epochs, values) series per seed, from the
+    runs as the JSON holds them ({"seed", "epochs": {mode: per-epoch rows}}); a missing value (an
+    epoch without an eval) is NaN, which matplotlib leaves as a gap."""
+    out: dict[str, dict[str, list]] = {key: {} for key, _ in PLOT_PANELS}
+    for run in runs:
+        for m, eps in run["epochs"].items():
+            x = [e["epoch"] for e in eps]
+            for key, _ in PLOT_PANELS:
+                y = [math.nan if e.get(key) is None else float(e[key]) for e in eps]
+                out[key].setdefault(m, []).append((run["seed"], x, y))
+    return out
+
+
+def plot(runs: list[dict], path: str):
+    """Every seed's curves, one colour per mode: with one seed its line; with more, each seed's line
+    thin and the mean over seeds (per epoch) bold, labelled. Returns the (closed) figure."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(17, 3.5))
-    for m, eps in results.items():
-        x = [e["epoch"] for e in eps]
-        axes[0].plot(x, [e["rollout_s"] for e in eps], marker="o", label=m)
-        axes[1].plot(x, [e["reuse_ratio"] for e in eps], marker="o", label=m)
-        axes[2].plot(x, [e["reward"] for e in eps], marker="o", label=m)
-        axes[3].plot(x, [e["eval_accuracy"] for e in eps], marker="o", label=m)
-    for ax, title in zip(axes, ["rollout seconds / epoch", "reuse ratio", "mean rollout reward",
-                                "held-out greedy accuracy"]):
-        ax.set_title(title)
+    series = plot_series(runs)
+    n_seeds = len(runs)
+    fig, axes = plt.subplots(1, len(PLOT_PANELS), figsize=(17, 3.5))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (key, title) in zip(axes, PLOT_PANELS):
+        for i, (m, per_seed) in enumerate(series[key].items()):
+            colour = colours[i % len(colours)]
+            if n_seeds == 1:
+                (_, x, y), = per_seed
+                ax.plot(x, y, marker="o", color=colour, label=m)
+                continue
+            for seed, x, y in per_seed:
+                ax.plot(x, y, color=colour, alpha=0.35, linewidth=1, gid=f"{m}/seed{seed}")
+            epochs = sorted({e for _, x, _ in per_seed for e in x})
+            mean = []
+            for e in epochs:
+                vals = [y[x.index(e)] for _, x, y in per_seed if e in x and not math.isnan(y[x.index(e)])]
+                mean.append(statistics.fmean(vals) if vals else math.nan)
+            ax.plot(epochs, mean, marker="o", color=colour, linewidth=2, label=f"{m} (mean)", gid=f"{m}/mean")
+        ax.set_title(title if n_seeds == 1 else f"{title} ({n_seeds} seeds)")
         ax.set_xlabel("epoch")
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return fig
 
 
 def run_mode(args, mode: str, seed: int, root: Path, steps_per_epoch: int, console: Console) -> list[dict]:
@@ -344,7 +376,7 @@ def bench_rollout_main(argv: list[str]) -> int:
                        "steps_per_epoch": steps_per_epoch, "seeds": [r["seed"] for r in runs],
                        "overrides": list(args.overrides)}}, indent=1))
     if args.plot_path:
-        plot(runs[0]["epochs"], args.plot_path)
+        plot(runs, args.plot_path)
     return 0
 
 

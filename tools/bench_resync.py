@@ -9,7 +9,8 @@ over the pre-sync baseline of learner rank 0, the engine actor and this driver,
 sampled every few ms with psutil while the sync runs.
 
 The model is a randomly initialised Llama (default ~60M parameters, 240 MB fp32)
-built locally with transformers (no download) and cached next to the tiny models.
+built locally with transformers (no download) and cached next to the tiny models
+(built aside and renamed into place, so an interrupted build is never reused).
 --engine-dtype bfloat16 serves it in bf16: the learner (fp32) casts while bucketing, so the
 bytes moved halve.
 
@@ -31,17 +32,34 @@ from pathlib import Path
 import torch
 
 
+BENCH_MODEL_MARKER = "bench_model.json"   # written last: the checkpoint is complete
+
+
 def build_bench_model(hidden: int, layers: int, intermediate: int, vocab: int, seed: int = 0) -> Path:
-    """Random Llama checkpoint + the tiny tokenizer (the engine needs one; ids stay < its length)."""
+    """Random Llama checkpoint + the tiny tokenizer (the engine needs one; ids stay < its length).
+    Built in a temporary directory and renamed into place (models.cache.build_once, as the tiny
+    models): a run killed while building leaves no directory that a later run would reuse."""
+    from megatron_specrl.models.cache import build_once
+    from megatron_specrl.models.resolve import cache_root
+
+    params = {"hidden": hidden, "layers": layers, "intermediate": intermediate, "vocab": vocab, "seed": seed}
+    out = cache_root() / f"bench-llama-h{hidden}-l{layers}-f{intermediate}-v{vocab}-s{seed}"
+    if (out / BENCH_MODEL_MARKER).is_file():
+        return out
+
+    def build(tmp: Path) -> None:
+        write_bench_model(tmp, **params)
+        (tmp / BENCH_MODEL_MARKER).write_text(json.dumps(params))    # last: the checkpoint is complete
+
+    return build_once(out, BENCH_MODEL_MARKER, build)
+
+
+def write_bench_model(out: Path, hidden: int, layers: int, intermediate: int, vocab: int, seed: int = 0) -> None:
+    """The checkpoint's files, written into `out`."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from megatron_specrl.models.resolve import cache_root
     from megatron_specrl.models.tiny import build_tokenizer
 
-    out = cache_root() / f"bench-llama-h{hidden}-l{layers}-f{intermediate}-v{vocab}-s{seed}"
-    if (out / "config.json").is_file() and list(out.glob("*.safetensors")):
-        return out
-    out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(out)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                       num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128 or 1,
@@ -50,7 +68,6 @@ def build_bench_model(hidden: int, layers: int, intermediate: int, vocab: int, s
                       dtype="float32")
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(str(out), safe_serialization=True)
-    return out
 
 
 def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:

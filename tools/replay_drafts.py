@@ -147,6 +147,20 @@ def main() -> None:
             raise SystemExit(f"--step-cost {args.step_cost!r}: expected three numbers A,B,C (ms per step, per "
                              "request, per draft token)")
 
+    try:
+        windows = [int(x) for x in args.window.split(",")]
+    except ValueError:
+        windows = [-1]
+    if min(windows) < 0:
+        raise SystemExit(f"--window {args.window!r}: expected non-negative integers W[,W...] (the last W rollouts "
+                         "per prompt; 0: all)")
+    for flag, value, low in (("--draft-tokens", args.draft_tokens, 1), ("--token-budget", args.token_budget, 1),
+                             ("--max-model-len", args.max_model_len, 1), ("--max-new-tokens", args.max_new_tokens, 1)):
+        if value is not None and value < low:
+            raise SystemExit(f"{flag} {value}: expected an integer >= {low}")
+    if not 0 <= args.min_prob <= 1:
+        raise SystemExit(f"--min-prob {args.min_prob}: expected a probability in [0, 1]")
+
     shared = [None]
     if args.shared_nodes is not None:
         try:
@@ -167,11 +181,13 @@ def main() -> None:
     start = args.from_step if args.from_step is not None else first_full
     if start is None:
         raise SystemExit(f"{args.rollouts}: no step whose prompts all came before; pass --from-step")
+    if start > max(steps):      # nothing to summarise
+        raise SystemExit(f"--from-step {start}: the dumps in {args.rollouts} end at step {max(steps)}")
     settings = {"token_budget": args.token_budget, "min_prob": args.min_prob}
     max_new = args.max_new_tokens if args.max_new_tokens is not None else infer_max_new_tokens(steps)
     print(f"{args.rollouts}: {len(steps)} rollouts of {len(next(iter(steps.values())))} samples; summary from step "
           f"{start}; max_new_tokens {max_new if max_new is not None else 'unknown (drafts not cut)'}")
-    for w, n in ((int(x), n) for x in args.window.split(",") for n in shared):
+    for w, n in ((w, n) for w in windows for n in shared):
         policy = settings if n is None else dict(settings, shared_nodes=n)
         res = [r for s, r in replay(steps, w, args.own_draft, policy, args.draft_tokens,
                                     args.max_model_len, max_new).items() if s >= start]
