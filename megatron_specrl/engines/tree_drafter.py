@@ -6,13 +6,16 @@ both drive one `TreeDrafter` once per engine step and only translate their engin
 Per engine step:
     drafter.begin_step(running)                     # draft length and cut-off for this batch size
     for each running request:
-        draft = drafter.request(req_id, opts, seq, end, gained)
+        draft = drafter.request(req_id, opts, seq, end, gained, verified)
     drafter.end_step(alive)                         # requests not seen this step and not alive have ended
 
 - `opts()` is read once per request (the first step it is seen): RequestOpts(key, response_start,
   prompt_len, runahead), or None for a request that did not opt in (no draft key): never drafted,
   never counted;
 - `seq(a, b)` returns the request's tokens [a, b) (prompt + output so far), `end` their number now;
+- `verified`: how many tokens of the request's last draft this step verified, from an engine that
+  verifies a draft in the next step and may cut it (vLLM); draft_tokens counts verified draft tokens
+  (accept_rate = accepted / verified), proposed_tokens all proposed ones;
 - the tokens a request gained since the last step (accepted draft tokens + the bonus or recovered
   token) extend its sequence in its prompt's tree at once, so sibling samples of one step draft from
   each other in flight; the tree keeps them after the request ends (later epochs);
@@ -78,8 +81,12 @@ DEFAULTS = {"max_depth": None, "max_match": 16, "max_nodes": 4_000_000, "min_pro
 
 # least-squares sums over steps for seconds = a + b r + c d (r: requests in the step, d: draft tokens)
 STEP_COST_SUMS = ("cost_n", "cost_r", "cost_d", "cost_rr", "cost_rd", "cost_dd", "cost_y", "cost_ry", "cost_dy")
+# draft_tokens (and own_ / shared_draft_tokens): the draft tokens the engine verified, accept_rate's
+# denominator; proposed_tokens: all the drafter proposed (vLLM's scheduler may verify fewer: it cuts a
+# draft to the step's token budget or max_model_len, and drops it for a preempted request)
 COUNTERS = ("draft_tokens", "accepted_tokens", "generated_tokens", "request_steps", "engine_steps",
-            "runahead_tokens", "own_draft_tokens", "shared_draft_tokens", "draft_s", *STEP_COST_SUMS)
+            "runahead_tokens", "own_draft_tokens", "shared_draft_tokens", "proposed_tokens", "draft_s",
+            *STEP_COST_SUMS)
 
 
 def add_step_cost(sums: dict, requests: float, drafts: float, seconds: float) -> None:
@@ -180,6 +187,9 @@ class TreeDrafter:
         # run-ahead (0/1), last position the engine keeps, stop tokens]; None for requests that did not opt in
         self._live: dict[str, list | None] = {}
         self._own: dict[str, tuple[int, ...]] = {}   # request id -> own draft, while its response follows it
+        # request id -> (length, counter of its source or None) of its last draft, until the engine says
+        # how many of its tokens it verified (`request(..., verified=)`); not for run-ahead requests
+        self._unverified: dict[str, tuple[int, str | None]] = {}
         self.counters = dict.fromkeys(COUNTERS, 0)
         self._k_max, self._step_min_prob, self._seen, self._drafting = 0, 0.0, set(), False
         self._step_t0 = 0.0
@@ -189,6 +199,7 @@ class TreeDrafter:
         self._last_step: list[float] | None = None
         self._last_ids: set = set()
         self._step_running, self._step_drafts, self._step_joined = 0, 0, False
+        self._step_verified: int | None = None   # draft tokens the engine said it verified this step
         self._shared_after_rebuild = 0   # the shared tree's states after its last keep_newest
 
     # -- draft length rules ----------------------------------------------------------------
@@ -208,12 +219,20 @@ class TreeDrafter:
         self._k_max, self._step_min_prob = self.draft_len(running), self.draft_min_prob(running)
         self._seen, self._drafting = set(), False
         self._step_running, self._step_drafts, self._step_joined = running, 0, False
+        self._step_verified = None
 
     def request(self, req_id: str, opts: Callable[[], RequestOpts | None],
-                seq: Callable[[int, int], Sequence[int]], end: int, gained: int | None = None) -> list[int] | None:
+                seq: Callable[[int, int], Sequence[int]], end: int, gained: int | None = None,
+                verified: int | None = None) -> list[int] | None:
         """The draft for this request this step ([] for none); None when the request is not ours.
         `gained`: tokens the engine sampled for it this step if it knows (0: a partial prefill,
-        nothing to do); by default the tokens past what the tree already holds."""
+        nothing to do); by default the tokens past what the tree already holds.
+        `verified`: for an engine that verifies a draft in the step after the one that proposed it and
+        may verify fewer of its tokens (vLLM: the scheduler cuts a draft to the step's token budget and
+        max_model_len, and drops a preempted request's), how many of the request's last draft this step
+        verified: then each draft counts (draft_tokens, own_ / shared_draft_tokens) when that number
+        comes. None: an engine that verifies the whole draft (SGLang, in the step that drafts it), which
+        counts when proposed. proposed_tokens counts every draft when proposed."""
         self._seen.add(req_id)
         live = self._live.get(req_id, 0)
         if live == 0:
@@ -223,6 +242,8 @@ class TreeDrafter:
             self._step_joined = True
         if live is None:
             return None
+        if verified is not None:
+            self._count_verified(req_id, live, int(verified))
         if gained == 0:
             return []
         start, consumed, last_draft, runahead, max_end, stops = live
@@ -278,11 +299,28 @@ class TreeDrafter:
             draft = next((draft[:j + 1] for j, t in enumerate(draft) if t in stops), draft)
         live[2] = len(draft)
         if not runahead:       # as its accepted tokens: kept out of this rollout's counters
-            c["draft_tokens"] += len(draft)
-            if kind:
-                c[kind] += len(draft)
+            c["proposed_tokens"] += len(draft)
+            if verified is not None:          # counted when the engine says how many it verified
+                self._unverified[req_id] = (len(draft), kind)
+            else:
+                c["draft_tokens"] += len(draft)
+                if kind:
+                    c[kind] += len(draft)
         self._step_drafts += len(draft)   # the step verifies them all the same (the step-cost fit)
         return draft
+
+    def _count_verified(self, req_id: str, live: list, verified: int) -> None:
+        """The engine verified `verified` tokens of the request's last draft (proposed in an earlier
+        step): they count as drafted; the rest, cut by the engine, were never verified."""
+        n = min(max(verified, 0), live[2])
+        live[2] = n                    # what this step's gain can have accepted
+        self._step_verified = (self._step_verified or 0) + n
+        last = self._unverified.pop(req_id, None)
+        if last is not None:
+            n = min(n, last[0])
+            self.counters["draft_tokens"] += n
+            if last[1]:
+                self.counters[last[1]] += n
 
     def end_step(self, alive: Container | None = None) -> None:
         """`alive`: the request ids the engine still holds, if it can tell. A request it holds but did
@@ -297,8 +335,10 @@ class TreeDrafter:
             self._loop = [self._loop[0] if self._loop else self._step_t0, now]
             # the interval since the last step's call is that step's cycle: its drafts verified in this
             # step's forward, if the two steps are consecutive steps of one batch without a prefill
+            # (the last step's draft tokens, or those of them this step verified where the engine says)
             if last is not None and not self._step_joined and self._seen & self._last_ids:
-                add_step_cost(self.counters, last[1], last[2], self._step_t0 - last[0])
+                drafts = last[2] if self._step_verified is None else self._step_verified
+                add_step_cost(self.counters, last[1], drafts, self._step_t0 - last[0])
             self._last_step = [self._step_t0, self._step_running, self._step_drafts]
         self._last_ids = self._seen
         for req_id in [r for r in self._live if r not in self._seen and (alive is None or r not in alive)]:
@@ -319,7 +359,9 @@ class TreeDrafter:
         whose drafter never sees a request's last step (SGLang without its overlap scheduler): what it
         gained since the last step enters the trees and the counters as a step's gain would (cut at a
         stop token and at max_end; already there: nothing), and nothing is drafted. Its place is then
-        released; the trees keep its tokens. A request the drafter does not hold: nothing."""
+        released; the trees keep its tokens. A request the drafter does not hold: nothing (SGLang: one
+        that finishes in its prefill, max_new_tokens=1 or a stop token first, is in no decode step and
+        its one token stays out of the trees)."""
         if seq is not None and self._live.get(req_id) is not None:
             k_max, self._k_max = self._k_max, 0       # no draft: the request has ended
             try:
@@ -331,6 +373,7 @@ class TreeDrafter:
     def _release(self, req_id: str) -> None:
         """An ended request leaves the drafter; the trees keep its tokens."""
         self._own.pop(req_id, None)
+        self._unverified.pop(req_id, None)   # a draft the engine never verified: never counted
         if self._live.pop(req_id, None) is not None:
             self.trees.finish(req_id)
             if self.shared_nodes:
@@ -375,4 +418,5 @@ class TreeDrafter:
                                                      max_nodes=t.max_nodes)
         self._live.clear()
         self._own.clear()
+        self._unverified.clear()
         self._shared_after_rebuild = 0

@@ -20,6 +20,9 @@ once per engine step through `patches/vllm_0_32_0_tree_proposer.py` with the inp
 vLLM's rejection sampler verifies the drafts: a point-mass draft x is accepted with probability
 p(x) under the request's processed distribution, and a rejection samples p with x removed, so
 generation stays an exact sample of the policy; every accepted token comes back with its log-prob.
+The scheduler verifies a draft in the next step and may cut it to the step's token budget or
+max_model_len (or drop it, preempting the request); the runner's `InputBatch.spec_token_ids` says what
+it scheduled, and the drafter counts those tokens as drafted (`verified_count`).
 
 The bookkeeping (per-request state, draft length rules, counters) is engine-independent and lives in
 engines/tree_drafter.py, shared with SGLang's NGRAM worker patch; this class only reads vLLM's batch.
@@ -76,11 +79,13 @@ class TreeProposer:
         d = self.drafter
         d.begin_step(len(sampled_token_ids))
         token_ids, num_tokens = input_batch.token_ids_cpu, input_batch.num_tokens_no_spec
+        scheduled = getattr(input_batch, "spec_token_ids", None)
         drafts: list[list[int]] = []
         for i, sampled in enumerate(sampled_token_ids):
             req_id = input_batch.req_ids[i]
             draft = d.request(req_id, lambda: self._opts(requests.get(req_id)),
-                              lambda a, b: token_ids[i, a:b].tolist(), int(num_tokens[i]), len(sampled))
+                              lambda a, b: token_ids[i, a:b].tolist(), int(num_tokens[i]), len(sampled),
+                              None if scheduled is None else verified_count(scheduled[i]))
             drafts.append(draft or [])
         d.end_step(requests)   # the runner's request states: it drops a request's only when it finished
         return drafts
@@ -106,6 +111,20 @@ class TreeProposer:
 
     def load_state_dict(self, state: dict) -> None:
         self.drafter.load_state_dict(state)
+
+
+def verified_count(spec_token_ids) -> int:
+    """How many draft tokens this step verified for a request: vLLM's runner keeps the draft tokens the
+    scheduler scheduled in this step (`InputBatch.spec_token_ids`, set from
+    `scheduler_output.scheduled_spec_decode_tokens` in `_update_states`): our last draft for the request,
+    cut to the step's token budget or max_model_len, empty where the scheduler dropped it (a preempted
+    request). Structured output pads tokens its grammar rejects with -1 (not verified)."""
+    n = 0
+    for t in spec_token_ids:
+        if t < 0:
+            break
+        n += 1
+    return n
 
 
 def in_worker(worker, method: str, *args):

@@ -103,6 +103,8 @@ def tree_metrics(engine) -> dict[str, float]:
     drafted, accepted = stats["draft_tokens"], stats["accepted_tokens"]
     return {"tree/nodes": stats["nodes"], "tree/memory_mb": stats["memory_mb"],
             "tree/draft_tokens": drafted, "tree/accepted_tokens": accepted,
+            # drafts proposed, of which vLLM's scheduler verified draft_tokens (it cuts them to its budget)
+            "tree/proposed_tokens": stats.get("proposed_tokens", drafted),
             "tree/accept_rate": accepted / max(drafted, 1.0),
             "tree/tokens_per_step": stats["generated_tokens"] / max(stats["request_steps"], 1.0),
             "tree/generated_tokens": stats["generated_tokens"], "tree/request_steps": stats["request_steps"],
