@@ -96,14 +96,16 @@ class Actors:
 
 def build_actors(model_dir: str | Path, learner: LearnerConfig, rollout: RolloutConfig, *, seed: int,
                  log_dir: str | Path, critic_lr: float | None = None, critic_lr_warmup_steps: int = 0,
+                 critic_weight_decay: float = 0.01, critic_grad_clip: float = 1.0,
                  reference: bool = False,
                  learner_gpus_per_rank: float = 0.0, gpus_per_engine: float | None = None,
                  engine_seed: int = 0) -> Actors:
     """Policy learner (RayLearnerWorker ranks, so resync can drive them), rollout engine(s) as Ray
     actors, and optionally a PPO critic (`critic_lr`) and a frozen KL reference; every learner group
-    starts from the HF weights in `model_dir`. The critic has the policy's layout and optimizer settings
-    but its own lr and warm-up (`critic_lr_warmup_steps`, verl's critic.optim.lr_warmup_steps: not the
-    policy's learner.lr_warmup_steps). Needs init_ray() first."""
+    starts from the HF weights in `model_dir`. The critic has the policy's layout and other learner
+    settings but its own optimizer settings, as verl's critic.optim / critic.grad_clip: lr, warm-up
+    (`critic_lr_warmup_steps`, not the policy's learner.lr_warmup_steps), weight decay and gradient clip
+    (defaults: AlgorithmConfig's, verl's 0.01 and 1.0). Needs init_ray() first."""
     from megatron_specrl.engines.factory import make_engine
     from megatron_specrl.resync.learner_actor import RayLearnerWorker
 
@@ -118,7 +120,9 @@ def build_actors(model_dir: str | Path, learner: LearnerConfig, rollout: Rollout
     rank_bundles, engine_bundles, groups, share = learner_bundles(learner, rollout, learner_gpus_per_rank,
                                                                   learner_roles=roles)
     policy = group(learner, "policy", share, RayLearnerWorker, rank_bundles)
-    critic_settings = learner.model_copy(update={"lr": critic_lr, "lr_warmup_steps": critic_lr_warmup_steps})
+    critic_settings = learner.model_copy(update={"lr": critic_lr, "lr_warmup_steps": critic_lr_warmup_steps,
+                                                 "weight_decay": critic_weight_decay,
+                                                 "grad_clip": critic_grad_clip})
     critic = (group(critic_settings, "critic", share, scheduling=rank_bundles) if critic_lr is not None else None)
     ref = group(learner, "reference", share, scheduling=rank_bundles) if reference else None
     engine = make_engine(rollout, str(model_dir), log_dir=str(log_dir), use_ray=True, seed=engine_seed,

@@ -228,6 +228,12 @@ class AlgorithmConfig(_Strict):
     # [critic.optim.lr_warmup_steps] the critic's own linear warm-up (as learner.lr_warmup_steps, which
     # warms up the policy only); 0, verl's default: the critic trains at critic_lr from its first step
     critic_lr_warmup_steps: int = Field(0, ge=0)
+    # [critic.optim.weight_decay] the critic's own AdamW weight decay (learner.weight_decay is the
+    # policy's); verl's default 0.01
+    critic_weight_decay: float = Field(0.01, ge=0)
+    # [critic.grad_clip] the critic's own global gradient-norm clip (learner.grad_clip is the policy's);
+    # verl's default 1.0
+    critic_grad_clip: float = Field(1.0, gt=0)
 
 
 class TrainerConfig(_Strict):

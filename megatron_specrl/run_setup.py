@@ -22,6 +22,7 @@ from megatron_specrl.resync.choose import resolve_transport
 from megatron_specrl.resync.routes import Route, make_route
 from megatron_specrl.models.resolve import read_hf_config, resolve_model, shape_of, tokenizer_fingerprint
 from megatron_specrl.rollout.draft_tree import DraftTrees
+from megatron_specrl.rollout.dump import set_aside_later_dumps
 from megatron_specrl.rollout.speculative import SpeculativeRollout, stable_seed
 from megatron_specrl.rollout.store import TrajectoryStore
 
@@ -138,6 +139,7 @@ def build_run(cfg: RunConfig) -> Run:
                           shuffle=cfg.data.shuffle)
 
     state = ckpt.load_state(resume_from) if resume_from else None
+    aside = None   # where the abandoned run's later checkpoints went, if anywhere
     tokenizer_id = tokenizer_fingerprint(model_dir)
     if state is not None:   # a checkpoint that is not this run's: one line, before Ray and the actors start
         ckpt.check_tokenizer(state, resume_from, tokenizer_id, model_dir)
@@ -152,8 +154,11 @@ def build_run(cfg: RunConfig) -> Run:
             raise ConfigError(f"trainer.resume: checkpoint {resume_from}: {e}") from None
         # resumed from an older checkpoint: the abandoned run's later ones go aside (kept, with its
         # logs), or resume=auto and engine restarts would continue that run
-        ckpt.set_aside_newer(out / "checkpoints", state["step"],
-                             logs=(out / "metrics.jsonl", out / "data_order.jsonl"))
+        aside = ckpt.set_aside_newer(out / "checkpoints", state["step"],
+                                     logs=(out / "metrics.jsonl", out / "data_order.jsonl"))
+    if cfg.trainer.rollout_data_dir:   # and the rollout dumps of steps past this start (see its docstring)
+        set_aside_later_dumps(cfg.trainer.rollout_data_dir, state["step"] if state else 0,
+                              name=aside.name if aside is not None else None)
 
     init_ray(cfg.ray)
     placement = plan_placement(cfg, cluster_gpus())
@@ -162,6 +167,8 @@ def build_run(cfg: RunConfig) -> Run:
     actors = build_actors(model_dir, cfg.learner, cfg.rollout, seed=cfg.trainer.seed, log_dir=out / "engine_logs",
                           critic_lr=cfg.algorithm.critic_lr if cfg.algorithm.name == "ppo" else None,
                           critic_lr_warmup_steps=cfg.algorithm.critic_lr_warmup_steps,
+                          critic_weight_decay=cfg.algorithm.critic_weight_decay,
+                          critic_grad_clip=cfg.algorithm.critic_grad_clip,
                           reference=cfg.learner.loss.kl_coef > 0,
                           learner_gpus_per_rank=placement.learner_gpus_per_rank,
                           gpus_per_engine=placement.gpus_per_engine)

@@ -384,16 +384,29 @@ class PromptLoader:
 
     def state_dict(self) -> dict:
         return {"epoch": self._epoch, "position": self._position, "seed": self.seed,
-                "shuffle": self.shuffle, "num_records": len(self.records)}
+                "shuffle": self.shuffle, "num_records": len(self.records), "batch_size": self.batch_size}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore (epoch, position); refuses a state saved over different data or another seed."""
+        """Restore (epoch, position); refuses a state saved over different data or another seed.
+
+        Another batch size (trainer.gen_prompts_per_step changed on resume) is accepted, as verl's
+        StatefulDataLoader accepts it, with a warning: the epoch's order and the position in it are
+        the same, only the batches from here on are cut at other boundaries (an epoch then ends
+        where fewer than the new batch size are left). Nothing downstream depends on the old size:
+        DAPO rounds and run-ahead peeks draw batches of the current one, and data_order.jsonl is
+        only written and trimmed, never checked against the loader. A state saved before the batch
+        size was kept (no key) loads as before."""
         for key, mine in (("num_records", len(self.records)), ("seed", self.seed), ("shuffle", self.shuffle)):
             if key in state and state[key] != mine:
                 raise ValueError(f"loader state was saved with {key}={state[key]!r} but this loader has "
                                  f"{key}={mine!r}; the data order cannot be restored")
         if not 0 <= state["position"] <= len(self.records):
             raise ValueError(f"loader state position {state['position']} out of range")
+        if state.get("batch_size", self.batch_size) != self.batch_size:
+            log.warning("loader state was saved with batch_size=%s but this loader has batch_size=%d "
+                        "(trainer.gen_prompts_per_step): the data order continues at epoch %s position %s, "
+                        "in batches cut at other boundaries than the checkpointed run's",
+                        state["batch_size"], self.batch_size, state["epoch"], state["position"])
         self._epoch = int(state["epoch"])
         self._position = int(state["position"])
         self._order = self._order_for(self._epoch)

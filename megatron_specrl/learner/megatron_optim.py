@@ -12,7 +12,7 @@ Equivalence with the replicated path (tests/test_distributed_optimizer.py):
   (`loss_scale`);
 - weight decay on every parameter like torch AdamW (config_overrides={}: no Megatron default
   that skips biases and norms), the same betas / eps, Megatron's global-norm clip (same
-  max_norm / (norm + 1e-6) coefficient).
+  max_norm / (norm + 1e-6) coefficient), by a norm computed once per step (`step`).
 
 CPU (gloo): Megatron hard-codes CUDA in DDP and the optimizers; `on_cpu()` is the scoped shim of
 patches/megatron_core_0_16_1_cpu.py (a null context on GPUs). The same DDP settings run on CPU
@@ -25,6 +25,7 @@ Checkpoints: the optimizer's sharded_state_dict in Megatron's 'fully_reshardable
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
@@ -79,6 +80,34 @@ def build(model, settings, distributed_optimizer: bool = True):
         opt = get_megatron_optimizer(optimizer_config(settings, distributed_optimizer, dtype), [ddp],
                                      config_overrides={})
     return ddp, opt
+
+
+def step(optimizer) -> tuple[bool, float]:
+    """(stepped, global grad norm): optimizer.step() with a finiteness check between the norm and the
+    update, computing the norm once.
+
+    Megatron's optimizer finds inf / NaN only through an fp16 loss scaler; with the learner's fp32
+    parameters its step() clips by a NaN norm (a no-op), steps Adam on the NaN gradients and reports
+    success, so the learner must see the norm before the update. Calling get_grad_norm() and then
+    step() computed it twice (two passes over the gradients and two all-reduces, and prepare_grads'
+    copy of the gradients twice); this is ChainedOptimizer.step() of megatron-core 0.16.1 (what
+    get_megatron_optimizer returns) with the check inserted: prepare_grads, get_grad_norm, the clip by
+    that norm, step_with_ready_grads. Not stepped: (False, norm) for a non-finite norm, (False, nan)
+    when a loss scaler found inf / NaN; gradients are left as they are (the next step zeroes them)."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+    if optimizer.prepare_grads():
+        return False, float("nan")
+    grad_norm = optimizer.get_grad_norm()
+    if not math.isfinite(grad_norm):
+        return False, grad_norm
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(opt, "is_stub_optimizer", False):
+            continue
+        params = opt.get_parameters()
+        if params and opt.config.clip_grad > 0.0:
+            clip_grad_by_total_norm_fp32(params, max_norm=opt.config.clip_grad, total_norm=grad_norm,
+                                         use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    return optimizer.step_with_ready_grads(), grad_norm
 
 
 def inner_optimizers(optimizer) -> list:

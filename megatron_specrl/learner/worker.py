@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import shutil
 from functools import partial
@@ -38,6 +39,8 @@ from megatron_specrl.learner import losses as L
 from megatron_specrl.learner.logprobs import token_logprobs
 from megatron_specrl.learner.model_provider import ROLES
 from megatron_specrl.learner.parallel import cuda_to_cpu, destroy, init_distributed
+
+log = logging.getLogger(__name__)
 
 PER_TOKEN_KEYS = ("input_ids", "attention_mask", "loss_mask", "old_logprobs", "rollout_logprobs", "advantages",
                   "ref_logprobs", "returns", "old_values")
@@ -59,6 +62,38 @@ def _checkpoint_dtype(hf_config) -> torch.dtype | None:
     if isinstance(d, str):
         d = getattr(torch, d, None)
     return d if isinstance(d, torch.dtype) else None
+
+
+def cuda_rng_states(cuda=torch.cuda) -> list[Tensor] | None:
+    """Every visible GPU's default generator state (the stream of torch.rand(device="cuda") and of any
+    dropout outside Megatron's RNG tracker), for a learner checkpoint; None without CUDA. `cuda`: the
+    torch.cuda module (tests pass a fake)."""
+    if not cuda.is_available():
+        return None
+    return [st.clone() for st in cuda.get_rng_state_all()]
+
+
+def restore_cuda_rng_states(saved: list[Tensor] | None, cuda=torch.cuda) -> int:
+    """Restore cuda_rng_states() from a checkpoint; returns how many devices were restored.
+
+    Nothing to restore (a checkpoint from before this key, or saved without CUDA) or no CUDA here: the
+    generators stay as seeded, as before. A different number of visible GPUs (the same TP / PP / DP
+    layout, else the caller restores no RNG at all): device i gets the state saved for device i, for
+    the devices both have, with a warning; not an error, since the RNG streams are for reproducibility
+    only and refusing would block an otherwise valid resume (the layout-changed case is not one either)."""
+    if not saved or not cuda.is_available():
+        return 0
+    n_here = cuda.device_count()
+    if len(saved) != n_here:
+        log.warning("learner checkpoint: CUDA RNG states saved for %d GPU(s), %d visible now: restoring "
+                    "the first %d", len(saved), n_here, min(len(saved), n_here))
+    fit = list(saved)[:n_here]
+    if len(fit) == n_here:
+        cuda.set_rng_state_all(fit)
+    else:
+        for i, st in enumerate(fit):
+            cuda.set_rng_state(st, i)
+    return len(fit)
 
 
 def split_microbatches(rows: list[int], lengths: list[int], micro_batch_size: int,
@@ -361,8 +396,8 @@ class LearnerWorker:
         """Megatron DDP + optimizer: grads accumulate in DDP's buffer, finalize_model_grads reduces
         them over DP (reduce-scatter with the distributed optimizer; all-reduce without a step, so
         that every rank holds full gradients for iter_hf_state(grads=True)) and ties embeddings
-        across PP; optimizer.step() clips by the global norm, updates this rank's shard and
-        all-gathers the parameters."""
+        across PP; megatron_optim.step() computes the global norm once, checks it, clips by it, updates
+        this rank's shard and all-gathers the parameters."""
         from megatron.core.distributed import finalize_model_grads
         for p in self._params():
             p.grad = None
@@ -376,16 +411,14 @@ class LearnerWorker:
         with self._cpu_shims():
             finalize_model_grads([self.ddp], force_all_reduce=not step)
             if step:
-                # Megatron's optimizer finds inf / NaN only through an fp16 loss scaler; with the learner's
-                # fp32 parameters step() clips by a NaN norm (a no-op), steps Adam on the NaN gradients and
-                # reports success. So check the global norm first (the same on every rank: all raise).
-                # prepare_grads only assigns the main grads from DDP's buffer (no scaler): step() repeats it.
-                self.optimizer.prepare_grads()
-                grad_norm = self.optimizer.get_grad_norm()
+                # Megatron's step() would step Adam on NaN gradients (fp32: no loss scaler to find them):
+                # megatron_optim.step checks the global norm (the same on every rank: all raise) before
+                # the update, and clips by that norm instead of computing it a second time.
+                from megatron_specrl.learner import megatron_optim
+                ok, grad_norm = megatron_optim.step(self.optimizer)
                 if not math.isfinite(grad_norm):
                     raise RuntimeError(f"non-finite gradients (grad norm {grad_norm}): the optimizer step was "
                                        "skipped (a NaN / inf reward, advantage or log-prob in the batch?)")
-                ok, grad_norm, _ = self.optimizer.step()
                 if not ok:
                     raise RuntimeError("Megatron's optimizer skipped the step (non-finite gradients)")
             else:
@@ -566,8 +599,12 @@ class LearnerWorker:
     def _with_rng(self, sd: dict) -> dict:
         from megatron.core.dist_checkpointing.mapping import ShardedObject
         pp, tp = self.settings.pp, self.settings.tp
-        sd["rng"] = ShardedObject("rng_state", {"cpu": torch.get_rng_state(), "tracker": self._tracker_states()},
-                                  (pp, tp), (self.pp_rank, self.tp_rank), replica_id=self.dp_rank)
+        state = {"cpu": torch.get_rng_state(), "tracker": self._tracker_states()}
+        cuda_states = cuda_rng_states()
+        if cuda_states is not None:                 # CUDA's default generators (outside the tracker)
+            state["cuda"] = cuda_states
+        sd["rng"] = ShardedObject("rng_state", state, (pp, tp), (self.pp_rank, self.tp_rank),
+                                  replica_id=self.dp_rank)
         return sd
 
     def _tracker_states(self):
@@ -650,6 +687,7 @@ class LearnerWorker:
         if "rng" in loaded:
             torch.set_rng_state(loaded["rng"]["cpu"])
             get_cuda_rng_tracker().set_states(loaded["rng"]["tracker"])
+            restore_cuda_rng_states(loaded["rng"].get("cuda"))   # absent in older checkpoints
 
     def shutdown(self) -> None:
         """Free the model and optimizer state, then leave the process groups."""

@@ -3,15 +3,24 @@ writes them (`{step}.jsonl`; `input`, `output`, `score`, `step`), plus the token
 prefix and the weight version, so that a run's rollouts can be read back token for token
 (tools/replay_drafts.py replays them through the draft trees). One file per step, written whole
 (a temporary file renamed into place): a step replayed after a resume replaces its file and the
-steps before it stay as they were.
+steps before it stay as they were. A run starting at step N first moves the dumps of steps > N aside
+(set_aside_later_dumps), so the directory only ever holds one timeline.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
+import time
 from pathlib import Path
 from typing import Sequence
+
+from megatron_specrl.checkpoint import step_dir_name
+
+log = logging.getLogger(__name__)
+_DUMP = re.compile(r"(\d+)\.jsonl(\.tmp)?")   # {step}.jsonl, and the temporary file a crash mid-write leaves
 
 
 def dump_rollouts(directory: str | Path, step: int, samples: Sequence, rewards: Sequence[float], tokenizer) -> Path:
@@ -43,3 +52,37 @@ def read_rollouts(directory: str | Path) -> dict[int, list[dict]]:
     if not steps:
         raise FileNotFoundError(f"no rollout dumps (<step>.jsonl) in {directory}")
     return dict(sorted(steps.items()))
+
+
+def set_aside_later_dumps(directory: str | Path, step: int, name: str | None = None) -> Path | None:
+    """A run starting at `step` moves the dumps of steps > `step` (and their half-written temporary
+    files) into `{directory}/abandoned-after-step_N-<time>/` (`name`, when given: build_run passes the
+    name of the checkpoints' abandoned-after directory, so the two match), before it writes any; nothing
+    is deleted. Returns that directory, or None when there is nothing to move.
+
+    Done on every start, not only a resume from an older checkpoint (whose later checkpoints
+    checkpoint.set_aside_newer moves): the dumps past the start step are never this run's timeline.
+    They are the abandoned run's later steps, or, after a crash past the last checkpoint (resume=auto),
+    the steps the resumed run replays from that checkpoint, sampled again; a replay that gets as far
+    replaces each file anyway, but one that stops earlier, or runs with other settings, would leave a
+    directory that mixes the two runs for read_rollouts (tools/replay_drafts.py). Same rule as the
+    metrics and data order, which every resume trims to its step. A fresh run (step 0) in a directory
+    holding an earlier run's dumps moves them all aside instead of overwriting them step by step.
+    read_rollouts reads only the directory's own `<step>.jsonl`, never a subdirectory."""
+    root = Path(directory)
+    if not root.is_dir():
+        return None
+    later = sorted((p for p in root.iterdir() if p.is_file() and (m := _DUMP.fullmatch(p.name)) and int(m[1]) > step),
+                   key=lambda p: (int(_DUMP.fullmatch(p.name)[1]), p.name))
+    if not later:
+        return None
+    base = root / (name or f"abandoned-after-{step_dir_name(step)}-{time.strftime('%Y%m%d-%H%M%S')}")
+    dest, n = base, 1
+    while dest.exists():
+        dest, n = base.with_name(f"{base.name}-{n}"), n + 1
+    dest.mkdir()
+    for p in later:
+        os.rename(p, dest / p.name)
+    log.warning("starting at step %d: moved the rollout dumps of later steps (not this timeline's) %s into %s",
+                step, ", ".join(p.name for p in later), dest)
+    return dest
