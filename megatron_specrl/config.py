@@ -221,6 +221,13 @@ class AlgorithmConfig(_Strict):
     max_sampling_tries: int = Field(4, ge=1)
     overlong_buffer: int = Field(0, ge=0)
     overlong_penalty: float = Field(1.0, ge=0)
+    # The task reward of a wrong answer. A reward function's score s (0 / 1 for the built-ins) is trained on
+    # as incorrect_score + (1 - incorrect_score) * s: 0 / 1 -> incorrect_score / 1, order kept for graded
+    # scores. DAPO's scale is -1 / 1 (verl recipe/dapo, math_dapo.compute_score), the scale its overlong
+    # penalty (0 down to -overlong_penalty, added to this) was tuned against; 0 keeps the score as it is.
+    # Accuracy (reward/accuracy, eval/accuracy) and the dynamic-sampling filter count s > 0 as correct
+    # (verl's `acc`), whatever this is.
+    incorrect_score: float = Field(0.0, lt=1)
     # PPO
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(0.95, ge=0, le=1)

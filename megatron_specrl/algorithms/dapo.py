@@ -24,10 +24,13 @@ class DynamicSamplingError(RuntimeError):
 
 
 def dapo_keep_mask(rewards: torch.Tensor, group_ids) -> torch.Tensor:
-    """Bool [N]: True for samples whose group's accuracy is strictly between 0 and 1.
+    """Bool [N]: True for samples whose group's accuracy is strictly between 0 and 1, or whose group is
+    a single sample (as verl's filter: `std > 0 or len == 1`; only rollout.n_samples=1, i.e. PPO, has
+    such groups, and dropping them all would only end the run after max_sampling_tries rounds).
 
-    A sample counts as correct when its reward is > 0. Pass correctness rewards
-    (before any length shaping) so the overlong penalty cannot flip the decision.
+    A sample counts as correct when its value is > 0. Pass accuracies (verl's `acc`: 1 / 0, as
+    score_samples returns them), not shaped rewards, so neither the overlong penalty nor a -1 / 1
+    task scale (algorithm.incorrect_score) can flip the decision.
     """
     rewards = torch.as_tensor(rewards, dtype=torch.float32).flatten()
     idx, num_groups = group_index(group_ids, rewards.numel())
@@ -35,7 +38,7 @@ def dapo_keep_mask(rewards: torch.Tensor, group_ids) -> torch.Tensor:
     hits = torch.zeros(num_groups).index_add_(0, idx, correct)
     sizes = torch.zeros(num_groups).index_add_(0, idx, torch.ones_like(correct))
     acc = hits / sizes
-    keep_group = (acc > 0) & (acc < 1)
+    keep_group = ((acc > 0) & (acc < 1)) | (sizes == 1)
     return keep_group[idx]
 
 

@@ -1,4 +1,5 @@
-"""Rewards for one rollout batch: the task reward per sample, and DAPO's length shaping.
+"""Rewards for one rollout batch: the task reward per sample (on alg.incorrect_score's scale), its
+accuracy, and DAPO's length shaping.
 
 The training step calls `score_samples`, then grpo_advantages (GRPO, DAPO) or
 algorithms.ppo.ppo_advantages (PPO); the recipe picks, the loop is the same for all three.
@@ -18,10 +19,17 @@ from megatron_specrl.rollout.speculative import RolloutSample
 
 def score_samples(samples: list[RolloutSample], records_by_id: dict, reward_fn, tokenizer,
                   alg: AlgorithmConfig, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """(shaped rewards, task rewards, metrics): task reward per sample, plus DAPO's soft overlong
-    punishment in the shaped one. Filters decide on task rewards, so shaping cannot flip them."""
+    """(shaped rewards, accuracies, metrics).
+
+    A sample's score s is reward_fn's value; its task reward is alg.incorrect_score + (1 -
+    alg.incorrect_score) * s (0 / 1 -> incorrect_score / 1: DAPO's -1 / 1 with incorrect_score=-1), and
+    the shaped reward adds DAPO's soft overlong punishment to it. Accuracy is 1.0 where s > 0 (verl's
+    `acc`, as eval/accuracy counts it): the dynamic-sampling filter decides on it, so neither the
+    incorrect score nor the length shaping can flip its decision, and reward/accuracy stays in [0, 1]."""
     texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
-    task = torch.tensor([_finite_reward(reward_fn, t, records_by_id[s.prompt_id]) for t, s in zip(texts, samples)])
+    scores = torch.tensor([_finite_reward(reward_fn, t, records_by_id[s.prompt_id]) for t, s in zip(texts, samples)])
+    correct = (scores > 0).float()
+    task = alg.incorrect_score + (1.0 - alg.incorrect_score) * scores   # exactly the score at incorrect_score 0
     rewards = task.clone()
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
     if alg.overlong_buffer > 0:
@@ -30,12 +38,12 @@ def score_samples(samples: list[RolloutSample], records_by_id: dict, reward_fn, 
     metrics = {
         "reward/mean": float(rewards.mean()),
         "reward/task_mean": float(task.mean()),
-        "reward/accuracy": float((task > 0).float().mean()),
+        "reward/accuracy": float(correct.mean()),
         "response/mean_len": float(lengths.mean()),
         "response/max_len": float(lengths.max()),
         "response/clip_ratio": sum(s.finish_reason == "length" for s in samples) / len(samples),
     }
-    return rewards, task, metrics
+    return rewards, correct, metrics
 
 
 def _finite_reward(reward_fn, text: str, record) -> float:
