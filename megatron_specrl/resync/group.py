@@ -6,8 +6,13 @@ on a free port and every member joins with that address under a per-generation k
 restarted engine joins a fresh group instead of the dead one's.
 
 CPU: torch's ProcessGroupGloo; its op timeout turns a silent peer into an error and a dead peer
-fails the next op at once. GPU: vLLM's StatelessProcessGroup + PyNcclCommunicator on the same store
-(the verl / OpenRLHF pattern); NCCL ops have no timeout, so there the caller's Ray timeout bounds a hang.
+fails the next op at once. GPU: torch's ProcessGroupNCCL on the same store, built as
+distributed_c10d's new_group builds one (ProcessGroupNCCL.Options with `_timeout`, `nccl_options`):
+each op is waited for with the group timeout (a blocking wait, which aborts the communicator and
+raises), so a dead or silent peer is an error naming the transfer after `timeout_s`, not a hang until
+the driver's Ray timeout; the watchdog's own timeout is a little longer (NCCL_WATCHDOG_GRACE_S), a
+backstop that with torch's default TORCH_NCCL_ASYNC_ERROR_HANDLING ends the process. A torch without
+NCCL falls back to vLLM's StatelessProcessGroup + PyNcclCommunicator (no op timeout there).
 """
 
 from __future__ import annotations
@@ -49,8 +54,70 @@ class GlooGroup:
         self.pg = None   # drops gloo's sockets: peers blocked on this group fail instead of waiting
 
 
+# The watchdog's timeout exceeds the op wait's by this much, so the blocking wait raises (and close()
+# aborts the group) before the watchdog, which by default tears the whole process down.
+NCCL_WATCHDOG_GRACE_S = 10.0
+
+
+def nccl_options(options_cls, timeout_s: float):
+    """ProcessGroupNCCL.Options as distributed_c10d._new_process_group_helper fills them for
+    new_group / init_process_group: `_timeout` (the watchdog's) and a normal-priority stream.
+    `options_cls` is a parameter so a CPU build (no ProcessGroupNCCL) can test this with a fake."""
+    opts = options_cls()
+    opts.is_high_priority_stream = False
+    opts._timeout = timedelta(seconds=timeout_s + NCCL_WATCHDOG_GRACE_S)
+    return opts
+
+
+class NcclGroup:
+    """torch's ProcessGroupNCCL, built directly on the resync store like GlooGroup (not registered
+    with torch.distributed, so it lives beside the learner's own default NCCL group)."""
+
+    backend = "nccl"
+
+    def __init__(self, store, rank: int, world: int, timeout_s: float, pg_cls=None,
+                 device: torch.device | None = None):
+        pg_cls = pg_cls if pg_cls is not None else dist.ProcessGroupNCCL
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+        self.pg = pg_cls(store, rank, world, nccl_options(pg_cls.Options, timeout_s))
+        # NCCL builds its communicator on the first op: do it here, so joining stays a rendezvous
+        # (as with gloo) and a member that never comes fails the join, not the first bucket.
+        try:
+            self.broadcast(torch.zeros(1, dtype=torch.uint8, device=self.device), 0, "the join handshake")
+        except BaseException:
+            self.close()
+            raise
+
+    def broadcast(self, tensor: torch.Tensor, src: int, what: str) -> None:
+        act = f"sending {what}" if self.rank == src else f"receiving {what} from group rank {src}"
+        where = f"resync broadcast (nccl, rank {self.rank}/{self.world}): {act} failed (timeout {self.timeout_s:g}s)"
+        if self.pg is None:
+            raise ResyncTransportError(f"{where}: the group was closed")
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        try:
+            done = self.pg.broadcast([tensor], opts).wait(timedelta(seconds=self.timeout_s))
+        except RuntimeError as e:   # DistBackendError: timed out (communicator aborted) or NCCL error
+            raise ResyncTransportError(f"{where}: {_first_line(e)}") from e
+        if done is False:
+            raise ResyncTransportError(f"{where}: not complete after {self.timeout_s:g}s")
+
+    def close(self) -> None:
+        # Abort, not only drop: peers blocked on this group fail at once, and the communicator and
+        # the watchdog thread are freed (one per regroup otherwise).
+        pg, self.pg = getattr(self, "pg", None), None
+        abort = getattr(pg, "abort", None)
+        if abort is not None:
+            try:
+                abort()
+            except Exception:   # close() runs on error paths: never hide the error being raised
+                pass
+
+
 class PyncclGroup:
-    """NCCL through vLLM's communicator: usable next to the learner's own torch NCCL group."""
+    """NCCL through vLLM's communicator, for a torch built without NCCL: no op timeout (the
+    caller's Ray timeout bounds a hang)."""
 
     backend = "nccl"
 
@@ -86,6 +153,13 @@ class PyncclGroup:
                 pass
 
 
+def group_class() -> type:
+    """gloo without CUDA; torch's NCCL group with it (vLLM's communicator if torch lacks NCCL)."""
+    if not torch.cuda.is_available():
+        return GlooGroup
+    return NcclGroup if dist.is_nccl_available() else PyncclGroup
+
+
 class BroadcastEndpoint:
     """One process's membership: learner rank 0 opens the store once, every member `join`s per generation."""
 
@@ -95,7 +169,7 @@ class BroadcastEndpoint:
         self._store = None
         self._store_addr: tuple[str, int] | None = None
         self._is_master = False
-        self.group: GlooGroup | PyncclGroup | None = None
+        self.group: GlooGroup | NcclGroup | PyncclGroup | None = None
         self.generation: int | None = None
 
     def open_store(self, host: str, timeout_s: float) -> tuple[str, int]:
@@ -113,7 +187,7 @@ class BroadcastEndpoint:
             self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
             self._store_addr, self._is_master = (host, port), False
         store = dist.PrefixStore(f"{self.PREFIX}/{generation}", self._store)
-        cls = PyncclGroup if torch.cuda.is_available() else GlooGroup
+        cls = group_class()
         try:
             self.group = cls(store, rank, world, timeout_s)
         except ResyncTransportError:
@@ -124,7 +198,7 @@ class BroadcastEndpoint:
         self.generation = generation
         return cls.backend
 
-    def require(self) -> GlooGroup | PyncclGroup:
+    def require(self) -> GlooGroup | NcclGroup | PyncclGroup:
         if self.group is None:
             raise ResyncTransportError("resync broadcast: this process is not in a broadcast group "
                                        "(join_resync_group first, or it was closed after a failure)")

@@ -66,6 +66,9 @@ def push_ipc(buckets: Iterator[Bucket], device: torch.device,
                 torch.cuda.synchronize(device)   # the copy must be complete before another process reads it
             transport.push(on_device, load_everywhere)
             n, nbytes = n + 1, nbytes + bucket.nbytes
+            # Drop this bucket before the next is gathered and copied: a name still bound here kept
+            # it (one bucket of GPU memory) alive beside the next one.
+            del on_device, bucket
     except BaseException:
         drain(buckets)
         raise

@@ -117,9 +117,8 @@ class CudaIpcTransport(Transport):
 
     def push(self, bucket: Bucket, load_everywhere: Callable[[IpcPayload], Any]) -> Any:
         """Pack, wait until `load_everywhere` returns (every engine has loaded), then release."""
-        payload = self.pack(bucket)
-        try:
-            return load_everywhere(payload)
+        try:   # pack inside: a bucket it refuses (buffers on two devices) is not kept either
+            return load_everywhere(self.pack(bucket))
         finally:
             self.release()
 
