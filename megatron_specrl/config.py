@@ -87,7 +87,9 @@ class RolloutConfig(_Strict):
     engine_tp: int = Field(1, ge=1)
     n_samples: int = Field(8, ge=1)                 # group size G
     max_new_tokens: int = Field(64, gt=0)           # L
-    temperature: float = Field(1.0, gt=0)
+    # vLLM's range: it raises a temperature below 0.01 to 0.01 with only a warning (the learner would
+    # then temper by another T than the sampler) and refuses one above 2
+    temperature: float = Field(1.0, ge=0.01, le=2.0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = -1
     # Speculative rollout: off (plain generation), exact (distribution-exact: every rollout a fresh

@@ -38,6 +38,8 @@ def test_overrides_are_dotted_and_typed():
     ("learner.dp=3", "learner.dp * learner.mini_batches = 3"),
     ("nokey", "not of the form key=value"),
     ("data.synthetic_terms=[6,3]", "'data.synthetic_terms'"),
+    ("rollout.temperature=0.005", "'rollout.temperature': 0.005"),   # vLLM would sample at 0.01
+    ("rollout.temperature=2.5", "'rollout.temperature': 2.5"),
 ])
 def test_bad_values_name_the_key(override, needle):
     with pytest.raises(ConfigError) as err:

@@ -111,7 +111,7 @@ class ScoreRequest:
     continuation_ids: list[int]
     seed: int | None = None        # seeds the replacement draws (same seed, same replacements)
     # Coupled verification: `replacements` hold the coupled draw c_t at every position instead
-    # (equal to y_t where the draft survives; never -1); the noise of continuation token t is that
+    # (equal to y_t where the draft survives; -1 only at a non-finite row, which the extension samples); the noise of continuation token t is that
     # of response position t of a GenerateRequest with the same coupled_seed.
     coupled_seed: int | None = None
     # The prompt id, as GenerateRequest.draft_key: a router sends the verification to the engine

@@ -111,7 +111,8 @@ def verify_columns(container, start: int, tokens: list[int], stop_ids: frozenset
     """ScoreResult from a verification request's prompt log-probs: per position the 4 columns
     (y, tempered), (y, processed), (r, tempered), (r, processed) of
     patches/vllm_0_32_0_batched_prompt_logprobs; r == y marks "no replacement" (-1 here), except
-    for coupled requests, where r is the coupled draw and r == y means the draft token survives."""
+    for coupled requests, where r is the coupled draw and r == y means the draft token survives. A row
+    with NaN / +inf log-probs has no replacement (-1) either way."""
     ids, lps = _column_rows(container, start, len(tokens))
     y = np.asarray(tokens, dtype=np.int64)
     ok = (ids[:, 0] == y[:len(ids)]) & (ids[:, 1] == y[:len(ids)])
@@ -125,10 +126,33 @@ def verify_columns(container, start: int, tokens: list[int], stop_ids: frozenset
         raise RuntimeError(f"vLLM verification columns at position {start + int(np.argmax(r == UNCOMPUTED))} were "
                            "not computed (read from the prefix cache past the continuation's start?)")
     replacements = r if coupled else np.where(r != y, r, -1)
+    # A row the model did not compute finitely (NaN / +inf logits: bf16 overflow, broken weights) has no
+    # replacement: drawn from NaN probabilities it is an arbitrary token (the vocabulary's last; coupled:
+    # token 0) with NaN log-probs, which the rollout took as the first new token at the rejection there
+    # (acceptance rejects and counts a NaN) and handed to the learner and the store. Without one the
+    # extension samples that position, and generate() refuses non-finite log-probs.
+    broken = np.isnan(lps).any(axis=1) | np.isposinf(lps).any(axis=1)
+    replacements = np.where(broken, -1, replacements)
     stops = np.isin(r, np.fromiter(stop_ids, dtype=np.int64, count=len(stop_ids))) & (replacements >= 0)
     lps = lps.astype(np.float64)
     return ScoreResult(lps[:, 0].tolist(), weight_version, lps[:, 1].tolist(), replacements.tolist(),
                        lps[:, 2].tolist(), lps[:, 3].tolist(), stops.tolist())
+
+
+# vLLM raises any temperature in (0, VLLM_MIN_TEMPERATURE) to it (vllm.sampling_params._MAX_TEMP, 0.32.0:
+# SamplingParams.__post_init__, with only a warning)
+VLLM_MIN_TEMPERATURE = 1e-2
+
+
+def check_temperature(s: SamplingSettings, what: str) -> None:
+    """Refuse a temperature vLLM would silently change: it would sample, verify and report log-probs at
+    0.01 while the learner tempers the logits with the configured temperature (and the rollouts would
+    not be samples of the policy at it)."""
+    if 0 < s.temperature < VLLM_MIN_TEMPERATURE:
+        raise ValueError(f"{what}: temperature {s.temperature} is below vLLM's smallest, {VLLM_MIN_TEMPERATURE}: vLLM "
+                         f"would sample at {VLLM_MIN_TEMPERATURE} instead, and its log-probs would not be the "
+                         "learner's (log_softmax(logits / temperature)); use a temperature >= "
+                         f"{VLLM_MIN_TEMPERATURE}")
 
 
 def drafting_max_model_len(max_model_len: int, draft_tokens: int, max_positions: int | None) -> int:
@@ -265,6 +289,8 @@ class VLLMEngine:
             raise NotImplementedError(
                 "raw_logprobs ignore temperature, top-k and top-p: sampling with them needs an engine "
                 "built with logprobs_mode='processed_logprobs'")
+        if s.need_logprobs:
+            check_temperature(s, "generate")
         if req.ban_first_token is not None:
             raise NotImplementedError("the vLLM engine has no ban-first-token processor: the exact rule takes "
                                       "its resampled token from score()'s replacements")
@@ -402,6 +428,7 @@ class VLLMEngine:
         if sampling.temperature <= 0:
             raise NotImplementedError(f"score() needs temperature > 0, got {sampling.temperature} "
                                       "(greedy decoding has no distribution to verify under)")
+        check_temperature(sampling, "score")
         if not verify.is_applied():
             raise NotImplementedError(
                 "score() needs patches/vllm_0_32_0_batched_prompt_logprobs (vLLM 0.32.0, not disabled by "

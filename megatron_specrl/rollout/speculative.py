@@ -262,7 +262,8 @@ class SpeculativeRollout:
                 p.prefix_logprobs = p.prefix_logprobs + [s.replacement_sample_logprobs[n]]
                 p.finish_reason = "stop" if s.replacement_stops[n] else "length"
                 p.needs_generation = not (s.replacement_stops[n] or n + 1 == L)
-            # else lenient, or exact where p is a point mass on y_n (rejected by rounding only):
+            # else lenient, or exact where p is a point mass on y_n (rejected by rounding only), or a
+            # row with non-finite log-probs (no replacement; the extension's generate() refuses NaN):
             # position n is sampled by the extension from the full distribution
 
         # 4. extend (plain generation for plans without a draft; verify=decode: every plan, with its
