@@ -102,6 +102,17 @@ def _prune(root: Path, keep: int, newest: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def make_aside_dir(root: Path, step: int, name: str | None = None) -> Path:
+    """A new `root/<name>` (default `abandoned-after-step_N-<time>`; `-1`, `-2`... where taken) for what
+    a run starting at `step` sets aside (here its later checkpoints, rollout/dump.py its later dumps)."""
+    base = Path(root) / (name or f"abandoned-after-{step_dir_name(step)}-{time.strftime('%Y%m%d-%H%M%S')}")
+    dest, n = base, 1
+    while dest.exists():
+        dest, n = base.with_name(f"{base.name}-{n}"), n + 1
+    dest.mkdir()
+    return dest
+
+
 def set_aside_newer(root: Path, step: int, logs: Iterable[Path] = ()) -> Path | None:
     """A run resuming at `step` with later checkpoints in `root` (an abandoned run's, resumed from an
     older one; or damaged ones resume=auto skipped) moves them, before it writes anything, into
@@ -112,11 +123,7 @@ def set_aside_newer(root: Path, step: int, logs: Iterable[Path] = ()) -> Path | 
     newer = sorted(p for p in root.glob("step_*") if p.is_dir() and p.name > step_dir_name(step))
     if not newer:
         return None
-    base = root / f"abandoned-after-{step_dir_name(step)}-{time.strftime('%Y%m%d-%H%M%S')}"
-    dest, n = base, 1
-    while dest.exists():
-        dest, n = base.with_name(f"{base.name}-{n}"), n + 1
-    dest.mkdir()
+    dest = make_aside_dir(root, step)
     for p in newer:
         os.rename(p, dest / p.name)
     for f in logs:

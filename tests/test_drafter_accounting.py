@@ -1,19 +1,14 @@
-"""The tree drafter's counters count what the engine verified, and every request's end reaches it once.
+"""The tree drafter's counters count what the engine verified.
 
-1. vLLM verifies a draft in the step after the one that proposed it, and its scheduler may verify fewer
+vLLM verifies a draft in the step after the one that proposed it, and its scheduler may verify fewer
    of its tokens (cut to the step's token budget or max_model_len) or none (a preempted request):
    draft_tokens (accept_rate's denominator) and the own / shared draft counters count the verified
    tokens (`TreeDrafter.request(..., verified=)`; the proposer reads them from the runner's
    `InputBatch.spec_token_ids`), proposed_tokens everything proposed.
-2. SGLang: a request that finishes in its prefill (max_new_tokens=1, a stop token first) is in no decode
-   step, so the drafter never held it: `TreeDrafter.finish(..., opts=)` starts it there and its tokens
-   enter the trees; a second finish of one request does nothing.
 Engine-free: the drafter and the proposer with a fake input batch, as tests/test_tree_proposer.py.
 """
 
-from types import SimpleNamespace
-
-import numpy as np
+from test_tree_proposer import Batch as ProposerBatch, _proposer
 
 from megatron_specrl.engines import tree_proposer as tp
 from megatron_specrl.engines.tree_drafter import RequestOpts, TreeDrafter
@@ -84,35 +79,20 @@ def test_without_verified_counts_stay_as_proposed():
     assert draft == [2, 3, 4, 5] and stats["draft_tokens"] == 4 == stats["proposed_tokens"]
 
 
-class Batch:
-    """The runner's input batch as the patched propose_draft_token_ids hands it over, with the draft
-    tokens the scheduler scheduled for each row this step (`spec_token_ids`)."""
+class Batch(ProposerBatch):
+    """test_tree_proposer's runner view, with the draft tokens the scheduler scheduled for each row this
+    step (`spec_token_ids`)."""
 
     def __init__(self):
-        self.token_ids_cpu = np.zeros((4, 64), dtype=np.int64)
-        self.num_tokens_no_spec = np.zeros(4, dtype=np.int64)
+        super().__init__()
         self.spec_token_ids = [[] for _ in range(4)]
-        self.req_ids, self.requests = [], {}
 
     def add(self, req_id, prompt):
-        i = len(self.req_ids)
-        self.req_ids.append(req_id)
-        self.token_ids_cpu[i, :len(prompt)] = prompt
-        self.num_tokens_no_spec[i] = len(prompt)
-        params = SimpleNamespace(extra_args={tp.DRAFT_KEY: "q", tp.RESPONSE_START: len(prompt)})
-        self.requests[req_id] = SimpleNamespace(prompt_token_ids=list(prompt), sampling_params=params)
-
-    def sample(self, i, tokens):
-        n = self.num_tokens_no_spec[i]
-        self.token_ids_cpu[i, n:n + len(tokens)] = tokens
-        self.num_tokens_no_spec[i] = n + len(tokens)
-        return list(tokens)
+        super().add(req_id, prompt, "q")
 
 
 def test_proposer_reads_the_scheduled_drafts_from_the_input_batch(monkeypatch):
-    monkeypatch.setenv(tp.SETTINGS_ENV, tp.settings_env(min_prob=0.0))
-    p = tp.TreeProposer(SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=4),
-                                        model_config=SimpleNamespace(max_model_len=64)))
+    p = _proposer(monkeypatch, k=4, max_model_len=64, min_prob=0.0)
     b = Batch()
     b.add("a", PROMPT)
     b.add("b", PROMPT)

@@ -96,31 +96,18 @@ def test_readme_maps_the_critic_optimizer_keys_to_verl():
 
 
 # ------------------------------------------------------------------ 2. one grad norm per Megatron step
-def _head_megatron_step(self, mbs, loss_fn, step):
-    """LearnerWorker._megatron_step before this change (get_grad_norm, then optimizer.step()): the
-    reference for the weights and the reported norm."""
-    from megatron.core.distributed import finalize_model_grads
-    for p in self._params():
-        p.grad = None
-    self.ddp.zero_grad_buffer()
-    self.optimizer.zero_grad()
-    self.ddp.force_all_reduce = not step
-    try:
-        store = self._run_schedule(mbs, loss_fn, forward_only=False)
-    finally:
-        self.ddp.force_all_reduce = False
-    with self._cpu_shims():
-        finalize_model_grads([self.ddp], force_all_reduce=not step)
-        self.optimizer.prepare_grads()
-        grad_norm = self.optimizer.get_grad_norm()
-        assert math.isfinite(grad_norm)
-        ok, grad_norm, _ = self.optimizer.step()
-        assert ok
-    return self._reduce_metrics(store, float(grad_norm))
+def _two_norm_step(optimizer):
+    """megatron_optim.step before this change: the NaN check's own norm, then optimizer.step(), which
+    computes it again (the reference for the weights, the reported norm and the count)."""
+    optimizer.prepare_grads()
+    assert math.isfinite(optimizer.get_grad_norm())
+    ok, grad_norm, _ = optimizer.step()
+    return ok, grad_norm
 
 
 def _norm_child(rank, hf_dir, ports, out):
     import megatron.core.optimizer.optimizer as mopt
+    from megatron_specrl.learner import megatron_optim
     from megatron_specrl.learner.worker import LearnerWorker
 
     calls = []
@@ -142,7 +129,7 @@ def _norm_child(rank, hf_dir, ports, out):
         w.forward_backward(batch)                                 # unclipped gradients, no step
         independent = math.sqrt(sum(float(p.grad.detach().double().pow(2).sum()) for p in w._params()))
         if tag == "head":
-            w._megatron_step = _head_megatron_step.__get__(w)
+            megatron_optim.step = _two_norm_step   # the worker calls megatron_optim.step (this child only)
         del calls[:]
         metrics = [w.train_step(batch), w.train_step(batch)]      # one optimizer step each
         res[tag] = {"independent": independent, "metrics": metrics, "norm_calls": len(calls),

@@ -13,11 +13,10 @@ import json
 import logging
 import os
 import re
-import time
 from pathlib import Path
 from typing import Sequence
 
-from megatron_specrl.checkpoint import step_dir_name
+from megatron_specrl.checkpoint import make_aside_dir
 
 log = logging.getLogger(__name__)
 _DUMP = re.compile(r"(\d+)\.jsonl(\.tmp)?")   # {step}.jsonl, and the temporary file a crash mid-write leaves
@@ -76,11 +75,7 @@ def set_aside_later_dumps(directory: str | Path, step: int, name: str | None = N
                    key=lambda p: (int(_DUMP.fullmatch(p.name)[1]), p.name))
     if not later:
         return None
-    base = root / (name or f"abandoned-after-{step_dir_name(step)}-{time.strftime('%Y%m%d-%H%M%S')}")
-    dest, n = base, 1
-    while dest.exists():
-        dest, n = base.with_name(f"{base.name}-{n}"), n + 1
-    dest.mkdir()
+    dest = make_aside_dir(root, step, name)
     for p in later:
         os.rename(p, dest / p.name)
     log.warning("starting at step %d: moved the rollout dumps of later steps (not this timeline's) %s into %s",
