@@ -120,6 +120,17 @@ def replay(steps: dict[int, list[dict]], window: int, own_draft: bool, settings:
     return out
 
 
+
+def _counts(flag: str, text: str, form: str) -> list[int]:
+    """A comma-separated list of non-negative integers, or exit with one line naming the flag."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = [-1]
+    if min(values) < 0:
+        raise SystemExit(f"{flag} {text!r}: expected non-negative integers {form}")
+    return values
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("rollouts", help="a trainer.rollout_data_dir (bench-rollout: <output>/seed<N>/<mode>/rollouts)")
@@ -147,13 +158,7 @@ def main() -> None:
             raise SystemExit(f"--step-cost {args.step_cost!r}: expected three numbers A,B,C (ms per step, per "
                              "request, per draft token)")
 
-    try:
-        windows = [int(x) for x in args.window.split(",")]
-    except ValueError:
-        windows = [-1]
-    if min(windows) < 0:
-        raise SystemExit(f"--window {args.window!r}: expected non-negative integers W[,W...] (the last W rollouts "
-                         "per prompt; 0: all)")
+    windows = _counts("--window", args.window, "W[,W...] (the last W rollouts per prompt; 0: all)")
     for flag, value, low in (("--draft-tokens", args.draft_tokens, 1), ("--token-budget", args.token_budget, 1),
                              ("--max-model-len", args.max_model_len, 1), ("--max-new-tokens", args.max_new_tokens, 1)):
         if value is not None and value < low:
@@ -163,13 +168,8 @@ def main() -> None:
 
     shared = [None]
     if args.shared_nodes is not None:
-        try:
-            shared = [int(x) for x in args.shared_nodes.split(",")]
-        except ValueError:
-            shared = [-1]
-        if min(shared) < 0:
-            raise SystemExit(f"--shared-nodes {args.shared_nodes!r}: expected non-negative integers N[,N...] "
-                             "(the shared tree's bound in states; 0: prompt trees only)")
+        shared = _counts("--shared-nodes", args.shared_nodes,
+                         "N[,N...] (the shared tree's bound in states; 0: prompt trees only)")
 
     steps = read_rollouts(args.rollouts)
     seen, first_full = set(), None
