@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any, Iterable
@@ -48,6 +49,32 @@ from megatron_specrl.engines.logs import attach_log_file, detach_log_file, tail_
 from megatron_specrl.engines.tree_drafter import DRAFT_KEY, OWN_DRAFT, RESPONSE_START, settings_env
 
 BAN_PARAM = "specrl_ban_first_token"
+
+# SGLang samples greedily at any temperature in [0, SGLANG_SAMPLING_EPS) (sglang 0.5.23,
+# srt/sampling/sampling_params.py: `if 0 <= self.temperature < _SAMPLING_EPS: self.temperature = 1.0;
+# self.top_k = 1`, silently) and reports log-probs at temperature 1 (the sampler's greedy branch:
+# log_softmax(logits)); unlike vLLM (0.01) it tempers every temperature from 1e-6 on as asked
+SGLANG_SAMPLING_EPS = 1e-6
+
+
+def check_temperature(s: SamplingSettings, what: str) -> None:
+    """Refuse a temperature SGLang would silently turn into greedy decoding at temperature 1: its
+    log-probs would be log_softmax(logits), not the learner's log_softmax(logits / temperature)."""
+    if 0 < s.temperature < SGLANG_SAMPLING_EPS:
+        raise ValueError(f"{what}: temperature {s.temperature} is below SGLang's _SAMPLING_EPS, {SGLANG_SAMPLING_EPS}: "
+                         "SGLang would decode greedily and report log-probs at temperature 1, not the learner's "
+                         f"(log_softmax(logits / temperature)); use a temperature >= {SGLANG_SAMPLING_EPS}")
+
+
+def check_finite_logprobs(results: list[GenerateResult], engine: str) -> None:
+    """Refuse NaN / +inf log-probs (and null ones: SGLang's HTTP server writes NaN / inf as JSON null
+    through orjson): the learner would train on them (TIS, PPO's old log-probs) and turn NaN."""
+    for r in results:
+        bad = [i for i, v in enumerate(r.logprobs) if v is None or math.isnan(v) or v == math.inf]
+        if bad:
+            raise EngineError(f"generate: log-prob {r.logprobs[bad[0]]} for token {r.token_ids[bad[0]]} at response "
+                              f"position {bad[0]} ({len(bad)} of {len(r.token_ids)} tokens): the engine's weights or "
+                              "activations are not finite (megatron-specrl check-resync compares them)", engine)
 
 
 def ban_processor_str() -> str:
@@ -165,7 +192,7 @@ def parse_generate_response(outputs: list[dict], requests: list[GenerateRequest]
         toks = list(out.get("output_ids") or [t for _, t, *_ in lps])
         if [t for _, t, *_ in lps] != toks:
             raise EngineError("output_token_logprobs do not match output_ids", engine)
-        results.append(GenerateResult(token_ids=toks, logprobs=[float(v) for v, *_ in lps],
+        results.append(GenerateResult(token_ids=toks, logprobs=[None if v is None else float(v) for v, *_ in lps],
                                       finish_reason=_finish_reason(meta, engine),
                                       num_cached_tokens=int(meta.get("cached_tokens", 0)),
                                       weight_version=weight_version))
@@ -263,6 +290,8 @@ class _SGLangBase:
                  weight_version: int) -> list[GenerateResult]:
         if not requests:
             return []
+        if sampling.need_logprobs:
+            check_temperature(sampling, "generate")
         self._check(weight_version)
         outs = self._call(build_generate_payload(requests, sampling, self._ban_proc, self.draft))
         results = parse_generate_response(outs, requests, weight_version, self._meta_version(), self.name)
@@ -275,6 +304,9 @@ class _SGLangBase:
                     raise ValueError(f"engine {self.name}: cannot re-score the first token of a ban_first_token "
                                      "request whose prompt ends one token before the context length")
                 results[i].logprobs[0] = s.logprobs[0]
+        # after the re-scoring: a banned request's first log-prob comes from score(), which passes NaN on
+        # (acceptance rejects it), so a NaN verification row reached the rollout through here
+        check_finite_logprobs(results, self.name)
         self._check(weight_version)
         return results
 
