@@ -216,11 +216,15 @@ class RayEngine:
             raise EngineError(f"{what}: engine killed for out of memory: {e}", self.name,
                               self.last_log_lines()) from e
         except RayActorError as e:
-            raise EngineError(f"{what}: engine process died (pid {self._pid}): {death_cause(e)}", self.name,
+            pid = f" (pid {self._pid})" if self._pid is not None else ""   # None: it died while starting
+            raise EngineError(f"{what}: engine process died{pid}: {death_cause(e)}", self.name,
                               self.last_log_lines()) from e
 
 
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*(?:Error|Exception)): (.+)$")
+_DEAD_BECAUSE = "The actor is dead because "
+# Ray's advice appended to a worker's death (OOM killer, `ray stop --force`, SIGSEGV), not its cause
+_RAY_ADVICE = re.compile(r"\s+(?:Some common causes include|There are some potential root causes)\b.*$")
 
 
 def death_cause(e: BaseException) -> str:
@@ -235,4 +239,9 @@ def death_cause(e: BaseException) -> str:
             m = _EXCEPTION_LINE.match(ln)
             if m:
                 return f"its start raised {m[1]}: {m[2]}"
+    # a death while running (SIGKILL, OOM killer, ray.kill, node lost): Ray's first line is only
+    # "The actor died unexpectedly before finishing this task."; the line after its actor fields says why
+    for ln in lines[1:]:
+        if ln.startswith(_DEAD_BECAUSE):
+            return f"{lines[0]} {_RAY_ADVICE.sub('', ln)}"
     return lines[0]
