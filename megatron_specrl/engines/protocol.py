@@ -37,6 +37,17 @@ class EngineError(RuntimeError):
         return type(self), (self.message, self.engine, self.last_log_lines)
 
 
+def check_finite_logprobs(token_ids: list[int], logprobs: list, engine: str) -> None:
+    """Refuse a response's NaN / +inf log-probs (and null ones: SGLang's HTTP server writes NaN / inf as
+    JSON null): the learner would train on them (TIS, PPO's old log-probs) and turn NaN. -inf (a token
+    outside the processed distribution's support) is a log-prob."""
+    bad = [i for i, v in enumerate(logprobs) if v is None or v != v or v == float("inf")]
+    if bad:
+        raise EngineError(f"generate: log-prob {logprobs[bad[0]]} for token {token_ids[bad[0]]} at response position "
+                          f"{bad[0]} ({len(bad)} of {len(token_ids)} tokens): the engine's weights or activations "
+                          "are not finite (megatron-specrl check-resync compares them)", engine)
+
+
 class WeightVersionMismatch(RuntimeError):
     """A response was (or would be) produced under weights other than the caller expects."""
 

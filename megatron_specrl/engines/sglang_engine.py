@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 from pathlib import Path
 from typing import Any, Iterable
@@ -43,7 +42,7 @@ import torch
 
 from megatron_specrl.engines.protocol import (
     EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest,
-    ScoreResult, WeightVersionMismatch, check_version,
+    ScoreResult, WeightVersionMismatch, check_finite_logprobs, check_version,
 )
 from megatron_specrl.engines.logs import attach_log_file, detach_log_file, tail_lines
 from megatron_specrl.engines.tree_drafter import DRAFT_KEY, OWN_DRAFT, RESPONSE_START, settings_env
@@ -65,16 +64,6 @@ def check_temperature(s: SamplingSettings, what: str) -> None:
                          "SGLang would decode greedily and report log-probs at temperature 1, not the learner's "
                          f"(log_softmax(logits / temperature)); use a temperature >= {SGLANG_SAMPLING_EPS}")
 
-
-def check_finite_logprobs(results: list[GenerateResult], engine: str) -> None:
-    """Refuse NaN / +inf log-probs (and null ones: SGLang's HTTP server writes NaN / inf as JSON null
-    through orjson): the learner would train on them (TIS, PPO's old log-probs) and turn NaN."""
-    for r in results:
-        bad = [i for i, v in enumerate(r.logprobs) if v is None or math.isnan(v) or v == math.inf]
-        if bad:
-            raise EngineError(f"generate: log-prob {r.logprobs[bad[0]]} for token {r.token_ids[bad[0]]} at response "
-                              f"position {bad[0]} ({len(bad)} of {len(r.token_ids)} tokens): the engine's weights or "
-                              "activations are not finite (megatron-specrl check-resync compares them)", engine)
 
 
 def ban_processor_str() -> str:
@@ -306,7 +295,8 @@ class _SGLangBase:
                 results[i].logprobs[0] = s.logprobs[0]
         # after the re-scoring: a banned request's first log-prob comes from score(), which passes NaN on
         # (acceptance rejects it), so a NaN verification row reached the rollout through here
-        check_finite_logprobs(results, self.name)
+        for r in results:
+            check_finite_logprobs(r.token_ids, r.logprobs, self.name)
         self._check(weight_version)
         return results
 

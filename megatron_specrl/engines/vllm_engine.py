@@ -37,7 +37,7 @@ from megatron_specrl.engines.tree_proposer import (
 )
 from megatron_specrl.engines.protocol import (
     EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest,
-    ScoreResult, WeightVersionMismatch, check_version, untruncated_t1,
+    ScoreResult, WeightVersionMismatch, check_finite_logprobs, check_version, untruncated_t1,
 )
 from patches.vllm_0_32_0_batched_prompt_logprobs import COUPLED_KEY, UNCOMPUTED, VERIFY_COLUMNS
 
@@ -351,11 +351,7 @@ class VLLMEngine:
             lps = token_logprobs(comp.logprobs, 0, toks) if comp.logprobs is not None else []
             if len(lps) != len(toks):
                 raise EngineError(f"vLLM returned {len(lps)} log-probs for {len(toks)} tokens", self.name)
-            bad = np.flatnonzero(np.isnan(lps) | np.isposinf(lps)) if lps else ()
-            if len(bad):   # the learner would train on them (TIS, PPO's old log-probs) and turn NaN
-                raise EngineError(f"generate: log-prob {lps[bad[0]]} for token {toks[bad[0]]} at response position "
-                                  f"{bad[0]} ({len(bad)} of {len(toks)} tokens): the engine's weights or "
-                                  "activations are not finite (megatron-specrl check-resync compares them)", self.name)
+            check_finite_logprobs(toks, lps, self.name)
             results.append(GenerateResult(
                 token_ids=toks, logprobs=lps,
                 finish_reason=comp.finish_reason if comp.finish_reason in ("length", "abort") else "stop",
