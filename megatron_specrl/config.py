@@ -215,6 +215,22 @@ class LearnerConfig(_Strict):
     recompute: Literal["none", "selective", "full"] = "none"
 
 
+class KLControlConfig(_Strict):
+    """[algorithm.kl_ctrl] beta of the KL in the reward (algorithms/kl_reward.py): fixed at kl_coef, or
+    adaptive (kl_coef at the start, then moved towards target_kl over about `horizon` responses)."""
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = Field(0.001, ge=0)
+    horizon: int = Field(10000, gt=0)
+    target_kl: float = Field(0.1, gt=0)
+
+    @model_validator(mode="after")
+    def _adaptive_moves(self) -> "KLControlConfig":
+        """The adaptive update multiplies beta: from 0 it would never move."""
+        if self.type == "adaptive" and self.kl_coef == 0:
+            raise ValueError("algorithm.kl_ctrl.type=adaptive needs kl_coef > 0 (its update multiplies it)")
+        return self
+
+
 class AlgorithmConfig(_Strict):
     name: Literal["grpo", "dapo", "ppo"] = "grpo"
     normalize_std: bool = True
@@ -230,6 +246,13 @@ class AlgorithmConfig(_Strict):
     # Accuracy (reward/accuracy, eval/accuracy) and the dynamic-sampling filter count s > 0 as correct
     # (verl's `acc`), whatever this is.
     incorrect_score: float = Field(0.0, lt=1)
+    # [use_kl_in_reward] each response token's reward minus beta x KL_t(policy || reference), beta from
+    # kl_ctrl (verl's in-reward KL, classic RLHF PPO; the frozen reference model is started for it). Any
+    # algorithm: GRPO / DAPO rank samples by score minus summed KL, as verl's. [kl_penalty] its estimator:
+    # learner.loss.kl_type's names (verl's `full` needs whole distributions: not supported)
+    use_kl_in_reward: bool = False
+    kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "kl"
+    kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
     # PPO
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(0.95, ge=0, le=1)
@@ -328,6 +351,11 @@ class RunConfig(_Strict):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the run starts the frozen reference policy: for the KL loss or the KL in the reward."""
+        return self.learner.loss.kl_coef > 0 or self.algorithm.use_kl_in_reward
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "RunConfig":

@@ -199,7 +199,7 @@ def learner_memory(cfg: RunConfig, s: ModelShape, padded_vocab: int, flash: bool
     if cfg.algorithm.name == "ppo":
         n = max(stage_parameters(s, le.tp, le.pp, st, padded_vocab, role="critic") for st in range(le.pp))
         critic = 2 * n * FP32 + optimizer(n)
-    reference = params * FP32 if le.loss.kl_coef > 0 else 0
+    reference = params * FP32 if cfg.needs_reference else 0
     return LearnerMemory(params, params * FP32, params * FP32, optimizer(params), acts, tokens, in_flight,
                          critic, reference)
 
@@ -504,13 +504,17 @@ def print_plan(plan: Plan) -> None:
 
 def check_convert_layout(hf_dir: str | Path, tp: int, pp: int) -> None:
     """`convert`'s check before it spawns tp x pp ranks: the model config is readable and the
-    layout divides its heads, KV heads and layers."""
+    layout divides its heads, KV heads, intermediate_size and layers. (intermediate_size as in
+    _divisibility: without it a bad --tp reached the spawned ranks, whose Megatron assert
+    "255 is not divisible by 2 when instantiating ColumnParallelLinear" names no config field.)"""
     if tp < 1 or pp < 1:
         raise PlanError([f"--tp={tp} / --pp={pp}: parallel sizes must be >= 1"])
     s = ModelShape.from_hf(load_hf_config(str(hf_dir)))
     out = []
     bad = [f"{name}={n}" for name, n in (("num_attention_heads", s.heads), ("num_key_value_heads", s.kv_heads))
            if n % tp]
+    if s.ffn % tp:     # the MLP's column / row-parallel split (Megatron's divide() asserts it)
+        bad.append(f"intermediate_size={s.ffn}")
     if bad:
         out.append(f"--tp={tp} does not divide {' and '.join(bad)} of {hf_dir}")
     if s.layers % pp:

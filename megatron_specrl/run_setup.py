@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from megatron_specrl import checkpoint as ckpt
+from megatron_specrl.algorithms.kl_reward import RewardKLController
 from megatron_specrl.config import ConfigError, RunConfig, check_model_divisibility, to_yaml
 from megatron_specrl.engines.protocol import GenerateRequest, RolloutEngine, SamplingSettings
 from megatron_specrl.metrics import MetricsLogger, plot_metrics
@@ -59,7 +60,8 @@ class Run:
     placement: Placement
     resync_route: Route               # the route of trainer.resync_transport (broadcast keeps its group)
     critic: LearnerGroup | None = None        # PPO's value model
-    ref: LearnerGroup | None = None           # frozen KL reference (learner.loss.kl_coef > 0)
+    ref: LearnerGroup | None = None           # frozen KL reference (RunConfig.needs_reference)
+    reward_kl: RewardKLController | None = None   # beta of the KL in the reward (algorithm.use_kl_in_reward)
     step: int = 0
     version: int = 0
     progress: Progress = field(default_factory=lambda: Progress(
@@ -169,7 +171,7 @@ def build_run(cfg: RunConfig) -> Run:
                           critic_lr_warmup_steps=cfg.algorithm.critic_lr_warmup_steps,
                           critic_weight_decay=cfg.algorithm.critic_weight_decay,
                           critic_grad_clip=cfg.algorithm.critic_grad_clip,
-                          reference=cfg.learner.loss.kl_coef > 0,
+                          reference=cfg.needs_reference,
                           learner_gpus_per_rank=placement.learner_gpus_per_rank,
                           gpus_per_engine=placement.gpus_per_engine)
     learner, engine, critic, ref = actors.learner, actors.engine, actors.critic, actors.reference
@@ -184,6 +186,13 @@ def build_run(cfg: RunConfig) -> Run:
         store = TrajectoryStore.load(resume_from)
         step, version = state["step"], state["weight_version"]
 
+    reward_kl = None
+    if cfg.algorithm.use_kl_in_reward:
+        k = cfg.algorithm.kl_ctrl
+        reward_kl = RewardKLController(k.type, k.kl_coef, k.target_kl, k.horizon)
+        if resumed and "reward_kl" in state:
+            reward_kl.load_state_dict(state["reward_kl"])
+
     sampling = SamplingSettings(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
     rollout = SpeculativeRollout(engine, store, mode=cfg.rollout.spec_mode, lenience=cfg.rollout.lenience,
                                  sampling=sampling, max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.trainer.seed,
@@ -196,7 +205,7 @@ def build_run(cfg: RunConfig) -> Run:
               loader=loader, train_records={r.id: r for r in train_records}, eval_records=eval_records,
               train_prompt_ids=train_ids, eval_prompt_ids=eval_ids,
               reward_fn=get_reward(cfg.reward.name or default_reward_for(cfg.data)), learner=learner, engine=engine, store=store,
-              rollout=rollout, logger=logger, placement=placement, critic=critic, ref=ref, step=step, version=version,
+              rollout=rollout, logger=logger, placement=placement, critic=critic, ref=ref, reward_kl=reward_kl, step=step, version=version,
               resync_route=make_route(transport, timeout_s=cfg.rollout.engine_timeout_s))
     logger.console.print(f"weight resync transport: {transport} (trainer.resync_transport="
                          f"{cfg.trainer.resync_transport})")
@@ -241,6 +250,8 @@ def save_run_checkpoint(run: Run) -> Path:
     save_draft_trees(run.engine, tmp / "draft_trees")
     state = {"step": run.step, "weight_version": run.version, "loader": run.loader.state_dict(),
              "tokenizer": run.tokenizer_id, "model_dir": str(run.model_dir)}
+    if run.reward_kl is not None:
+        state["reward_kl"] = run.reward_kl.state_dict()
     return ckpt.commit(tmp, state, keep=run.cfg.trainer.keep_checkpoints)
 
 

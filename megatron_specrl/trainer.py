@@ -11,7 +11,8 @@ import time
 import torch
 
 from megatron_specrl import faults
-from megatron_specrl.algorithms.advantages import grpo_advantages
+from megatron_specrl.algorithms.advantages import grpo_advantages, terminal_rewards
+from megatron_specrl.algorithms.kl_reward import kl_cost
 from megatron_specrl.algorithms.ppo import ppo_advantages
 from megatron_specrl.algorithms.rewards_step import group_ids_of, score_samples
 from megatron_specrl.config import RunConfig
@@ -48,16 +49,26 @@ def train_step(run: Run, step: int, hooks: faults.PhaseHooks = faults.PhaseHooks
     if cfg.trainer.rollout_data_dir:   # verl's rollout dump: the step's samples and rewards as JSON lines
         dump_rollouts(cfg.trainer.rollout_data_dir, step, samples, rewards.tolist(), run.tokenizer)
 
-    # 4. advantages: per sample, group-relative (GRPO, DAPO), or per token from the critic (PPO)
-    if alg.name == "ppo":
-        batch = build_batch(samples, torch.zeros(len(samples)), run.pad_id)
-        metrics.update(ppo_advantages(run.critic, batch, rewards, alg.gamma, alg.lam))
-    else:
-        advantages = grpo_advantages(rewards, group_ids_of(samples), normalize_std=alg.normalize_std)
-        batch = build_batch(samples, advantages, run.pad_id)
+    # 4. advantages: per sample, group-relative (GRPO, DAPO), or per token from the critic (PPO), on the
+    #    task rewards less beta x KL(policy || reference) per token where use_kl_in_reward is on
+    batch = build_batch(samples, torch.zeros(len(samples)), run.pad_id)
     batch["temperature"] = cfg.rollout.temperature   # learner log-probs are log_softmax(logits / T)
-    if run.ref is not None:   # KL anchor: the frozen initial policy's log-probs (learner.loss.kl_coef > 0)
+    if run.ref is not None:   # KL anchor: the frozen initial policy's log-probs (RunConfig.needs_reference)
         batch["ref_logprobs"] = run.ref.compute_logprobs(batch)
+    kl_in_reward = torch.zeros_like(batch["loss_mask"])
+    if alg.use_kl_in_reward:   # KL of the policy that sampled the batch: the PPO ratio's old log-probs
+        if cfg.learner.recompute_old_logprobs:   # scored here, before the rewards need them, not in train_step
+            batch["old_logprobs"], batch["old_logprobs_scored"] = run.learner.compute_logprobs(batch), True
+        kl_in_reward, kl_metrics = kl_cost(batch["old_logprobs"], batch["ref_logprobs"], batch["loss_mask"],
+                                           run.reward_kl, alg.kl_penalty)
+        metrics.update(kl_metrics)
+    if alg.name == "ppo":
+        token_rewards = terminal_rewards(rewards, batch["loss_mask"]) - kl_in_reward
+        metrics.update(ppo_advantages(run.critic, batch, token_rewards, alg.gamma, alg.lam))
+    else:
+        advantages = grpo_advantages(rewards - kl_in_reward.sum(-1), group_ids_of(samples),
+                                     normalize_std=alg.normalize_std)
+        batch["advantages"] = advantages[:, None] * batch["loss_mask"]
 
     # 5. learn (old log-probs for the ratio are scored inside, once, with learner.recompute_old_logprobs)
     hooks.before("train", step)

@@ -315,8 +315,10 @@ class LearnerWorker:
         """ppo_epochs x mini_batches optimizer steps on one rollout batch; returns averaged metrics.
 
         With recompute_old_logprobs the PPO ratio's old log-probs are this policy's, scored here
-        once (the step's only extra forward pass); `rollout_learner_logprob_abs_diff` reports their
-        mean |difference| from the rollout engine's on response tokens."""
+        once (the step's only extra forward pass), unless the caller scored them already
+        (`old_logprobs_scored`: the KL in the reward needs them before the advantages);
+        `rollout_learner_logprob_abs_diff` reports their mean |difference| from the rollout engine's
+        on response tokens."""
         self._require_trainable("train_step")
         s = self.settings
         B = batch["input_ids"].shape[0]
@@ -324,7 +326,8 @@ class LearnerWorker:
         extra: dict[str, float] = {}
         if self.role == "policy":
             if s.recompute_old_logprobs:
-                batch["old_logprobs"] = self._score(batch, to_all=True)
+                if not batch.get("old_logprobs_scored"):
+                    batch["old_logprobs"] = self._score(batch, to_all=True)
                 if batch.get("rollout_logprobs") is not None:
                     m = batch["loss_mask"].to(torch.float32)
                     diff = (batch["old_logprobs"] - batch["rollout_logprobs"]).abs() * m
