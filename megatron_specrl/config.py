@@ -237,6 +237,12 @@ class AlgorithmConfig(_Strict):
     # DAPO
     dynamic_sampling: bool = False
     max_sampling_tries: int = Field(4, ge=1)
+    # [filter_groups.metric] what the filter keeps groups by: groups whose values are not all equal
+    # (verl: std > 0). acc: correct or not (the reward function's score > 0); score: the task reward
+    # (graded scores count, the length shaping does not); seq_reward: the shaped reward (overlong
+    # penalty included); seq_final_reward: verl's shaped reward less the KL in the reward, which here
+    # is applied after the filter, so it is seq_reward and refused with use_kl_in_reward
+    filter_metric: Literal["acc", "score", "seq_reward", "seq_final_reward"] = "acc"
     overlong_buffer: int = Field(0, ge=0)
     overlong_penalty: float = Field(1.0, ge=0)
     # The task reward of a wrong answer. A reward function's score s (0 / 1 for the built-ins) is trained on
@@ -253,6 +259,14 @@ class AlgorithmConfig(_Strict):
     use_kl_in_reward: bool = False
     kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "kl"
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
+
+    @model_validator(mode="after")
+    def _filter_metric_exists(self) -> "AlgorithmConfig":
+        if self.filter_metric == "seq_final_reward" and self.use_kl_in_reward:
+            raise ValueError("algorithm.filter_metric=seq_final_reward with use_kl_in_reward: the KL in the reward "
+                             "is applied to the kept groups, after the filter; use seq_reward (the same "
+                             "reward before the KL)")
+        return self
     # PPO
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(0.95, ge=0, le=1)

@@ -33,9 +33,9 @@ def train_step(run: Run, step: int, hooks: faults.PhaseHooks = faults.PhaseHooks
         upcoming = run.upcoming_prompts() if cfg.rollout.runahead else []   # run-ahead feeds their draft trees
         samples, metrics = run.rollout.run(prompts, cfg.rollout.n_samples, run.version, step=f"{step}.{i}",
                                            next_prompts=upcoming)
-        rewards, accuracies, reward_metrics = score_samples(samples, run.train_records, run.reward_fn,
-                                                            run.tokenizer, alg, cfg.rollout.max_new_tokens)
-        return samples, rewards, accuracies, {**metrics, **reward_metrics}
+        rewards, filter_values, reward_metrics = score_samples(samples, run.train_records, run.reward_fn,
+                                                               run.tokenizer, alg, cfg.rollout.max_new_tokens)
+        return samples, rewards, filter_values, {**metrics, **reward_metrics}
 
     def collect():               # 3. DAPO filter: rounds until prompts_per_step groups are informative
         if alg.dynamic_sampling:

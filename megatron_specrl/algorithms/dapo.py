@@ -23,22 +23,22 @@ class DynamicSamplingError(RuntimeError):
     """max_tries generation rounds did not yield target_groups informative groups."""
 
 
-def dapo_keep_mask(rewards: torch.Tensor, group_ids) -> torch.Tensor:
-    """Bool [N]: True for samples whose group's accuracy is strictly between 0 and 1, or whose group is
-    a single sample (as verl's filter: `std > 0 or len == 1`; only rollout.n_samples=1, i.e. PPO, has
-    such groups, and dropping them all would only end the run after max_sampling_tries rounds).
+def dapo_keep_mask(values: torch.Tensor, group_ids) -> torch.Tensor:
+    """Bool [N]: True for samples whose group's values are not all equal (verl's filter: `std > 0`,
+    compared exactly, max != min), or whose group is a single sample (verl: `or len == 1`; only
+    rollout.n_samples=1, i.e. PPO, has such groups, and dropping them all would only end the run after
+    max_sampling_tries rounds).
 
-    A sample counts as correct when its value is > 0. Pass accuracies (verl's `acc`: 1 / 0, as
-    score_samples returns them), not shaped rewards, so neither the overlong penalty nor a -1 / 1
-    task scale (algorithm.incorrect_score) can flip the decision.
+    The values are algorithm.filter_metric's (score_samples): by default accuracies (verl's `acc`,
+    1 / 0), for which this keeps 0 < correct < G, so neither the overlong penalty nor a -1 / 1 task
+    scale (algorithm.incorrect_score) can flip the decision.
     """
-    rewards = torch.as_tensor(rewards, dtype=torch.float32).flatten()
-    idx, num_groups = group_index(group_ids, rewards.numel())
-    correct = (rewards > 0).float()
-    hits = torch.zeros(num_groups).index_add_(0, idx, correct)
-    sizes = torch.zeros(num_groups).index_add_(0, idx, torch.ones_like(correct))
-    acc = hits / sizes
-    keep_group = ((acc > 0) & (acc < 1)) | (sizes == 1)
+    values = torch.as_tensor(values, dtype=torch.float32).flatten()
+    idx, num_groups = group_index(group_ids, values.numel())
+    hi = torch.full((num_groups,), -torch.inf).scatter_reduce_(0, idx, values, "amax")
+    lo = torch.full((num_groups,), torch.inf).scatter_reduce_(0, idx, values, "amin")
+    sizes = torch.zeros(num_groups).index_add_(0, idx, torch.ones_like(values))
+    keep_group = (hi != lo) | (sizes == 1)
     return keep_group[idx]
 
 

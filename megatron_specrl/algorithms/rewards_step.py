@@ -19,13 +19,15 @@ from megatron_specrl.rollout.speculative import RolloutSample
 
 def score_samples(samples: list[RolloutSample], records_by_id: dict, reward_fn, tokenizer,
                   alg: AlgorithmConfig, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """(shaped rewards, accuracies, metrics).
+    """(shaped rewards, filter values, metrics).
 
     A sample's score s is reward_fn's value; its task reward is alg.incorrect_score + (1 -
     alg.incorrect_score) * s (0 / 1 -> incorrect_score / 1: DAPO's -1 / 1 with incorrect_score=-1), and
     the shaped reward adds DAPO's soft overlong punishment to it. Accuracy is 1.0 where s > 0 (verl's
-    `acc`, as eval/accuracy counts it): the dynamic-sampling filter decides on it, so neither the
-    incorrect score nor the length shaping can flip its decision, and reward/accuracy stays in [0, 1]."""
+    `acc`, as eval/accuracy counts it, so reward/accuracy stays in [0, 1]). The filter values are what
+    DAPO's dynamic sampling keeps groups by (alg.filter_metric, verl's filter_groups.metric): the
+    accuracies (acc, the default: neither the incorrect score nor the length shaping can flip the
+    filter's decision), the task rewards (score) or the shaped rewards (seq_reward, seq_final_reward)."""
     texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
     scores = torch.tensor([_finite_reward(reward_fn, t, records_by_id[s.prompt_id]) for t, s in zip(texts, samples)])
     correct = (scores > 0).float()
@@ -43,7 +45,8 @@ def score_samples(samples: list[RolloutSample], records_by_id: dict, reward_fn, 
         "response/max_len": float(lengths.max()),
         "response/clip_ratio": sum(s.finish_reason == "length" for s in samples) / len(samples),
     }
-    return rewards, correct, metrics
+    filter_values = {"acc": correct, "score": task}.get(alg.filter_metric, rewards)
+    return rewards, filter_values, metrics
 
 
 def _finite_reward(reward_fn, text: str, record) -> float:

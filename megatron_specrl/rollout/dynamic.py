@@ -1,10 +1,11 @@
 """DAPO's dynamic sampling over rollout rounds: the training step's DAPO filter.
 
-Further prompt batches are rolled out until `target_groups` groups with 0 < correct < G are
-collected (groups that all pass or all fail carry no GRPO signal), failing clearly after
-`max_tries` rounds instead of hanging. A round is a function the step hands in, so this module
-needs neither the engine nor the run: round(i) -> (samples, shaped rewards, accuracies, metrics), the
-accuracies 1.0 where a sample's task score counts correct (verl's `acc`; score_samples).
+Further prompt batches are rolled out until `target_groups` groups whose filter values are not all
+equal are collected (by default 0 < correct < G: groups that all pass or all fail carry no GRPO
+signal), failing clearly after `max_tries` rounds instead of hanging. A round is a function the step
+hands in, so this module needs neither the engine nor the run: round(i) -> (samples, shaped rewards,
+filter values, metrics), the filter values algorithm.filter_metric's (score_samples: by default
+accuracies, 1.0 where a sample's task score counts correct, verl's `acc`).
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ def _groups(samples, rewards, keep):
 def filter_rounds(rollout_round: RolloutRound, target_groups: int,
                   max_tries: int) -> tuple[list[RolloutSample], torch.Tensor, dict[str, float]]:
     """Rounds until `target_groups` informative groups -> (their samples, shaped rewards, metrics).
-    The filter decides on the accuracies, so neither DAPO's length shaping nor its -1 / 1 scale
-    (algorithm.incorrect_score) can flip it.
+    The filter decides on the round's filter values (by default the accuracies, so neither DAPO's
+    length shaping nor its -1 / 1 scale, algorithm.incorrect_score, can flip it).
 
     A prompt kept in an earlier round is not kept again (a round past the loader's epoch end can
     draw it anew): GRPO groups by prompt id, so two kept groups of one prompt would merge into one
@@ -85,9 +86,9 @@ def filter_rounds(rollout_round: RolloutRound, target_groups: int,
     kept_ids: set[str] = set()
 
     def generate(round_idx: int):
-        samples, rewards, acc, metrics = rollout_round(round_idx)
+        samples, rewards, filter_values, metrics = rollout_round(round_idx)
         round_metrics.append(metrics)
-        groups, keep = _groups(samples, rewards, dapo_keep_mask(acc, [s.prompt_id for s in samples]))
+        groups, keep = _groups(samples, rewards, dapo_keep_mask(filter_values, [s.prompt_id for s in samples]))
         keep = [k and group[0].prompt_id not in kept_ids for (group, _), k in zip(groups, keep)]
         kept_ids.update(group[0].prompt_id for (group, _), k in zip(groups, keep) if k)
         return groups, keep
