@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any, Iterable
@@ -211,9 +212,13 @@ def parse_score_response(outputs: list[dict], requests: list[ScoreRequest], weig
         _check_meta_version(meta, meta_version, engine)
         n = len(r.continuation_ids)
         tail = meta["input_token_logprobs"][len(meta["input_token_logprobs"]) - n:] if n else []
-        if [t for _, t, *_ in tail] != list(r.continuation_ids) or any(v is None for v, *_ in tail):
+        if [t for _, t, *_ in tail] != list(r.continuation_ids):
             raise EngineError("input_token_logprobs do not cover the continuation", engine)
-        results.append(ScoreResult(logprobs=[float(v) for v, *_ in tail], weight_version=weight_version))
+        # A NaN log-prob arrives over HTTP as JSON null: NaN again, as the vLLM engine returns it, so the
+        # acceptance rejects the draft there and counts it (spec/nonfinite_logprobs) instead of the whole
+        # score batch failing on one row
+        results.append(ScoreResult(logprobs=[math.nan if v is None else float(v) for v, *_ in tail],
+                                   weight_version=weight_version))
     return results
 
 
