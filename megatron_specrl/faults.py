@@ -57,7 +57,7 @@ def from_env(engines: Callable[[], list] = list, environ=os.environ) -> PhaseHoo
     if spec and not step.isdigit():
         raise ValueError(f"{ENV}={spec!r}: expected phase:step, e.g. train:3")
     engine_phase, _, engine_step = engine_spec.rpartition(":")
-    if engine_spec and not engine_step.isdigit():
+    if engine_spec and (not engine_step.isdigit() or (":" in engine_spec and not engine_phase)):   # ":2" too
         raise ValueError(f"{ENGINE_ENV}={engine_spec!r}: expected a step number or phase:step, e.g. 2 or resync:2")
     kill_self, kill_engine = bool(spec), bool(engine_spec)
     if not (kill_self or kill_engine):

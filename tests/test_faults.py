@@ -41,3 +41,10 @@ def test_engine_kill_before_another_phase(monkeypatch):
         faults.from_env(environ={faults.ENGINE_ENV: "resycn:2"})
     with pytest.raises(ValueError, match="phase:step"):
         faults.from_env(environ={faults.ENGINE_ENV: "resync:"})
+
+
+def test_an_empty_engine_phase_is_a_typo_not_the_rollout():
+    """`:2` (a phase left out) was read as rollout:2: a crash test could kill at a phase it never named."""
+    with pytest.raises(ValueError, match="phase:step"):
+        faults.from_env(environ={faults.ENGINE_ENV: ":2"})
+    assert faults.from_env(environ={faults.ENGINE_ENV: "2"}).engine_phase == "rollout"
