@@ -81,6 +81,8 @@ class _EngineActor:
 class _RayEngine:
     """The part of engines.ray_engine.RayEngine that the routes use."""
 
+    timeout_s = 30.0
+
     def __init__(self, ray, name, fail_at=None):
         self.ray, self.name, self.starts = ray, name, 1
         self.actor = ray.remote(num_cpus=0)(_EngineActor).remote(fail_at)
@@ -88,8 +90,8 @@ class _RayEngine:
     def submit_actor(self, method, *args):
         return getattr(self.actor, method).remote(*args)
 
-    def wait(self, ref, what):
-        return self.ray.get(ref, timeout=30)
+    def wait(self, ref, what, expected_version=None, deadline=None):
+        return self.ray.get(ref, timeout=self.timeout_s if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
 def _learner(ray, ranks: list[_LearnerRank]):

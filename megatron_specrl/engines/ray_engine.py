@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -134,8 +135,10 @@ class RayEngine:
             raise EngineError("engine is not running (call restart())", self.name, self.last_log_lines())
         return self.actor
 
-    def wait(self, ref, what: str, expected_version: int | None = None):
-        out = self._get(ref, self.timeout_s, what)
+    def wait(self, ref, what: str, expected_version: int | None = None, deadline: float | None = None):
+        """`deadline` (time.monotonic()): the end of this call's timeout_s when it started counting
+        before this wait (wait_engines waits on several engines at once); None: timeout_s from now."""
+        out = self._get(ref, self.timeout_s, what, deadline)
         if expected_version is not None:
             for r in out:
                 if r.weight_version != expected_version:
@@ -197,12 +200,13 @@ class RayEngine:
         return tail_lines(self.log_path, n)
 
     # -- error conversion ---------------------------------------------------------
-    def _get(self, ref, timeout: float, what: str) -> Any:
+    def _get(self, ref, timeout: float, what: str, deadline: float | None = None) -> Any:
+        """`timeout` is what a timeout reports; `deadline`, if given, when it runs out."""
         import ray
         from ray.exceptions import GetTimeoutError, OutOfMemoryError, RayActorError, RayTaskError
 
         try:
-            return ray.get(ref, timeout=timeout)
+            return ray.get(ref, timeout=timeout if deadline is None else max(0.0, deadline - time.monotonic()))
         except RayTaskError as e:
             # raised by the engine in the actor: Ray's wrapper reads `ray::EngineActor.call() (pid=...)`
             # on its first line, the line a restart logs and the user reads; the engine's own error
@@ -219,6 +223,29 @@ class RayEngine:
             pid = f" (pid {self._pid})" if self._pid is not None else ""   # None: it died while starting
             raise EngineError(f"{what}: engine process died{pid}: {death_cause(e)}", self.name,
                               self.last_log_lines()) from e
+
+
+def wait_engines(calls: list[tuple[RayEngine, Any]], what: str, expected_version: int | None = None) -> list:
+    """[(engine, ref)] of calls already submitted to several engines -> their results, in that order.
+
+    Waiting on each in turn reported engine 1's death (or error) only once engine 0 had finished its
+    minutes-long batch. Here the first failure is raised as soon as it arrives, translated by its own
+    engine's `wait`; each engine's timeout_s counts from now, as when it is waited on alone. The other
+    calls are left running: a failure ends in a restart of every engine (run_setup's recovery), which
+    kills them, and an actor that was not restarted runs the next call after them (one at a time)."""
+    import ray
+
+    start = time.monotonic()
+    deadline = {ref: start + e.timeout_s for e, ref in calls}
+    pending = {ref: i for i, (_, ref) in enumerate(calls)}
+    out: list = [None] * len(calls)
+    while pending:
+        soonest = min(pending, key=deadline.__getitem__)
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline[soonest] - time.monotonic()))
+        ref = ready[0] if ready else soonest       # none answered in time: its wait raises its timeout
+        i = pending.pop(ref)
+        out[i] = calls[i][0].wait(ref, what, expected_version, deadline=deadline[ref])
+    return out
 
 
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*(?:Error|Exception)): (.+)$")

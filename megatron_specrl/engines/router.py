@@ -3,15 +3,16 @@
 A batch is split so every engine gets about the same number of tokens
 (longest-first greedy), the shards run concurrently (Ray actors: all submitted
 before any wait; in-process engines: threads), and results come back in the
-caller's order. Weight updates go to every engine; with Ray engines each bucket
-is put in the object store once and read by all actors.
+caller's order. The first engine to fail is reported at once, not after the
+engines still generating have finished. Weight updates go to every engine; with
+Ray engines each bucket is put in the object store once and read by all actors.
 """
 
 from __future__ import annotations
 
 import hashlib
 import heapq
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Iterable, Sequence
 
 import torch
@@ -69,14 +70,24 @@ class EngineRouter:
                  shards: list[list[int]] | None = None):
         shards = shards or balance(costs, len(self.engines))
         work = [(e, idx) for e, idx in zip(self.engines, shards) if idx]
-        if all(hasattr(e, "submit") for e, _ in work):   # Ray engines: submit all, then wait
-            refs = [e.submit(method, [requests[i] for i in idx], sampling, weight_version) for e, idx in work]
-            outs = [e.wait(r, method, weight_version) for (e, _), r in zip(work, refs)]
+        if all(hasattr(e, "submit") for e, _ in work):   # Ray engines: submit all, then wait on all
+            from megatron_specrl.engines.ray_engine import wait_engines
+            outs = wait_engines([(e, e.submit(method, [requests[i] for i in idx], sampling, weight_version))
+                                 for e, idx in work], method, weight_version)
         else:
-            with ThreadPoolExecutor(len(work)) as pool:
+            pool = ThreadPoolExecutor(len(work))
+            try:
                 futs = [pool.submit(getattr(e, method), [requests[i] for i in idx], sampling, weight_version)
                         for e, idx in work]
+                done, _ = wait(futs, return_when=FIRST_EXCEPTION)
+                for f in futs:                      # a failure is raised before the slow engines finish
+                    if f in done and f.exception() is not None:
+                        f.result()
                 outs = [f.result() for f in futs]
+            finally:
+                # After a failure the others' threads finish on their own (in-process engines are not
+                # restarted: the error ends the caller's run or test, and interpreter exit joins them).
+                pool.shutdown(wait=False)
         results: list = [None] * len(requests)
         for (e, idx), out in zip(work, outs):
             # zip would leave None for a missing result (and drop an extra one) far from its engine

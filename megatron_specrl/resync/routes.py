@@ -4,8 +4,8 @@ A route moves every bucket of one weight version into every engine (`load`, retu
 count); `resync.lifecycle.sync_weights` wraps it with the wake / finish_update order. `dtype` is the
 engines' dtype: learner rank 0 casts to it while bucketing (resync.buckets), the same for every route.
 
-- ObjectStoreRoute ("ray"): rank 0 streams object-store refs; each engine actor reads each one.
-  Waiting for the next bucket of a learner rank times out after `timeout_s`.
+- ObjectStoreRoute ("ray"): rank 0 streams object-store refs; every engine actor reads each one at
+  the same time. Waiting for the next bucket of a learner rank times out after `timeout_s`.
 - BroadcastRoute ("broadcast"): the resync group (resync.group) is built once and rebuilt when an
   engine was restarted or a sync failed; per sync the engines start receiving, then the learner sends.
   Each group op times out after `timeout_s`; a whole sync must finish within about that too.
@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from megatron_specrl.engines.ray_engine import wait_engines
 from megatron_specrl.resync import engine_actor
 from megatron_specrl.resync.group import ResyncTransportError, _first_line
 
@@ -125,8 +126,13 @@ class ObjectStoreRoute:
         try:
             while (ref := next_ref(rank0_stream, self.timeout_s, "learner rank 0")) is not None:
                 n += 1
-                for e in targets:
-                    load_refs(e, [ref], version)
+                # Every engine loads the bucket at once (one after another, a sync took N times as
+                # long); the next one is taken when all have it, so the object store holds this one
+                # and the stream's two ahead. An engine's failure is raised at once, not once the
+                # others' loads are done as wait_all does: only engines run these loads, and a failed
+                # sync restarts every engine (run_setup.resync_with_recovery), which kills them.
+                wait_engines([(e, engine_actor.submit(e, engine_actor.load_payload, ref, version))
+                              for e in targets], "update_weights")
         except BaseException as e:
             # As streams.broadcast_all: read the rest (unused) so rank 0's generator is not left
             # parked on backpressure mid-gather, with every rank's collective and the learner's
