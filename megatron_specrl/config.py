@@ -223,13 +223,6 @@ class KLControlConfig(_Strict):
     horizon: int = Field(10000, gt=0)
     target_kl: float = Field(0.1, gt=0)
 
-    @model_validator(mode="after")
-    def _adaptive_moves(self) -> "KLControlConfig":
-        """The adaptive update multiplies beta: from 0 it would never move."""
-        if self.type == "adaptive" and self.kl_coef == 0:
-            raise ValueError("algorithm.kl_ctrl.type=adaptive needs kl_coef > 0 (its update multiplies it)")
-        return self
-
 
 class AlgorithmConfig(_Strict):
     name: Literal["grpo", "dapo", "ppo"] = "grpo"
@@ -249,7 +242,8 @@ class AlgorithmConfig(_Strict):
     # as incorrect_score + (1 - incorrect_score) * s: 0 / 1 -> incorrect_score / 1, order kept for graded
     # scores. DAPO's scale is -1 / 1 (verl recipe/dapo, math_dapo.compute_score), the scale its overlong
     # penalty (0 down to -overlong_penalty, added to this) was tuned against; 0 keeps the score as it is.
-    # Accuracy (reward/accuracy, eval/accuracy) and the dynamic-sampling filter count s > 0 as correct
+    # Accuracy (reward/accuracy, eval/accuracy) and the dynamic-sampling filter (with its default
+    # filter_metric=acc; score / seq_reward compare the rewards themselves) count s > 0 as correct
     # (verl's `acc`), whatever this is.
     incorrect_score: float = Field(0.0, lt=1)
     # [use_kl_in_reward] each response token's reward minus beta x KL_t(policy || reference), beta from
@@ -260,13 +254,6 @@ class AlgorithmConfig(_Strict):
     kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "kl"
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
 
-    @model_validator(mode="after")
-    def _filter_metric_exists(self) -> "AlgorithmConfig":
-        if self.filter_metric == "seq_final_reward" and self.use_kl_in_reward:
-            raise ValueError("algorithm.filter_metric=seq_final_reward with use_kl_in_reward: the KL in the reward "
-                             "is applied to the kept groups, after the filter; use seq_reward (the same "
-                             "reward before the KL)")
-        return self
     # PPO
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(0.95, ge=0, le=1)
@@ -280,6 +267,17 @@ class AlgorithmConfig(_Strict):
     # [critic.grad_clip] the critic's own global gradient-norm clip (learner.grad_clip is the policy's);
     # verl's default 1.0
     critic_grad_clip: float = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _kl_and_filter(self) -> "AlgorithmConfig":
+        if self.use_kl_in_reward and self.kl_ctrl.type == "adaptive" and self.kl_ctrl.kl_coef == 0:
+            raise ValueError("algorithm.kl_ctrl.type=adaptive needs kl_coef > 0 (its update multiplies beta: "
+                             "from 0 it never moves)")
+        if self.filter_metric == "seq_final_reward" and self.use_kl_in_reward:
+            raise ValueError("algorithm.filter_metric=seq_final_reward with use_kl_in_reward: the KL in the reward "
+                             "is applied to the kept groups, after the filter; use seq_reward (the same "
+                             "reward before the KL)")
+        return self
 
 
 class TrainerConfig(_Strict):
@@ -377,6 +375,12 @@ class RunConfig(_Strict):
         if r.max_model_len < self.data.max_prompt_len + r.max_new_tokens:
             raise ValueError(f"rollout.max_model_len={r.max_model_len} < data.max_prompt_len + "
                              f"rollout.max_new_tokens = {self.data.max_prompt_len + r.max_new_tokens}")
+        kc, responses = self.algorithm.kl_ctrl, self.trainer.prompts_per_step * r.n_samples
+        if self.algorithm.use_kl_in_reward and kc.type == "adaptive" and responses >= 5 * kc.horizon:
+            # beta x (1 + clip(err, -0.2, 0.2) x responses / horizon) turns beta negative once
+            # responses / horizon reaches 5 (verl's controller too): a KL bonus instead of a penalty
+            raise ValueError(f"algorithm.kl_ctrl.horizon={kc.horizon} must exceed a step's responses / 5 "
+                             f"({responses} / 5): the adaptive update could turn beta negative")
         truncated = r.top_p < 1.0 or r.top_k > 0
         if r.spec_mode != "off" and r.engine == "sglang" and (r.temperature != 1.0 or truncated):
             raise ValueError(f"rollout.spec_mode={r.spec_mode} with rollout.engine=sglang needs temperature 1 and no "

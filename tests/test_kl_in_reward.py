@@ -73,6 +73,13 @@ def test_config_takes_verls_keys_and_starts_the_reference():
     with pytest.raises(ConfigError, match="adaptive needs kl_coef > 0"):
         load_config(None, ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
                            "algorithm.kl_ctrl.kl_coef=0"])
+    load_config(None, ["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0"])   # unused: fine
+    # 16 prompts x 8 samples = 128 responses a step: horizon 25 would let the update turn beta negative
+    with pytest.raises(ConfigError, match="horizon=25 must exceed"):
+        load_config(None, ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
+                           "algorithm.kl_ctrl.horizon=25", "trainer.prompts_per_step=16", "rollout.n_samples=8"])
+    load_config(None, ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
+                       "algorithm.kl_ctrl.horizon=26", "trainer.prompts_per_step=16", "rollout.n_samples=8"])
 
 
 # --------------------------------------------------------------------------- the step, with stand-ins

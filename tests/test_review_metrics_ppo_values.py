@@ -21,7 +21,8 @@ class Critic:
 def _run():
     cfg = SimpleNamespace(
         algorithm=SimpleNamespace(name="ppo", dynamic_sampling=False, gamma=1.0, lam=1.0, overlong_buffer=0,
-                                  incorrect_score=0.0, use_kl_in_reward=False),
+                                  incorrect_score=0.0, use_kl_in_reward=False,
+                                  filter_metric="acc"),
         rollout=SimpleNamespace(runahead=0, n_samples=2, max_new_tokens=4, temperature=1.0),
         trainer=SimpleNamespace(rollout_data_dir=None, prompts_per_step=1))
     samples = [RolloutSample("p0", k, [5, 6], [9, 10, 1], [-0.1] * 3, "stop", 0, 0) for k in range(2)]
