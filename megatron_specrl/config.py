@@ -81,6 +81,26 @@ class DataConfig(_Strict):
         return v
 
 
+class ValKwargs(_Strict):
+    """[actor_rollout_ref.rollout.val_kwargs] how held-out prompts are generated at each eval: greedy
+    (do_sample false, verl's default; one sample a prompt) or n samples a prompt at this temperature /
+    top_p / top_k (AIME-style mean@n and pass@n)."""
+    do_sample: bool = False
+    n: int = Field(1, ge=1)
+    temperature: float = Field(0.0, ge=0, le=2.0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = -1
+
+    @model_validator(mode="after")
+    def _sampling(self) -> "ValKwargs":
+        if not self.do_sample and self.n > 1:
+            raise ValueError(f"rollout.val_kwargs.n={self.n} with do_sample=false: greedy samples are all the same "
+                             "(verl silently takes one); set do_sample=true or n=1")
+        if self.do_sample and self.temperature < 0.01:   # vLLM's smallest (vllm_engine.check_temperature)
+            raise ValueError(f"rollout.val_kwargs.do_sample=true needs temperature >= 0.01 (got {self.temperature})")
+        return self
+
+
 class RolloutConfig(_Strict):
     engine: Literal["vllm", "sglang"] = "vllm"
     num_engines: int = Field(1, ge=1)
@@ -92,6 +112,7 @@ class RolloutConfig(_Strict):
     temperature: float = Field(1.0, ge=0.01, le=2.0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = -1
+    val_kwargs: ValKwargs = Field(default_factory=ValKwargs)   # held-out generation (evaluate)
     # Speculative rollout: off (plain generation), exact (distribution-exact: every rollout a fresh
     # sample of the current policy), lenient (SPEC-RL, biased toward old samples), coupled (each
     # (prompt, sample) keeps its position-keyed noise across epochs: more reuse, but the policy is
