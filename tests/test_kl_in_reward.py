@@ -107,6 +107,19 @@ class Critic:
         return {"loss": 0.0}
 
 
+def stand_in_run(**fields) -> SimpleNamespace:
+    """What train_step reads of a Run, with stand-ins for the parts a test does not set (no resync,
+    no data-order log, one prompt p0, a tokenizer decoding every response to "x")."""
+    base = dict(version=0, pad_id=0, engine=None, ref=None, critic=None, reward_kl=None,
+                next_prompts=lambda: [("p0", [5, 6])], upcoming_prompts=lambda: [],
+                train_records={"p0": SimpleNamespace(id="p0")}, reward_fn=lambda text, record: 1.0,
+                tokenizer=SimpleNamespace(batch_decode=lambda ids, skip_special_tokens: ["x"] * len(ids)),
+                loader=SimpleNamespace(state_dict=lambda: {}), store=SimpleNamespace(begin_step=lambda: None),
+                record_data_order=lambda step, samples: None,
+                placement=SimpleNamespace(engines_sleep_during_training=False), resync=lambda wake_engines: {})
+    return SimpleNamespace(**{**base, **fields})
+
+
 def _run(name: str, use_kl: bool, recompute: bool, responses: list[list[int]]):
     cfg = load_config(None, [f"algorithm.name={name}", f"algorithm.use_kl_in_reward={str(use_kl).lower()}",
                              "algorithm.kl_ctrl.kl_coef=0.1", "algorithm.gamma=1.0", "algorithm.lam=1.0",
@@ -114,17 +127,10 @@ def _run(name: str, use_kl: bool, recompute: bool, responses: list[list[int]]):
                              f"rollout.n_samples={len(responses)}", "rollout.max_new_tokens=8"])
     samples = [RolloutSample("p0", k, [5, 6], r, [-0.3] * len(r), "stop", 0, 0) for k, r in enumerate(responses)]
     ref = SimpleNamespace(compute_logprobs=lambda b: torch.full(b["input_ids"].shape, REF_LP) * b["attention_mask"])
-    return SimpleNamespace(
-        cfg=cfg, version=0, pad_id=0, ref=ref if cfg.needs_reference else None, engine=None,
-        critic=Critic() if name == "ppo" else None, learner=Learner(),
-        reward_kl=RewardKLController("fixed", 0.1, 0.1, 10000) if use_kl else None,
-        next_prompts=lambda: [("p0", [5, 6])], upcoming_prompts=lambda: [],
-        rollout=SimpleNamespace(run=lambda *a, **kw: (samples, {"spec/rollout_s": 0.0})),
-        train_records={"p0": SimpleNamespace(id="p0")}, reward_fn=lambda text, record: 1.0,
-        tokenizer=SimpleNamespace(batch_decode=lambda ids, skip_special_tokens: ["x"] * len(ids)),
-        loader=SimpleNamespace(state_dict=lambda: {}), store=SimpleNamespace(begin_step=lambda: None),
-        record_data_order=lambda step, samples: None,
-        placement=SimpleNamespace(engines_sleep_during_training=False), resync=lambda wake_engines: {})
+    return stand_in_run(
+        cfg=cfg, ref=ref if cfg.needs_reference else None, critic=Critic() if name == "ppo" else None,
+        learner=Learner(), reward_kl=RewardKLController("fixed", 0.1, 0.1, 10000) if use_kl else None,
+        rollout=SimpleNamespace(run=lambda *a, **kw: (samples, {"spec/rollout_s": 0.0})))
 
 
 def test_grpo_ranks_equal_scores_by_their_summed_kl():

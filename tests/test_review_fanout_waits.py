@@ -21,6 +21,7 @@ import torch
 
 from megatron_specrl.engines.protocol import EngineError, GenerateRequest, GenerateResult, SamplingSettings
 from megatron_specrl.engines.router import EngineRouter
+from test_review_resync_routes import ray_session_for
 
 pytestmark = pytest.mark.slow
 
@@ -30,18 +31,7 @@ SLOW_S = 20.0
 
 @pytest.fixture(scope="module")
 def ray_session():
-    import sys
-
-    import ray
-    from ray import cloudpickle
-
-    from megatron_specrl.actors import init_ray
-    from megatron_specrl.config import RayConfig
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])   # the fakes: workers cannot import tests/
-    started = init_ray(RayConfig(num_cpus=2))
-    yield ray
-    if started:
-        ray.shutdown()
+    yield from ray_session_for(__name__)
 
 
 class FakeEngine:

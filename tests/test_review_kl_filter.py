@@ -24,6 +24,7 @@ from megatron_specrl.algorithms.kl_reward import RewardKLController
 from megatron_specrl.config import AlgorithmConfig, KLControlConfig, load_config
 from megatron_specrl.rollout.speculative import RolloutSample
 from megatron_specrl.trainer import train_step
+from test_kl_in_reward import POLICY_LP, REF_LP, Learner, stand_in_run
 from test_review_recipes_verl import _config_tables, _documented_keys
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,20 +61,7 @@ def test_readme_says_the_filter_counts_correct_answers_only_with_acc():
 
 # --------------------------------------------------------------------------- PIN: the step over rounds
 
-POLICY_LP, ROLLOUT_LP, REF_LP = -0.2, -0.3, -0.7
-
-
-class _Learner:
-    def __init__(self):
-        self.scored, self.batches = 0, []
-
-    def compute_logprobs(self, batch):
-        self.scored += 1
-        return torch.full(batch["input_ids"].shape, POLICY_LP) * batch["attention_mask"]
-
-    def train_step(self, batch):
-        self.batches.append(batch)
-        return {"loss": 0.0}
+ROLLOUT_LP = -0.3
 
 
 def test_pin_kl_after_the_filter_over_rounds_uses_recomputed_logprobs_and_kept_responses():
@@ -96,17 +84,14 @@ def test_pin_kl_after_the_filter_over_rounds_uses_recomputed_logprobs_and_kept_r
                 for k, r in enumerate(rounds[pid])], {}
 
     ctrl = RewardKLController("adaptive", 0.1, 0.1, 100)
-    learner = _Learner()
-    run = SimpleNamespace(
-        cfg=cfg, version=0, pad_id=0, engine=None, critic=None, learner=learner, reward_kl=ctrl,
+    learner = Learner()     # scores every token POLICY_LP
+    run = stand_in_run(
+        cfg=cfg, learner=learner, reward_kl=ctrl,
         ref=SimpleNamespace(compute_logprobs=lambda b: torch.full(b["input_ids"].shape, REF_LP) * b["attention_mask"]),
-        next_prompts=lambda: [(next(order), [5, 6])], upcoming_prompts=lambda: [],
+        next_prompts=lambda: [(next(order), [5, 6])],
         rollout=SimpleNamespace(run=rollout), train_records={p: SimpleNamespace(id=p) for p in rounds},
         reward_fn=lambda text, record: float(text == "2"),
-        tokenizer=SimpleNamespace(batch_decode=lambda ids, skip_special_tokens: [str(len(i)) for i in ids]),
-        loader=SimpleNamespace(state_dict=lambda: {}), store=SimpleNamespace(begin_step=lambda: None),
-        record_data_order=lambda step, samples: None,
-        placement=SimpleNamespace(engines_sleep_during_training=False), resync=lambda wake_engines: {})
+        tokenizer=SimpleNamespace(batch_decode=lambda ids, skip_special_tokens: [str(len(i)) for i in ids]))
     metrics = train_step(run, 1)
     batch = learner.batches[0]
     assert metrics["dapo/rounds"] == 2 and batch["input_ids"].shape[0] == 2 and learner.scored == 1

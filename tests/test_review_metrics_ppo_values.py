@@ -8,6 +8,7 @@ import torch
 
 from megatron_specrl.rollout.speculative import RolloutSample
 from megatron_specrl.trainer import train_step
+from test_kl_in_reward import stand_in_run
 
 
 class Critic:
@@ -21,21 +22,12 @@ class Critic:
 def _run():
     cfg = SimpleNamespace(
         algorithm=SimpleNamespace(name="ppo", dynamic_sampling=False, gamma=1.0, lam=1.0, overlong_buffer=0,
-                                  incorrect_score=0.0, use_kl_in_reward=False,
-                                  filter_metric="acc"),
+                                  incorrect_score=0.0, use_kl_in_reward=False, filter_metric="acc"),
         rollout=SimpleNamespace(runahead=0, n_samples=2, max_new_tokens=4, temperature=1.0),
         trainer=SimpleNamespace(rollout_data_dir=None, prompts_per_step=1))
     samples = [RolloutSample("p0", k, [5, 6], [9, 10, 1], [-0.1] * 3, "stop", 0, 0) for k in range(2)]
-    return SimpleNamespace(
-        cfg=cfg, version=0, pad_id=0, ref=None, engine=None, critic=Critic(),
-        next_prompts=lambda: [("p0", [5, 6])], upcoming_prompts=lambda: [],
-        rollout=SimpleNamespace(run=lambda *a, **kw: (samples, {"spec/rollout_s": 0.0})),
-        train_records={"p0": SimpleNamespace(id="p0")}, reward_fn=lambda text, record: 1.0,
-        tokenizer=SimpleNamespace(batch_decode=lambda ids, skip_special_tokens: ["x"] * len(ids)),
-        loader=SimpleNamespace(state_dict=lambda: {}), store=SimpleNamespace(begin_step=lambda: None),
-        record_data_order=lambda step, samples: None,
-        placement=SimpleNamespace(engines_sleep_during_training=False),
-        learner=SimpleNamespace(train_step=lambda batch: {"loss": 0.0}), resync=lambda wake_engines: {})
+    return stand_in_run(cfg=cfg, critic=Critic(), learner=SimpleNamespace(train_step=lambda batch: {"loss": 0.0}),
+                        rollout=SimpleNamespace(run=lambda *a, **kw: (samples, {"spec/rollout_s": 0.0})))
 
 
 def test_rollout_batch_values_and_critic_update_values_are_both_logged():

@@ -18,8 +18,9 @@ from megatron_specrl.resync.group import ResyncTransportError
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def ray_session():
+def ray_session_for(module_name: str):
+    """A local Ray for a module's tests (a module-scoped fixture yields from this), shut down after
+    them if they started it; the module's fakes are pickled by value (workers cannot import tests/)."""
     import sys
 
     import ray
@@ -27,11 +28,16 @@ def ray_session():
 
     from megatron_specrl.actors import init_ray
     from megatron_specrl.config import RayConfig
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])   # the fakes: workers cannot import tests/
+    cloudpickle.register_pickle_by_value(sys.modules[module_name])
     started = init_ray(RayConfig(num_cpus=2))
     yield ray
     if started:
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    yield from ray_session_for(__name__)
 
 
 def _payload(i: int) -> dict:
