@@ -143,7 +143,7 @@ def _fake_run(tmp_path, step):
     loader = PromptLoader(_records(), 4, seed=1)
     for _ in range(step):
         loader.next_batch()
-    return SimpleNamespace(out=tmp_path / "run", learner=_Learner(), critic=None, store=store, engine=object(),
+    return SimpleNamespace(out=tmp_path / "run", learner=_Learner(), critic=None, reward_kl=None, store=store, engine=object(),
                            model_dir=model_dir, step=step, version=step, loader=loader, tokenizer_id="tok",
                            cfg=SimpleNamespace(trainer=SimpleNamespace(keep_checkpoints=2)))
 
