@@ -27,8 +27,13 @@ keeps those tokens out of the trees and counters and drafts nothing past the end
 the overlap scheduler a request's last run would never reach the drafter (it learns a step's tokens
 when it drafts the next, and a finished request is in no next batch): `note_request_finished`, the hook
 SGLang's result processing calls on the spec worker when a step finishes a request, hands it over
-(nothing twice under overlap) and releases the request's place in the drafter at once. A
-Scheduler method `specrl_tree_rpc` lets the engine read the counters and save / load the trees
+(nothing twice under overlap) and releases the request's place in the drafter at once. A request
+that finishes in its prefill (a stop token first, or max_new_tokens reached by the prefill's token, as
+an `exact` / `lenient` extension with one token left does) is in no decode batch and
+SGLang's prefill result processing calls no spec-worker hook: `Scheduler.process_batch_result` is
+wrapped (`process_batch_result`) so that after an extend batch's result each request it finished
+enters the trees (its response, an extension's prefix included) and the counters, once, and leaves
+the drafter. A Scheduler method `specrl_tree_rpc` lets the engine read the counters and save / load the trees
 through `Engine.collective_rpc`, which returns no values, so results travel through a file (TP rank 0
 writes it; every rank keeps the same trees).
 
@@ -199,6 +204,56 @@ def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
     drafter.finish(str(rid), seq, None if seq is None else seq.len)
 
 
+def process_batch_result(self, batch, result):
+    """Scheduler.process_batch_result (managers/scheduler.py), around SGLang's own: after an extend
+    batch's result, requests it finished in their prefill reach the drafter (`_finished_in_prefill`).
+
+    SGLang 0.5.23 runs a prefill through `NGRAMWorker.forward_batch_generation`'s non-verify branch
+    (`_prepare_for_speculative_decoding` returns at once for a batch that is not a decode batch), so
+    the drafter is not called; `Scheduler.process_batch_result` hands an extend batch's result to
+    `SchedulerBatchResultProcessor.process_batch_result_prefill`
+    (managers/scheduler_components/batch_result_processor.py), which appends the sampled token to
+    `req.output_ids`, calls `Req.update_finish_state()` and releases a finished request's KV cache - and,
+    unlike `_handle_finish_state_updated_req` on the decode path, never calls the spec worker's
+    `note_request_finished`. `Scheduler.get_next_batch_to_run` then filters the finished request out
+    (`ScheduleBatch.filter_batch`), so it is in no decode batch and `_prepare_draft_tokens` never sees
+    it: without this its response (a stop token first, or the one token max_new_tokens allowed, after
+    an extension's accepted prefix) would never enter its prompt's tree or the shared tree. Under the
+    overlap scheduler the prefill's requests are merged into the next decode batch before its result
+    is processed: one whose next token reaches max_new_tokens is left out of it
+    (`Scheduler._reqs_finishing_inflight`), any other is drafted once (its token read from spec_info)
+    and held; this hands it over without entering its token again, and releases it."""
+    worker = getattr(self, "draft_worker", None)
+    mode = getattr(batch, "forward_mode", None)
+    watched = []
+    if (getattr(type(worker), "_prepare_draft_tokens", None) is _prepare_draft_tokens and mode is not None
+            and not mode.is_decode() and mode.is_extend()):   # the branches that end in prefill processing
+        watched = [(req, len(req.output_ids)) for req in batch.reqs if not req.finished()]
+    out = _SCHEDULER.original("process_batch_result")(self, batch, result)
+    for req, before in watched:
+        if req.finished():
+            _finished_in_prefill(worker, req, committed=len(req.output_ids) > before)
+    return out
+
+
+def _finished_in_prefill(worker, req, committed: bool) -> None:
+    """A request that its prefill's result finished. `committed`: the prefill's token was appended
+    (not a request whose output SGLang discarded: a failed KV load, an unusable sampling mask). Its
+    tokens enter the trees and the counters as the drafter's `finish` takes a request's last run (cut
+    at a stop token and at max_new_tokens; already seen under overlap: nothing), and its place, if it
+    had one (retracted and prefilled again, or drafted once under overlap), is released. A request of
+    ours the drafter never held starts and ends here, as one request step, generated_tokens its token
+    (vLLM's proposer counts a request's prefill step so); a discarded one the drafter never held leaves
+    nothing, and a request without a draft key creates no drafter."""
+    drafter = worker.__dict__.get("specrl_drafter")
+    prompt = req.origin_input_ids_unpadded
+    opts = _opts(req, len(prompt)) if committed else None
+    if opts is None and drafter is None:
+        return
+    seq = _Seq(prompt, req.output_ids)
+    drafter_of(worker).finish(str(req.rid), seq, seq.len, opts=None if opts is None else (lambda: opts))
+
+
 def _update_ngram_corpus(self, batch) -> None:
     """The tree took this step's tokens when it drafted; SGLang's own corpus stays unused."""
 
@@ -246,7 +301,8 @@ _WORKER = PinnedPatch(VERSION, _worker,
                                          "_update_ngram_corpus": _update_ngram_corpus,
                                          "note_request_finished": note_request_finished},
                       when=_enabled, package="sglang")
-_SCHEDULER = PinnedPatch(VERSION, _scheduler, [RPC_METHOD], lambda originals: {RPC_METHOD: specrl_tree_rpc},
+_SCHEDULER = PinnedPatch(VERSION, _scheduler, [RPC_METHOD, "process_batch_result"],
+                         lambda originals: {RPC_METHOD: specrl_tree_rpc, "process_batch_result": process_batch_result},
                          when=_enabled, package="sglang")
 
 

@@ -354,18 +354,21 @@ class TreeDrafter:
             self._shared_after_rebuild = self.trees.nodes_of(SHARED_KEY)
 
     def finish(self, req_id: str, seq: Callable[[int, int], Sequence[int]] | None = None,
-               end: int | None = None) -> None:
+               end: int | None = None, opts: Callable[[], RequestOpts | None] | None = None) -> None:
         """The engine ended the request (between steps). `seq`/`end`: its final sequence, for an engine
         whose drafter never sees a request's last step (SGLang without its overlap scheduler): what it
         gained since the last step enters the trees and the counters as a step's gain would (cut at a
         stop token and at max_end; already there: nothing), and nothing is drafted. Its place is then
-        released; the trees keep its tokens. A request the drafter does not hold: nothing (SGLang: one
-        that finishes in its prefill, max_new_tokens=1 or a stop token first, is in no decode step and
-        its one token stays out of the trees)."""
-        if seq is not None and self._live.get(req_id) is not None:
+        released; the trees keep its tokens. A request the drafter does not hold: nothing, unless `opts`
+        comes with it (SGLang: one that finishes in its prefill, a stop token first or max_new_tokens
+        reached, is in no decode step): then it starts and ends here, its response (an extension's
+        prefix included) entering the trees and its tokens the counters as one request step, as vLLM's
+        proposer counts a request's prefill step."""
+        held = req_id in self._live
+        if seq is not None and (self._live.get(req_id) is not None or (not held and opts is not None)):
             k_max, self._k_max = self._k_max, 0       # no draft: the request has ended
             try:
-                self.request(req_id, lambda: None, seq, end)
+                self.request(req_id, opts or (lambda: None), seq, end)
             finally:
                 self._k_max = k_max
         self._release(req_id)
