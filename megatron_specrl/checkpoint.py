@@ -143,8 +143,10 @@ def verify(ckpt: Path) -> str | None:
         return "no manifest (half-written)"
     try:
         manifest = json.loads(mf.read_text())
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError):
         return "manifest is not valid JSON"
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        return "manifest has no file list"
     for rel, checksum in manifest["files"].items():
         p = ckpt / rel
         if not p.is_file():

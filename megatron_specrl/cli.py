@@ -34,7 +34,9 @@ def cmd_train(args) -> int:
     cfg = load_config(resolve_recipe(recipe), overrides)
     from megatron_specrl.plan import build_plan, print_plan
     plan = build_plan(cfg)    # layout, model, data and memory, before anything is written
-    if args.dry_run:
+    if args.dry_run:   # trainer.resume, read only, as the run checks it first thing (run_setup.build_run)
+        from megatron_specrl.run_setup import find_resume
+        find_resume(cfg, Path(cfg.output_dir))
         print(to_yaml(cfg), end="")
     print_plan(plan)
     if args.dry_run:
@@ -54,9 +56,17 @@ def cmd_convert(args) -> int:
     if not any(a in ("-h", "--help") for a in args.rest):
         parsed = convert_parser().parse_args(args.rest)
         hf_dir = Path(parsed.hf) if parsed.direction == "hf-to-mcore" else Path(parsed.ckpt) / "hf"
+        if not (hf_dir / "config.json").is_file():   # named by its flag (the plan's check says model.path)
+            raise ConfigError(f"--hf {parsed.hf}: no config.json there (a local HF checkpoint directory)"
+                              if parsed.direction == "hf-to-mcore" else
+                              f"--ckpt {parsed.ckpt}: no hf/config.json there; pass a directory written by `convert "
+                              "hf-to-mcore` or a training checkpoint's learner/ (checkpoints/step_*/learner)")
         check_convert_layout(hf_dir, parsed.tp, parsed.pp)
         out = Path(parsed.out)
         existed = out.exists()
+        if existed and (not out.is_dir() or any(out.iterdir())):   # its files would be overwritten or mixed in
+            raise ConfigError(f"--out {out} already exists" + (" and is not empty" if out.is_dir() else "")
+                              + "; pass a new directory")
         rc = convert_main(args.rest)
         if rc != 0 and not existed and out.exists():
             shutil.rmtree(out, ignore_errors=True)
@@ -65,8 +75,31 @@ def cmd_convert(args) -> int:
 
 
 def cmd_check_resync(args) -> int:
-    from megatron_specrl.diagnostics.check import check_resync_main
+    from megatron_specrl.diagnostics.check import build_parser as check_parser, check_resync_main
+    if not any(a in ("-h", "--help") for a in args.rest):
+        check_resync_layout(check_parser().parse_args(args.rest))   # before Ray and the ranks start
     return check_resync_main(args.rest)
+
+
+def check_resync_layout(parsed) -> None:
+    """check-resync's --model / --tp / --pp / --engine-tp checked as `train` checks learner.tp / pp and
+    rollout.engine_tp: otherwise a size that does not divide the model fails in a Megatron or vLLM assert
+    inside a Ray actor, after the model is built."""
+    from megatron_specrl.config import divisibility_failures
+    from megatron_specrl.models.resolve import TINY
+    from megatron_specrl.plan import ModelShape, load_hf_config
+    sizes = {"--tp": parsed.tp, "--pp": parsed.pp, "--engine-tp": parsed.engine_tp}
+    if any(v < 1 for v in sizes.values()):
+        raise ConfigError(" / ".join(f"{k}={v}" for k, v in sizes.items()) + ": parallel sizes must be >= 1")
+    if parsed.model not in TINY and not (Path(parsed.model) / "config.json").is_file():
+        raise ConfigError(f"--model {parsed.model}: no config.json there (a local HF checkpoint directory, "
+                          f"or one of {sorted(TINY)})")
+    s = ModelShape.from_hf(load_hf_config(parsed.model))
+    failures = divisibility_failures(s.heads, s.kv_heads, s.layers, s.ffn, tp=parsed.tp, pp=parsed.pp,
+                                     engine_tp=parsed.engine_tp, where=parsed.model, tp_key="--tp",
+                                     pp_key="--pp", engine_key="--engine-tp")
+    if failures:
+        raise ConfigError("; ".join(failures))
 
 
 def cmd_bench_rollout(args) -> int:

@@ -89,7 +89,7 @@ class ValKwargs(_Strict):
     n: int = Field(1, ge=1)
     temperature: float = Field(0.0, ge=0, le=2.0)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = -1
+    top_k: int = Field(-1, ge=-1)   # -1 / 0: off (vLLM refuses < -1 only when it first samples)
 
     @model_validator(mode="after")
     def _sampling(self) -> "ValKwargs":
@@ -111,7 +111,7 @@ class RolloutConfig(_Strict):
     # then temper by another T than the sampler) and refuses one above 2
     temperature: float = Field(1.0, ge=0.01, le=2.0)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = -1
+    top_k: int = Field(-1, ge=-1)   # -1 / 0: off (vLLM refuses < -1 only when it first samples)
     val_kwargs: ValKwargs = Field(default_factory=ValKwargs)   # held-out generation (evaluate)
     # Speculative rollout: off (plain generation), exact (distribution-exact: every rollout a fresh
     # sample of the current policy), lenient (SPEC-RL, biased toward old samples), coupled (each
@@ -454,6 +454,11 @@ class RunConfig(_Strict):
         elif t.gen_prompts_per_step < t.prompts_per_step:
             raise ValueError(f"trainer.gen_prompts_per_step={t.gen_prompts_per_step} is below "
                              f"trainer.prompts_per_step={t.prompts_per_step}: a round generates at least a step's prompts")
+        if self.data.source == "synthetic" and self.data.num_synthetic < t.gen_prompts_per_step:
+            # a file's rows are counted by the plan check; the built-in task's count is known here (the
+            # run would otherwise stop only after building and warming up the model)
+            raise ValueError(f"data.num_synthetic={self.data.num_synthetic} is below {t.round_prompts_key()}: "
+                             "a rollout round draws that many distinct prompts")
         batch = self.trainer.prompts_per_step * r.n_samples
         if batch % (le.dp * le.mini_batches) != 0:
             raise ValueError(f"trainer.prompts_per_step * rollout.n_samples = {batch} is not divisible by "
@@ -471,16 +476,48 @@ class RunConfig(_Strict):
         return self.learner.tp * self.learner.pp * self.learner.dp
 
 
-def check_model_divisibility(cfg: RunConfig, num_heads: int, num_kv_heads: int, num_layers: int) -> None:
-    """Parallel sizes must divide the model's heads and layers (checked once the HF config is known)."""
-    tp, pp = cfg.learner.tp, cfg.learner.pp
-    if num_heads % tp or num_kv_heads % tp:
-        raise ConfigError(f"learner.tp={tp} does not divide num_attention_heads={num_heads} "
-                          f"and num_key_value_heads={num_kv_heads}")
-    if num_layers % pp:
-        raise ConfigError(f"learner.pp={pp} does not divide num_hidden_layers={num_layers}")
-    if num_heads % cfg.rollout.engine_tp:
-        raise ConfigError(f"rollout.engine_tp={cfg.rollout.engine_tp} does not divide num_attention_heads={num_heads}")
+def divisibility_failures(heads: int, kv_heads: int, layers: int, ffn: int | None, *, tp: int, pp: int,
+                         engine_tp: int | None, where: str, tp_key: str = "learner.tp", pp_key: str = "learner.pp",
+                         engine_key: str = "rollout.engine_tp") -> list[str]:
+    """One line per parallel size that does not fit the model's shape, worded as the plan check's
+    (plan._divisibility): a TP size must divide the attention heads, the KV heads (Megatron splits the
+    query groups) and the MLP's intermediate_size (column-parallel split); an engine TP may instead be
+    a multiple of the KV heads (vLLM / SGLang replicate them); PP must divide the layers. `where`
+    names the model ("model.path='...'")."""
+    out = []
+    for key, size in ((tp_key, tp), (engine_key, engine_tp)):
+        if size is None:
+            continue
+        bad = [f"{name}={n}" for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads))
+               if n % size and not (key == engine_key and name == "num_key_value_heads" and size % n == 0)]
+        if ffn is not None and ffn % size:
+            bad.append(f"intermediate_size={ffn}")
+        if bad:
+            out.append(f"{key}={size} does not divide {' and '.join(bad)} of {where}")
+    if layers % pp:
+        out.append(f"{pp_key}={pp} does not divide num_hidden_layers={layers} of {where}")
+    return out
+
+
+def check_model_divisibility(cfg: RunConfig, num_heads: int, num_kv_heads: int, num_layers: int,
+                             intermediate_size: int | None = None, max_positions: int | None = None) -> None:
+    """Parallel sizes must divide the model's heads, KV heads, MLP and layers, and the engines' context
+    fit its positions (checked once the HF config is known): the trainer's own start-up check, the
+    plan check's rules, so a run started without the CLI fails in one line too, not in a Megatron or
+    vLLM assert inside a Ray actor."""
+    failures = divisibility_failures(num_heads, num_kv_heads, num_layers, intermediate_size, tp=cfg.learner.tp,
+                                     pp=cfg.learner.pp, engine_tp=cfg.rollout.engine_tp,
+                                     where=f"model.path={cfg.model.path!r}")
+    if max_positions is not None and cfg.rollout.max_model_len > max_positions:
+        failures.append(f"rollout.max_model_len={cfg.rollout.max_model_len} exceeds the model's "
+                        f"max_position_embeddings={max_positions}")
+    if failures:
+        raise ConfigError("; ".join(failures))
+
+
+def _one_line(e: BaseException) -> str:
+    """A YAML / OmegaConf error's text on one line (they span several, with a caret and the location)."""
+    return " ".join(str(e).split())
 
 
 def _parse_overrides(overrides: list[str]):
@@ -490,7 +527,7 @@ def _parse_overrides(overrides: list[str]):
     try:
         return OmegaConf.from_dotlist(list(overrides))
     except Exception as e:  # omegaconf grammar errors
-        raise ConfigError(f"cannot parse overrides {overrides}: {e}") from None
+        raise ConfigError(f"cannot parse overrides {overrides}: {_one_line(e)}") from None
 
 
 def _format_validation_error(err: ValidationError) -> str:
@@ -515,14 +552,14 @@ def load_config(recipe: str | Path | None, overrides: list[str] | None = None) -
         try:
             base = OmegaConf.load(path)
         except Exception as e:
-            raise ConfigError(f"recipe {path} is not valid YAML: {e}") from None
+            raise ConfigError(f"recipe {path} is not valid YAML: {_one_line(e)}") from None
         if not isinstance(OmegaConf.to_container(base), dict):
             raise ConfigError(f"recipe {path} must be a mapping at the top level")
     merged = OmegaConf.merge(base, _parse_overrides(overrides or []))
     try:
         plain = OmegaConf.to_container(merged, resolve=True)
     except Exception as e:
-        raise ConfigError(f"cannot resolve config: {e}") from None
+        raise ConfigError(f"cannot resolve config: {_one_line(e)}") from None
     try:
         return RunConfig.model_validate(plain)
     except ValidationError as e:

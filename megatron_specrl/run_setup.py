@@ -114,26 +114,27 @@ class Run:
 
 
 def build_run(cfg: RunConfig) -> Run:
-    from transformers import AutoTokenizer
-
     from megatron_specrl.actors import build_actors, init_ray
     from megatron_specrl.data.datasets import DatasetError, PromptLoader, load_records, render_all
     from megatron_specrl.rewards import default_reward_for, get_reward
 
     out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    resume_from = _find_resume(cfg, out)     # before anything is written into an earlier run's directory
-    (out / "config.yaml").write_text(to_yaml(cfg))
+    resume_from = find_resume(cfg, out)     # before anything is written into an earlier run's directory
     model_dir = resolve_model(cfg.model, seed=0, task_terms=tuple(cfg.data.synthetic_terms))
-    check_model_divisibility(cfg, *shape_of(read_hf_config(model_dir)))
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    hf_config = read_hf_config(model_dir)
+    check_model_divisibility(cfg, *shape_of(hf_config), intermediate_size=hf_config.get("intermediate_size"),
+                             max_positions=hf_config.get("max_position_embeddings"))
+    tokenizer = load_tokenizer(cfg.model.path, model_dir, hf_config)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     d = cfg.data
-    train_records, train_ids = render_all(load_records(d, split="train", seed=cfg.trainer.seed), tokenizer,
-                                          d.apply_chat_template, d.max_prompt_len, d.filter_overlong_prompts, "train")
+    train_all = load_records(d, split="train", seed=cfg.trainer.seed)
+    train_records, train_ids = render_all(train_all, tokenizer, d.apply_chat_template, d.max_prompt_len,
+                                          d.filter_overlong_prompts, "train")
     if len(train_records) < cfg.trainer.gen_prompts_per_step:
-        raise DatasetError(f"data.filter_overlong_prompts left {len(train_records)} train prompts, fewer than "
-                           f"{cfg.trainer.round_prompts_key()}")
+        raise DatasetError(f"data.source={d.source!r}: {len(train_records)} train prompts"
+                           + (f" (data.filter_overlong_prompts left them of {len(train_all)})"
+                              if len(train_records) < len(train_all) else "")
+                           + f", fewer than {cfg.trainer.round_prompts_key()}")
     eval_records, eval_ids = render_all(load_records(d, split="eval", seed=cfg.trainer.seed) if d.num_eval else [],
                                         tokenizer, d.apply_chat_template, d.max_prompt_len,
                                         d.filter_overlong_prompts, "eval")
@@ -162,6 +163,9 @@ def build_run(cfg: RunConfig) -> Run:
         set_aside_later_dumps(cfg.trainer.rollout_data_dir, state["step"] if state else 0,
                               name=aside.name if aside is not None else None)
 
+    # every check above only read: an earlier run's config.yaml is replaced once this run really starts
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(to_yaml(cfg))
     init_ray(cfg.ray)
     placement = plan_placement(cfg, cluster_gpus())
     transport = resolve_transport(cfg.trainer.resync_transport, placement, cfg.rollout.num_engines,
@@ -218,7 +222,25 @@ def build_run(cfg: RunConfig) -> Run:
     return run
 
 
-def _find_resume(cfg: RunConfig, out: Path) -> Path | None:
+def load_tokenizer(model_path: str, model_dir: Path, hf_config: dict) -> PreTrainedTokenizerBase:
+    """model.path's tokenizer, refused in one line where transformers cannot load one (a directory holding
+    only weights and config.json) or where it has ids past the model's vocab_size (they would index past
+    the embedding inside the learner and the engines)."""
+    from transformers import AutoTokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:   # OSError / ValueError / TypeError, depending on what is missing
+        raise ConfigError(f"model.path={model_path!r}: cannot load its tokenizer ({type(e).__name__}: "
+                          f"{' '.join(str(e).split())[:300]}); the directory needs tokenizer.json or "
+                          "tokenizer_config.json beside config.json") from None
+    vocab = hf_config.get("vocab_size")
+    if isinstance(vocab, int) and len(tokenizer) > vocab:
+        raise ConfigError(f"model.path={model_path!r}: the tokenizer has {len(tokenizer)} tokens, more than the "
+                          f"model's vocab_size={vocab} (config.json): a tokenizer of another model?")
+    return tokenizer
+
+
+def find_resume(cfg: RunConfig, out: Path) -> Path | None:
     resume = cfg.trainer.resume
     if resume == "never":
         # a fresh run in an earlier run's directory would trim its metrics.jsonl to nothing, and the
@@ -232,7 +254,18 @@ def _find_resume(cfg: RunConfig, out: Path) -> Path | None:
     if resume == "auto":
         return ckpt.find_latest(out / "checkpoints")
     path = Path(resume)
-    problem = ckpt.verify(path) if path.is_dir() else "not a directory"
+    problem = ckpt.verify(path) if path.is_dir() else ("not a directory" + ("" if path.exists() else " (nothing there)"))
+    if problem and not (path / ckpt.MANIFEST).is_file() and path.is_dir():   # the wrong level of a checkpoint tree?
+        if (path.parent / ckpt.MANIFEST).is_file():           # checkpoints/step_N/learner
+            problem = f"a part of checkpoint {path.parent}; pass trainer.resume={str(path.parent)!r}"
+        elif any(path.glob("step_*")) or any(path.glob("checkpoints/step_*")):   # checkpoints/, or a run's output_dir
+            root = path if any(path.glob("step_*")) else path / "checkpoints"
+            latest = ckpt.find_latest(root)
+            problem = ("a directory of checkpoints, not one: pass one of its step_* directories"
+                       + (f" (the newest complete: {latest})" if latest else " (none is complete)")
+                       + ", or trainer.resume=auto with its output_dir")
+        elif not (path / "trainer_state.json").is_file():
+            problem = "not a checkpoint (no manifest.json: a run's checkpoints are its output_dir/checkpoints/step_N)"
     if problem:
         raise ConfigError(f"trainer.resume={resume!r}: {problem}")
     return path

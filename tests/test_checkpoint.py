@@ -57,16 +57,16 @@ def test_resume_with_another_tokenizer_is_refused(tmp_path):
 def test_resume_from_a_damaged_path_names_the_problem(tmp_path):
     import pytest
     from megatron_specrl.config import ConfigError, load_config
-    from megatron_specrl.run_setup import _find_resume
+    from megatron_specrl.run_setup import find_resume
 
     bad = _write(tmp_path, 10)
     (bad / "learner" / "shard.bin").write_bytes(b"flipped")
     cfg = load_config(None, [f"trainer.resume={bad}"])
     with pytest.raises(ConfigError, match=r"trainer.resume=.*step_00000010.*learner/shard.bin does not match its checksum"):
-        _find_resume(cfg, tmp_path)
+        find_resume(cfg, tmp_path)
     cfg = load_config(None, [f"trainer.resume={tmp_path / 'nowhere'}"])
     with pytest.raises(ConfigError, match="not a directory"):
-        _find_resume(cfg, tmp_path)
+        find_resume(cfg, tmp_path)
 
 
 def test_prune_never_drops_the_checkpoint_just_written(tmp_path):

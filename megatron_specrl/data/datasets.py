@@ -58,8 +58,13 @@ def _read_rows(path: Path) -> Iterator[tuple[str, dict]]:
         raise DatasetError(f"data file not found: {path}")
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
-        with open(path, encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
+        with open(path, "rb") as fh:
+            for lineno, raw in enumerate(fh, 1):
+                try:   # per line, so the error names it (a BOM on the first line is dropped)
+                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                except UnicodeDecodeError as e:
+                    raise DatasetError(f"{path}: line {lineno} is not valid UTF-8 (byte {raw[e.start]:#04x} at "
+                                       f"offset {e.start} of the line); re-encode the file as UTF-8") from None
                 if not line.strip():
                     continue
                 try:
@@ -177,8 +182,18 @@ def _candidates(data_cfg: DataConfig, fmt: str) -> tuple[list[str], list[str]]:
     return dedup(prompt_keys), dedup(answer_keys)
 
 
+def _is_null(row: dict, key: str) -> bool:
+    """Whether `key` (dotted) is there with a null value (what _get reads as missing)."""
+    *parents, last = key.split(".")
+    cur: Any = _get(row, ".".join(parents)) if parents else row
+    return isinstance(cur, dict) and last in cur and cur[last] is None
+
+
 def _missing(path: Path, where: str, what: str, keys: list[str], fmt: str, row: dict) -> DatasetError:
     names = " or ".join(repr(k) for k in keys)
+    nulls = [k for k in keys if _is_null(row, k)]
+    if nulls:
+        return DatasetError(f"{path}: {where}: {what} field {nulls[0]!r} is null (format={fmt})")
     return DatasetError(f"{path}: {where}: missing {what} field {names} (format={fmt}); "
                         f"fields present: {sorted(row)}. Set data.prompt_key / data.answer_key / data.format.")
 
@@ -194,17 +209,32 @@ def _row_to_fields(row: dict, path: Path, where: str, fmt: str, data_cfg: DataCo
         raise _missing(path, where, "answer", answer_keys, fmt, row)
 
     meta: dict = {"format": fmt, "source": str(path)}
+    if isinstance(prompt, list) and not _is_messages(prompt):   # a chat row gone wrong: say which message
+        if not prompt:
+            raise DatasetError(f"{path}: {where}: prompt field {pkey!r} is an empty list of chat messages")
+        i, m = next((i, m) for i, m in enumerate(prompt) if not (isinstance(m, dict) and "content" in m))
+        raise DatasetError(f"{path}: {where}: prompt field {pkey!r} message {i} "
+                           + (f"has no 'content' (keys: {sorted(m)})" if isinstance(m, dict) else
+                              f"is a {type(m).__name__}, expected a {{'role': ..., 'content': ...}} mapping"))
     if _is_messages(prompt):
         for i, m in enumerate(prompt):   # None or multimodal parts would reach the tokenizer mid-setup, unnamed
             if not isinstance(m["content"], str):
                 raise DatasetError(f"{path}: {where}: prompt field {pkey!r} message {i} has content of type "
                                    f"{type(m['content']).__name__}, expected a string")
+            if not isinstance(m.get("role", "user"), str):   # the chat template would fail on it mid-setup
+                raise DatasetError(f"{path}: {where}: prompt field {pkey!r} message {i} has role of type "
+                                   f"{type(m['role']).__name__}, expected a string")
         meta["messages"] = [{"role": m.get("role", "user"), "content": m["content"]} for m in prompt]
         users = [m["content"] for m in prompt if m.get("role", "user") == "user"]
         prompt = users[-1] if users else prompt[-1]["content"]
     elif not isinstance(prompt, str):
         raise DatasetError(f"{path}: {where}: prompt field {pkey!r} is a {type(prompt).__name__}, "
                            f"expected a string or a list of chat messages")
+    elif not prompt.strip():   # nothing to ask (and, without special tokens, an empty prompt for the engine)
+        raise DatasetError(f"{path}: {where}: prompt field {pkey!r} is empty")
+    if isinstance(answer, dict):   # e.g. data.answer_key=reward_model instead of reward_model.ground_truth
+        raise DatasetError(f"{path}: {where}: answer field {akey!r} is a mapping (keys: {sorted(answer)}), "
+                           "not an answer; point data.answer_key at the field inside it (a.b)")
 
     if fmt == "gsm8k" and isinstance(answer, str) and "####" in answer:
         meta["solution"] = answer
@@ -434,7 +464,12 @@ def render_prompt(record: PromptRecord, tokenizer, apply_chat_template: bool | N
     """
     if uses_chat_template(tokenizer, apply_chat_template):
         messages = record.meta.get("messages") or [{"role": "user", "content": record.prompt}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:   # jinja's TemplateError ("roles must alternate ..."), raised by the template itself
+            raise DatasetError(f"record {record.id!r} ({record.meta.get('source', '?')}): the tokenizer's chat "
+                               f"template refused its messages: {' '.join(str(e).split())}; fix the row or set "
+                               "data.apply_chat_template=false") from None
         ids = tokenizer(text, add_special_tokens=False).input_ids
     else:
         ids = tokenizer(record.prompt, add_special_tokens=True).input_ids
@@ -452,6 +487,8 @@ def render_all(records: list[PromptRecord], tokenizer, apply_chat_template: bool
     kept, ids_by_id, overlong = [], {}, []
     for rec in records:
         ids = render_prompt(rec, tokenizer, apply_chat_template)
+        if not ids:   # the engines refuse an empty prompt, at the step that draws it
+            raise DatasetError(f"{split} record {rec.id!r} ({rec.meta.get('source', '?')}) renders to no tokens")
         if len(ids) > max_prompt_len:
             overlong.append((len(ids), rec.id))
             continue

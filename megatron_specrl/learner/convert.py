@@ -57,8 +57,10 @@ def check_hf_dir(hf_dir: Path) -> None:
 
 def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1) -> Path:
     import torch.multiprocessing as mp
+    from megatron_specrl.plan import check_convert_layout
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     check_hf_dir(hf_dir)
+    check_convert_layout(hf_dir, tp, pp)   # before tp x pp ranks spawn (as the CLI's `convert` checks it)
     out_dir.mkdir(parents=True, exist_ok=True)
     mp.spawn(_rank_main, args=(tp * pp, free_port("127.0.0.1"), "hf-to-mcore", str(hf_dir), str(out_dir), tp, pp),
              nprocs=tp * pp, join=True)
@@ -72,6 +74,8 @@ def mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int 
     if not (ckpt_dir / "hf" / "config.json").is_file():
         raise FileNotFoundError(f"{ckpt_dir} has no hf/config.json: pass a directory written by `convert "
                                 f"hf-to-mcore` or a training checkpoint's learner/ (checkpoints/step_*/learner)")
+    from megatron_specrl.plan import check_convert_layout
+    check_convert_layout(ckpt_dir / "hf", tp, pp)
     mp.spawn(_rank_main, args=(tp * pp, free_port("127.0.0.1"), "mcore-to-hf", str(ckpt_dir), str(out_dir), tp, pp),
              nprocs=tp * pp, join=True)
     return Path(out_dir)
