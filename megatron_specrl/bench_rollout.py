@@ -109,6 +109,9 @@ def per_epoch(rows: list[dict], steps_per_epoch: int, verify_in_decode: bool = F
         epochs.append({
             "epoch": e + 1,
             "rollouts": len(chunk),
+            # generation rounds: DAPO's dynamic sampling rolls out up to max_sampling_tries batches a step
+            # (every per-step figure here sums them); one a step otherwise
+            "rounds": total("dapo/rounds") or len(chunk),
             "rollout_s": total("spec/rollout_s"),
             "verify_s": total("spec/verify_s"),
             "generate_s": total("spec/extend_s"),     # the engine's generation call(s)
@@ -145,12 +148,18 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, float]:
         gen = sum(e["generated_tokens"] + e.get("replaced_tokens", 0.0) for e in eps)
         summary[f"reuse_ratio_{m}"] = acc / max(acc + gen, 1)
         summary[f"rollout_s_{m}"] = secs[m]
-        summary[f"tokens_per_step_{m}"] = sum(e["tokens_per_step"] for e in eps) / max(len(eps), 1)
+        # generated tokens per request-step over the steady epochs: their sums' ratio (each epoch's ratio
+        # weighted by its request-steps), as reuse and every other ratio here, not a mean of epoch ratios
+        request_steps = sum(e["request_steps"] for e in eps)
+        summary[f"tokens_per_step_{m}"] = (
+            sum(e["tokens_per_step"] * e["request_steps"] for e in eps) / request_steps if request_steps
+            else sum(e["tokens_per_step"] for e in eps) / max(len(eps), 1))
         summary[f"decode_steps_{m}"] = sum(e["decode_steps"] for e in eps) / max(len(eps), 1)
         summary[f"verify_s_{m}"] = sum(e["verify_s"] for e in eps)
         # where the time goes, per rollout: verification, the generation call (of which the decode
         # loop and the drafter, when drafting from trees), and the driver's own work (the rest)
         n = max(sum(e["rollouts"] for e in eps), 1)
+        summary[f"rounds_per_step_{m}"] = sum(e.get("rounds", e["rollouts"]) for e in eps) / n
         generate = sum(e["generate_s"] for e in eps)
         for key in ("verify_s", "generate_s", "loop_s", "draft_s"):
             summary[f"per_rollout_{key}_{m}"] = sum(e[key] for e in eps) / n
@@ -283,7 +292,8 @@ def epoch_table(results: dict[str, list[dict]], modes: list[str], args, steps_pe
         row += [f"{results[m][i]['rollout_s']:.2f}" for m in modes]
         row += [f"{results[m][i]['reuse_ratio']:.2f}" for m in modes if m != "off"]
         if args.eval_prompts:
-            row += [f"{results[m][i]['eval_accuracy']:.3f}" for m in modes]
+            row += ["-" if results[m][i]["eval_accuracy"] is None else f"{results[m][i]['eval_accuracy']:.3f}"
+                    for m in modes]
         if "off" in modes:
             row += [f"{results['off'][i]['rollout_s'] / max(results[m][i]['rollout_s'], 1e-9):.2f}x"
                     for m in modes if m != "off"]
@@ -363,7 +373,12 @@ def bench_rollout_main(argv: list[str]) -> int:
     console = Console(width=200)
     runs = []
     for seed in range(base_seed, base_seed + args.seeds):
-        results = {m: run_mode(args, m, seed, root, steps_per_epoch, console) for m in modes}
+        results = {}
+        for m in modes:
+            # which run the trainer's progress bar and step lines below belong to; its epochs print when it ends
+            console.print(f"[bold]seed {seed} {m}[/bold]: run {len(runs) * len(modes) + len(results) + 1} of "
+                          f"{args.seeds * len(modes)}, {args.epochs} epochs x {steps_per_epoch} steps")
+            results[m] = run_mode(args, m, seed, root, steps_per_epoch, console)
         console.print(epoch_table(results, modes, args, steps_per_epoch, seed))
         runs.append({"seed": seed, "epochs": results, "summary": summarize(results)})
     spreads = spread([r["summary"] for r in runs])
