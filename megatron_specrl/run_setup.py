@@ -369,7 +369,7 @@ def restart_engines(run: Run, resync: bool = True) -> dict[str, float]:
     """Fresh engines (the model from its path), then the learner's current weights (the resync's
     metrics), drafting from the trees of the newest checkpoint."""
     from megatron_specrl.engines.protocol import EngineError
-    from megatron_specrl.resync.group import ResyncTransportError, _first_line
+    from megatron_specrl.resync.group import ResyncTransportError, first_line
     from megatron_specrl.resync.lifecycle import engines_of
 
     engines = engines_of(run.engine)
@@ -378,7 +378,7 @@ def restart_engines(run: Run, resync: bool = True) -> dict[str, float]:
     try:
         metrics = run.resync() if resync else {}
     except ResyncTransportError as err:   # the second failure ends the run: the CLI's one engine-error line
-        raise EngineError(f"weight resync to the restarted engines failed: {_first_line(err)}",
+        raise EngineError(f"weight resync to the restarted engines failed: {first_line(err)}",
                           ", ".join(getattr(e, "name", "?") for e in engines)) from err
     latest = ckpt.find_latest(run.out / "checkpoints") if drafts_with_trees(run) else None
     if latest is not None:

@@ -27,7 +27,8 @@ class ResyncTransportError(RuntimeError):
     """A weight transfer failed (peer gone, timeout, malformed data); the message says which."""
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
+    """An error's first line (its type where it has no text): what a one-line error quotes of its cause."""
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
 
@@ -48,7 +49,7 @@ class GlooGroup:
         except RuntimeError as e:
             act = f"sending {what}" if self.rank == src else f"receiving {what} from group rank {src}"
             raise ResyncTransportError(f"resync broadcast (gloo, rank {self.rank}/{self.world}): {act} "
-                                       f"failed (timeout {self.timeout_s:g}s): {_first_line(e)}") from e
+                                       f"failed (timeout {self.timeout_s:g}s): {first_line(e)}") from e
 
     def close(self) -> None:
         self.pg = None   # drops gloo's sockets: peers blocked on this group fail instead of waiting
@@ -99,7 +100,7 @@ class NcclGroup:
         try:
             done = self.pg.broadcast([tensor], opts).wait(timedelta(seconds=self.timeout_s))
         except RuntimeError as e:   # DistBackendError: timed out (communicator aborted) or NCCL error
-            raise ResyncTransportError(f"{where}: {_first_line(e)}") from e
+            raise ResyncTransportError(f"{where}: {first_line(e)}") from e
         if done is False:
             raise ResyncTransportError(f"{where}: not complete after {self.timeout_s:g}s")
 
@@ -139,7 +140,7 @@ class PyncclGroup:
             stream.synchronize()
         except RuntimeError as e:
             raise ResyncTransportError(f"resync broadcast (nccl, rank {self.rank}/{self.world}): {what} "
-                                       f"failed: {_first_line(e)}") from e
+                                       f"failed: {first_line(e)}") from e
 
     def close(self) -> None:
         # Free the communicator, not only the reference: PyNcclCommunicator has no finalizer, so
@@ -194,7 +195,7 @@ class BroadcastEndpoint:
             raise
         except Exception as e:   # a member never arrived (store timeout) or the backend failed to start
             raise ResyncTransportError(f"resync broadcast: rank {rank}/{world} could not join generation "
-                                       f"{generation} at {host}:{port}: {_first_line(e)}") from e
+                                       f"{generation} at {host}:{port}: {first_line(e)}") from e
         self.generation = generation
         return cls.backend
 

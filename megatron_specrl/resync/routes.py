@@ -20,7 +20,7 @@ from typing import Callable
 
 from megatron_specrl.engines.ray_engine import wait_engines
 from megatron_specrl.resync import engine_actor
-from megatron_specrl.resync.group import ResyncTransportError, _first_line
+from megatron_specrl.resync.group import ResyncTransportError, first_line
 
 # The driver waits a little longer than the members' own timeouts, so their (more precise) error wins.
 GRACE_S = 30.0
@@ -51,7 +51,7 @@ def wait_all(waits: dict, timeout_s: float, what: str) -> dict:
                 else:
                     # a task's error: Ray's wrapper (header line + traceback) around the cause
                     cause = getattr(e, "cause", None)
-                    brief = _first_line(cause if isinstance(cause, BaseException) else e)
+                    brief = first_line(cause if isinstance(cause, BaseException) else e)
                     first.add_note(f"{what}: {waits[ref][0]} failed too: {brief}")
     if first is not None:
         raise first
