@@ -9,7 +9,9 @@ cannot run would otherwise fail only after the job left the queue. The script th
   3. runs `megatron-specrl train ... ray.address=auto trainer.resume=auto` on the head;
   4. stops Ray on exit (an EXIT trap), exits with train's status, and requeues itself after a
      failure other than a config error (2) up to --max-requeues times; resume=auto continues from
-     the newest complete checkpoint. Slurm's --requeue covers preemption and node failure.
+     the newest complete checkpoint. Slurm's --requeue covers preemption and node failure. A restart
+     continues the job's own run even where the first attempt started with trainer.resume=never or
+     from an explicit checkpoint (`continues_own_run`).
 Every path and override is shell-quoted.
 """
 
@@ -48,6 +50,8 @@ CPUS_PER_NODE={cpus_per_node}
 JOIN_TIMEOUT_S={join_timeout_s}
 MAX_REQUEUES={max_requeues}
 ENGINE={engine}
+OUTPUT_DIR={output_dir}
+FIRST_RESUME={first_resume}
 
 cd "$WORKDIR"
 mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
@@ -87,7 +91,14 @@ done
 "$VENV/bin/python" -m megatron_specrl.ray_join --address "$RAY_ADDRESS" --nodes "$num_nodes" \\
     --gpus-per-node "$GPUS_PER_NODE" --timeout-s "$JOIN_TIMEOUT_S"
 
-# 3. Train on the head node; resume=auto continues a requeued job from its newest checkpoint.
+# 3. Train on the head node; resume=auto continues a requeued job from its newest checkpoint. A restart
+#    continues this job's own run also where the first attempt had trainer.resume=never (which would refuse
+#    the directory it wrote) or an explicit checkpoint (which would set the run's later checkpoints aside).
+if [ "${{SLURM_RESTART_COUNT:-0}}" -gt 0 ] && [ "$FIRST_RESUME" != auto ] && "$VENV/bin/python" -c \
+    'import sys; from megatron_specrl.launch import continues_own_run as c; sys.exit(0 if c(*sys.argv[1:]) else 1)' \
+    "$OUTPUT_DIR" "$FIRST_RESUME"; then
+    TRAIN_ARGS+=(trainer.resume=auto)
+fi
 rc=0
 srun --overlap --nodes=1 --ntasks=1 -w "$head_node" "$VENV/bin/megatron-specrl" train "$RECIPE" "${{TRAIN_ARGS[@]}}" || rc=$?
 
@@ -102,7 +113,8 @@ exit "$rc"
 
 def render(recipe: str, nodes: int, gpus_per_node: int, cpus_per_node: int, time: str, partition: str | None,
            account: str | None, overrides: list[str], venv: str, log_dir: str, workdir: str, engine: str = "vllm",
-           ray_port: int | None = None, join_timeout_s: int = 600, max_requeues: int = 3, plan_file: str = "") -> str:
+           ray_port: int | None = None, join_timeout_s: int = 600, max_requeues: int = 3, plan_file: str = "",
+           output_dir: str | None = None, first_resume: str = "auto") -> str:
     q = shlex.quote
     extra = "".join(f"#SBATCH --{k}={v}\n" for k, v in (("partition", partition), ("account", account)) if v)
     train_args = ["ray.address=auto", "trainer.resume=auto", *overrides]
@@ -114,7 +126,28 @@ def render(recipe: str, nodes: int, gpus_per_node: int, cpus_per_node: int, time
         ray_port=ray_port if ray_port is not None else "$((6379 + SLURM_JOB_ID % 500))",
         # the SPECRL_* values the plan was checked with (a later `sbatch` from another shell gets the same run)
         env_exports="".join(f"export {k}={q(v)}\n" for k, v in sorted(os.environ.items()) if k.startswith("SPECRL_")),
-        join_timeout_s=join_timeout_s, max_requeues=max_requeues, engine=q(engine))
+        join_timeout_s=join_timeout_s, max_requeues=max_requeues, engine=q(engine),
+        output_dir=q(output_dir or log_dir), first_resume=q(first_resume))
+
+
+def continues_own_run(output_dir: str, first_resume: str) -> bool:
+    """Whether a restarted job resumes with trainer.resume=auto instead of the first attempt's setting:
+    after `never` always (the first attempt wrote the directory, which `never` refuses); after an explicit
+    checkpoint once the run has saved a newer one in output_dir (resuming the explicit one again would set
+    the run's later checkpoints aside and repeat its steps)."""
+    from megatron_specrl import checkpoint as ckpt
+    if first_resume == "auto":
+        return False
+    if first_resume == "never":
+        return True
+    latest = ckpt.find_latest(Path(output_dir) / "checkpoints")
+    if latest is None:
+        return False
+    try:
+        first_step = ckpt.load_state(Path(first_resume))["step"]
+    except (OSError, ValueError, KeyError):
+        return True
+    return ckpt.load_state(latest)["step"] > first_step
 
 
 def _sbatch_value(value: str, key: str = "output_dir") -> str:
@@ -171,7 +204,8 @@ def launch_main(argv: list[str]) -> int:
     script = render(str(Path(recipe).resolve()), cfg.cluster.nodes, cfg.cluster.gpus_per_node, args.cpus_per_node,
                     args.time, args.partition, args.account, overrides, args.venv,
                     log_dir=str(Path(cfg.output_dir).resolve()), workdir=os.getcwd(), engine=cfg.rollout.engine,
-                    ray_port=args.ray_port, join_timeout_s=args.join_timeout_s, max_requeues=args.max_requeues, plan_file=str(plan_file))
+                    ray_port=args.ray_port, join_timeout_s=args.join_timeout_s, max_requeues=args.max_requeues, plan_file=str(plan_file),
+                    first_resume=cfg.trainer.resume)
     out.write_text(script)
     plan_file.write_text("\n".join(f"{k}: {v}" for k, v in plan.rows()) + "\n")
     print(f"wrote {out}")

@@ -12,12 +12,19 @@ Memory model (bytes per GPU, the heaviest rank):
            learner.dp with the distributed optimizer. Activations follow Korthikanti et al. 2022
            ("Reducing Activation Recomputation in Large Transformer Models", arXiv 2205.05198), counted
            per tensor saved for backward (no sequence parallelism, no dropout masks), in fp32:
-           none/selective store every layer's tensors (on GPU flash attention stores no s^2 scores, so
-           selective equals none there), full stores each layer's input plus one layer's tensors; the
+           none stores every layer's tensors with the s^2 attention probabilities (the fp32 learner gets
+           no flash attention on GPUs either: TransformerEngine's flash and fused backends take fp16 /
+           bf16 only, so it runs the unfused one), selective the same without them, full stores each
+           layer's input plus one layer's tensors; the
            first pipeline stage holds min(pp, microbatches) microbatches in flight (1F1B), and the last
            stage holds the fp32 logits and their log-softmax. PPO's critic (the same layout, a value
            head for the LM head) and the frozen KL reference (fp32 weights) share the policy ranks'
            GPUs (actors.learner_bundles) and stay resident.
+  scoring  the reference's log-probs, PPO's critic values and (use_kl_in_reward with
+           recompute_old_logprobs) the policy's are forward passes over the batch before colocated
+           engines release their memory (trainer.train_step): the static memory plus one microbatch's
+           forward (one layer's tensors, and on the last stage the fp32 logits, their shifted copy and
+           its exp, one more each for a temperature and a padded vocabulary) beside vLLM's share.
   engine   weights in rollout.engine_dtype over engine_tp GPUs; vLLM reserves
            rollout.gpu_memory_utilization of the GPU and fills what the weights leave with KV cache.
            The KV the step's batch would need at full length (prompt + response) is reported with the
@@ -148,6 +155,8 @@ class LearnerMemory:
     # the activations are the policy's
     critic: int = 0
     reference: int = 0
+    # a forward-only pass over one microbatch (reference / critic / policy scoring; no saved tensors)
+    scoring: int = 0
 
     @property
     def static(self) -> int:
@@ -201,7 +210,21 @@ def learner_memory(cfg: RunConfig, s: ModelShape, padded_vocab: int, flash: bool
         critic = 2 * n * FP32 + optimizer(n)
     reference = params * FP32 if cfg.needs_reference else 0
     return LearnerMemory(params, params * FP32, params * FP32, optimizer(params), acts, tokens, in_flight,
-                         critic, reference)
+                         critic, reference, scoring_memory(cfg, s, padded_vocab, tokens, flash))
+
+
+def scoring_memory(cfg: RunConfig, s: ModelShape, padded_vocab: int, tokens: int, flash: bool) -> int:
+    """Bytes of one microbatch's forward-only scoring pass (learner/worker._score under no_grad): one
+    layer's tensors, and where a policy / reference scores log-probs the last stage's fp32 logits, their
+    shifted copy and its exp (learner/logprobs.py), plus the tempered and the padding-masked copies
+    where they are made. PPO's critic ends in a value head (no vocab-wide tensor)."""
+    le = cfg.learner
+    layer = activation_elements_per_token_layer(s, le.tp, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens,
+                                                flash) * tokens * FP32
+    if not cfg.needs_reference:
+        return layer
+    copies = 3 + (cfg.rollout.temperature != 1.0) + (padded_vocab > s.vocab)
+    return layer + copies * tokens * (padded_vocab // le.tp) * FP32
 
 
 @dataclass
@@ -367,6 +390,16 @@ def _memory(cfg: RunConfig, lm: LearnerMemory, em: EngineMemory) -> list[str]:
                    f"{max(0, em.kv_space) / GB:.1f} GB of KV cache after {em.weights / GB:.1f} GB of weights per GPU, "
                    f"less than one {em.max_model_len}-token sequence (the engine's max_model_len) needs "
                    f"({em.max_model_len * em.kv_per_token / GB:.2f} GB); raise it or rollout.engine_tp")
+    scores_awake = cfg.needs_reference or cfg.algorithm.name == "ppo"
+    if r.colocate and scores_awake and lm.static + em.budget <= gpu < lm.static + em.budget + lm.scoring:
+        out.append(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization:g}: colocated, the "
+                   + ("KL reference's" if cfg.needs_reference else "PPO critic's")
+                   + (" (and the policy's, use_kl_in_reward)" if cfg.algorithm.use_kl_in_reward else "")
+                   + f" scoring pass runs before the engines release memory: vLLM's {em.budget / GB:.1f} GB + the "
+                   f"learner's resident {lm.static / GB:.1f} GB + {lm.scoring / GB:.1f} GB for one "
+                   f"{lm.tokens_per_microbatch}-token microbatch's forward exceed cluster.gpu_memory_gb="
+                   f"{c.gpu_memory_gb:g}; lower gpu_memory_utilization or learner.max_tokens_per_microbatch / "
+                   "micro_batch_size")
     if r.colocate and lm.static + em.budget > gpu:
         out.append(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization:g}: colocated, vLLM's {em.budget / GB:.1f} "
                    f"GB plus the learner's resident {lm.static / GB:.1f} GB (weights, grads, optimizer"
@@ -452,9 +485,19 @@ class Plan:
                                      + f" + activations {gb(self.learner.activations)} (recompute {le.recompute}, "
                                      f"{self.learner.tokens_per_microbatch} tokens x "
                                      f"{self.learner.microbatches_in_flight} in flight) = {gb(self.learner.total)}"),
+            *self._scoring_rows(gb),
             *self._engine_rows(gb),
             ("data", cfg.data.source + (f" (eval {cfg.data.eval_source})" if cfg.data.eval_source else "")),
         ]
+
+    def _scoring_rows(self, gb) -> list[tuple[str, str]]:
+        cfg = self.cfg
+        if not (cfg.rollout.colocate and cfg.cluster.gpus_per_node
+                and (cfg.needs_reference or cfg.algorithm.name == "ppo")):
+            return []
+        return [("scoring / GPU", f"resident {gb(self.learner.static)} + forward {gb(self.learner.scoring)} beside "
+                                  f"vLLM's {gb(self.engine.budget)} (before the engines release memory) = "
+                                  f"{gb(self.learner.static + self.learner.scoring + self.engine.budget)}")]
 
     def _engine_rows(self, gb) -> list[tuple[str, str]]:
         r = self.cfg.rollout
@@ -485,7 +528,7 @@ def build_plan(cfg: RunConfig, check_data: bool = True) -> Plan:
     s = ModelShape.from_hf(hf)
     from megatron_specrl.learner.model_provider import padded_vocab_size
     padded = padded_vocab_size(s.vocab, cfg.learner.tp)
-    flash = cfg.cluster.gpus_per_node > 0
+    flash = False   # fp32 attention: TransformerEngine's flash / fused backends take fp16 / bf16 only
     gpu_bytes = int(cfg.cluster.gpu_memory_gb * GB)
     lm = learner_memory(cfg, s, padded, flash)
     em = engine_memory(cfg, s, gpu_bytes)
