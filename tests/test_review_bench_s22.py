@@ -2,10 +2,8 @@
 decode-loop pricing, and the decode-step cost fit, fed synthetic per-epoch records and rollouts (no engine,
 no training)."""
 
-import importlib.util
 import json
 from argparse import Namespace
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,15 +11,7 @@ import pytest
 from megatron_specrl import bench_rollout
 from megatron_specrl.bench_rollout import epoch_table, per_epoch, spread, summarize
 from megatron_specrl.engines.tree_drafter import TreeDrafter, add_step_cost, fit_step_cost
-
-TOOLS = Path(__file__).parent.parent / "tools"
-
-
-def _tool(name):
-    spec = importlib.util.spec_from_file_location(f"{name}_s22", TOOLS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from test_review_bench_tools_s19 import _tool
 
 
 def _epoch(epoch, **kw):
