@@ -219,8 +219,8 @@ class LearnerConfig(_Strict):
     ppo_epochs: int = Field(1, ge=1)
     mini_batches: int = Field(1, ge=1)              # optimizer steps per rollout batch
     # Old log-probs of the PPO ratio: True = recomputed by the learner, False = the rollout's.
-    # Unset (None) resolves to True iff rollout.engine_dtype is bfloat16 or rollout.top_p / top_k
-    # truncate (RunConfig): bf16 engine log-probs differ from the fp32 learner's (tiny model in
+    # Unset (None) resolves to True iff rollout.engine_dtype or learner.precision is bfloat16 or
+    # rollout.top_p / top_k truncate (RunConfig): bf16 engine log-probs differ from the fp32 learner's (tiny model in
     # training: mean ~2e-3, up to 0.1 on a token), and the rollout's processed log-probs (renormalised
     # over the nucleus) differ from the learner's tempered ones, so the ratio would start away from 1
     # and the clip would read that as policy movement. An explicit False is rejected in both cases;
@@ -234,6 +234,12 @@ class LearnerConfig(_Strict):
     distributed_optimizer: bool = False
     # Activation recompute: none (store all), selective (recompute attention's core), full (per layer).
     recompute: Literal["none", "selective", "full"] = "none"
+    # The learner's numerics (NeMo-RL's policy.precision, Megatron-LM's --bf16). float32: fp32 weights,
+    # compute, grads and AdamW. bfloat16: Megatron's mixed precision: bf16 weights and compute (the model
+    # in Megatron's Float16Module: bf16 inputs on the first stage, fp32 outputs on the last, so log-probs
+    # and losses are fp32), fp32 gradient accumulation and reduction (DDP's main_grad) and fp32 master
+    # weights + Adam moments in Megatron's distributed optimizer; needs distributed_optimizer (RunConfig).
+    precision: Literal["float32", "bfloat16"] = "float32"
 
 
 class KLControlConfig(_Strict):
@@ -427,11 +433,21 @@ class RunConfig(_Strict):
             raise ValueError(f"rollout.runahead={r.runahead} with rollout.engine={r.engine}: run-ahead requests are "
                              "built into the vLLM engine only (SGLang drafts from the trees without them); use "
                              "rollout.engine=vllm or rollout.runahead=0")
+        if le.precision == "bfloat16" and not le.distributed_optimizer:
+            raise ValueError("learner.precision=bfloat16 needs learner.distributed_optimizer=true: only Megatron's "
+                             "optimizer keeps fp32 master weights of the bf16 parameters (torch AdamW would step "
+                             "the bf16 weights themselves)")
         if le.recompute_old_logprobs is None:
-            le.recompute_old_logprobs = r.engine_dtype == "bfloat16" or truncated
+            # a bf16 learner's log-probs differ from an fp32 engine's as a bf16 engine's differ from an fp32
+            # learner's: the same reason to recompute them
+            le.recompute_old_logprobs = r.engine_dtype == "bfloat16" or truncated or le.precision == "bfloat16"
         elif not le.recompute_old_logprobs and r.engine_dtype == "bfloat16":
             raise ValueError("learner.recompute_old_logprobs=false with rollout.engine_dtype=bfloat16: the PPO "
                              "ratio would use bf16 engine log-probs, not the learner's; leave it unset or true")
+        elif not le.recompute_old_logprobs and le.precision == "bfloat16":
+            raise ValueError("learner.recompute_old_logprobs=false with learner.precision=bfloat16: the PPO ratio "
+                             "would divide the bf16 learner's log-probs by the engine's, which differ; leave it "
+                             "unset or true")
         elif not le.recompute_old_logprobs and truncated:
             raise ValueError(f"learner.recompute_old_logprobs=false with rollout.top_p={r.top_p} / top_k={r.top_k}: "
                              "the PPO ratio would use the rollout's log-probs renormalised over the nucleus, not "

@@ -7,19 +7,22 @@ otherwise fail only after hours in a Slurm queue. Every failure is one line nami
 and the reason; success is a table of the plan (layout, batch arithmetic, memory per GPU).
 
 Memory model (bytes per GPU, the heaviest rank):
-  learner  weights, gradients and AdamW's two moments are fp32 (the learner keeps fp32 weights and
-           grads; no separate master copy), so 4 + 4 + 8 bytes a parameter, the moments divided by
-           learner.dp with the distributed optimizer. Activations follow Korthikanti et al. 2022
-           ("Reducing Activation Recomputation in Large Transformer Models", arXiv 2205.05198), counted
-           per tensor saved for backward (no sequence parallelism, no dropout masks), in fp32:
-           none stores every layer's tensors with the s^2 attention probabilities (the fp32 learner gets
-           no flash attention on GPUs either: TransformerEngine's flash and fused backends take fp16 /
-           bf16 only, so it runs the unfused one), selective the same without them, full stores each
+  learner  learner.precision=float32: weights, gradients and AdamW's two moments are fp32 (no
+           separate master copy), so 4 + 4 + 8 bytes a parameter, the moments divided by learner.dp
+           with the distributed optimizer. bfloat16 (Megatron's mixed precision, distributed optimizer
+           required): bf16 weights (2), fp32 main_grad (4), fp32 master weights + two moments (12 / dp),
+           activations in bf16 (2 bytes an element; the logits stay fp32) and, on GPUs, flash
+           attention. Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in
+           Large Transformer Models", arXiv 2205.05198), counted per tensor saved for backward (no
+           sequence parallelism, no dropout masks), in the learner's precision: none stores every
+           layer's tensors with the s^2 attention probabilities unless flash attention keeps none (the
+           fp32 learner gets no flash attention on GPUs: TransformerEngine's flash and fused backends
+           take fp16 / bf16 only, so it runs the unfused one), selective the same without them, full stores each
            layer's input plus one layer's tensors; the
            first pipeline stage holds min(pp, microbatches) microbatches in flight (1F1B), and the last
            stage holds the fp32 logits and their log-softmax. PPO's critic (the same layout, a value
-           head for the LM head) and the frozen KL reference (fp32 weights) share the policy ranks'
-           GPUs (actors.learner_bundles) and stay resident.
+           head for the LM head) and the frozen KL reference (weights in the learner's precision) share
+           the policy ranks' GPUs (actors.learner_bundles) and stay resident.
   scoring  the reference's log-probs, PPO's critic values and (use_kl_in_reward with
            recompute_old_logprobs) the policy's are forward passes over the batch before colocated
            engines release their memory (trainer.train_step): the static memory plus one microbatch's
@@ -182,34 +185,50 @@ def activation_elements_per_token_layer(s: ModelShape, tp: int, seq_len: int, fl
     return n
 
 
+def learner_bytes(cfg: RunConfig) -> tuple[int, int, int, int]:
+    """(weight, gradient, optimizer-state, activation) bytes per parameter / element of the learner:
+    fp32 (4, 4, 8: AdamW's moments, 4), or bf16 mixed precision (2, 4: Megatron DDP's fp32 main_grad,
+    12: the distributed optimizer's fp32 master weights and moments, 2)."""
+    if cfg.learner.precision == "bfloat16":
+        return 2, FP32, 3 * FP32, 2
+    return FP32, FP32, 2 * FP32, FP32
+
+
+def flash_attention(cfg: RunConfig) -> bool:
+    """Whether the learner's attention keeps no s^2 probabilities: TransformerEngine's flash / fused
+    backends, on GPUs, for fp16 / bf16 only (the fp32 learner runs the unfused one)."""
+    return cfg.learner.precision == "bfloat16" and cfg.cluster.gpus_per_node > 0
+
+
 def learner_memory(cfg: RunConfig, s: ModelShape, padded_vocab: int, flash: bool) -> LearnerMemory:
     le = cfg.learner
+    w_bytes, g_bytes, o_bytes, a_bytes = learner_bytes(cfg)
     params = max(stage_parameters(s, le.tp, le.pp, st, padded_vocab) for st in range(le.pp))
     seq = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
     rows = batch_arithmetic(cfg)["rows_per_dp_minibatch"]
     tokens = le.max_tokens_per_microbatch or min(le.micro_batch_size, rows) * seq
     in_flight = min(le.pp, batch_arithmetic(cfg)["microbatches"])
     layers = s.layers // le.pp
-    per_layer = activation_elements_per_token_layer(s, le.tp, seq, flash) * tokens * FP32
+    per_layer = activation_elements_per_token_layer(s, le.tp, seq, flash) * tokens * a_bytes
     if le.recompute == "selective" and not flash:   # flash attention already stores no scores
-        per_layer = activation_elements_per_token_layer(s, le.tp, seq, flash=True) * tokens * FP32
+        per_layer = activation_elements_per_token_layer(s, le.tp, seq, flash=True) * tokens * a_bytes
 
     def stage(microbatches: int) -> int:
         if le.recompute == "full":      # each layer's input kept, one layer rebuilt at a time
-            return microbatches * layers * s.hidden * tokens * FP32 + per_layer
+            return microbatches * layers * s.hidden * tokens * a_bytes + per_layer
         return microbatches * layers * per_layer
 
     logits = 2 * tokens * (padded_vocab // le.tp) * FP32           # logits + log-softmax, last stage
     acts = stage(in_flight) + logits if le.pp == 1 else max(stage(in_flight), stage(1) + logits)
     def optimizer(n: int) -> int:
-        return math.ceil(2 * n * FP32 / le.dp) if le.distributed_optimizer else 2 * n * FP32
+        return math.ceil(n * o_bytes / le.dp) if le.distributed_optimizer else n * o_bytes
 
     critic = 0
     if cfg.algorithm.name == "ppo":
         n = max(stage_parameters(s, le.tp, le.pp, st, padded_vocab, role="critic") for st in range(le.pp))
-        critic = 2 * n * FP32 + optimizer(n)
-    reference = params * FP32 if cfg.needs_reference else 0
-    return LearnerMemory(params, params * FP32, params * FP32, optimizer(params), acts, tokens, in_flight,
+        critic = n * (w_bytes + g_bytes) + optimizer(n)
+    reference = params * w_bytes if cfg.needs_reference else 0
+    return LearnerMemory(params, params * w_bytes, params * g_bytes, optimizer(params), acts, tokens, in_flight,
                          critic, reference, scoring_memory(cfg, s, padded_vocab, tokens, flash))
 
 
@@ -220,7 +239,7 @@ def scoring_memory(cfg: RunConfig, s: ModelShape, padded_vocab: int, tokens: int
     where they are made. PPO's critic ends in a value head (no vocab-wide tensor)."""
     le = cfg.learner
     layer = activation_elements_per_token_layer(s, le.tp, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens,
-                                                flash) * tokens * FP32
+                                                flash) * tokens * learner_bytes(cfg)[3]
     if not cfg.needs_reference:
         return layer
     copies = 3 + (cfg.rollout.temperature != 1.0) + (padded_vocab > s.vocab)
@@ -480,6 +499,8 @@ class Plan:
             ("learner memory / GPU", f"weights {gb(self.learner.weights)} + grads {gb(self.learner.grads)} + optimizer "
                                      f"{gb(self.learner.optimizer)}"
                                      + (" (distributed)" if le.distributed_optimizer else "")
+                                     + (" (bf16 weights, fp32 grads and master weights)"
+                                        if le.precision == "bfloat16" else "")
                                      + (f" + PPO critic {gb(self.learner.critic)}" if self.learner.critic else "")
                                      + (f" + KL reference {gb(self.learner.reference)}" if self.learner.reference else "")
                                      + f" + activations {gb(self.learner.activations)} (recompute {le.recompute}, "
@@ -528,7 +549,7 @@ def build_plan(cfg: RunConfig, check_data: bool = True) -> Plan:
     s = ModelShape.from_hf(hf)
     from megatron_specrl.learner.model_provider import padded_vocab_size
     padded = padded_vocab_size(s.vocab, cfg.learner.tp)
-    flash = False   # fp32 attention: TransformerEngine's flash / fused backends take fp16 / bf16 only
+    flash = flash_attention(cfg)   # bf16 on GPUs; fp32: TransformerEngine's flash / fused take fp16 / bf16 only
     gpu_bytes = int(cfg.cluster.gpu_memory_gb * GB)
     lm = learner_memory(cfg, s, padded, flash)
     em = engine_memory(cfg, s, gpu_bytes)

@@ -23,7 +23,11 @@ def _rank_main(rank: int, world: int, port: int, direction: str, src: str, out: 
     from megatron_specrl.config import LearnerConfig
     from megatron_specrl.learner.worker import LearnerWorker
 
-    w = LearnerWorker(rank, world, "127.0.0.1", port, LearnerConfig(tp=tp, pp=pp, dp=1))
+    settings = LearnerConfig(tp=tp, pp=pp, dp=1)
+    if direction == "mcore-to-hf" and _saved_precision(src) == "bfloat16":
+        # a learner.precision=bfloat16 checkpoint loads into a bf16 model (its weights export as they trained)
+        settings = LearnerConfig(tp=tp, pp=pp, dp=1, precision="bfloat16", distributed_optimizer=True)
+    w = LearnerWorker(rank, world, "127.0.0.1", port, settings)
     try:
         if direction == "hf-to-mcore":
             w.load_hf(src)
@@ -34,6 +38,13 @@ def _rank_main(rank: int, world: int, port: int, direction: str, src: str, out: 
             w.export_hf(out)
     finally:
         w.shutdown()
+
+
+def _saved_precision(ckpt: str | Path) -> str:
+    """learner.precision of a learner checkpoint (older ones: float32)."""
+    import json
+    meta = Path(ckpt) / "specrl_learner.json"
+    return json.loads(meta.read_text()).get("precision", "float32") if meta.is_file() else "float32"
 
 
 def copy_hf_metadata(hf_dir: Path, dst: Path) -> None:

@@ -12,6 +12,14 @@ over the DP ranks; megatron_optim.py, CPU shims in patches/). Without it: torch 
 the local shards, replicated on every DP rank, with our own gradient all-reduce (DP) and
 global-norm clipping. Both give the same weights (tests/test_distributed_optimizer.py).
 
+Precision (`learner.precision`): float32 (default) builds and trains the model in fp32. bfloat16 is
+Megatron-LM's --bf16: the GPTModel is built with params_dtype bf16 and wrapped in Megatron's
+Float16Module (bf16 inputs on the first stage, fp32 outputs on the last: logits, log-probs and losses
+are fp32), which Megatron's DDP wraps (fp32 main_grad accumulation and reduction) and Megatron's
+distributed optimizer steps (fp32 master weights and Adam moments, bf16=True); the critic and the
+frozen reference are bf16 too. `self.model` stays the bare GPTModel (its bf16 parameters are what
+resync and the HF export read); the forward goes through `self.f16`.
+
 Roles: `policy` (LM head, trained), `critic` (value head, trained) and `reference`:
 the policy's initial weights, frozen, for the KL term. A reference has the policy's
 layout and LM head, scores with compute_logprobs (same temperature convention), and
@@ -142,6 +150,7 @@ class LearnerWorker:
         dist.all_gather(table, coords)
         self.rank_of = {tuple(t.tolist()): r for r, t in enumerate(table)}   # (pp, dp, tp) -> global rank
         self.model = None
+        self.f16 = None           # Megatron's Float16Module around self.model (learner.precision=bfloat16)
         self.ddp = None           # Megatron DDP wrapper of self.model (learner.distributed_optimizer)
         self.optimizer = None
         self.train_steps = 0      # train_step calls so far (the lr warm-up's position; checkpointed)
@@ -164,22 +173,46 @@ class LearnerWorker:
         self.hf_dir = Path(hf_dir)
         self.hf_config = AutoConfig.from_pretrained(str(hf_dir))
         torch.manual_seed(self.seed)
-        self.model = build_gpt_model(self.hf_config, s.tp, s.pp, role=self.role,
-                                     recompute=s.recompute).to(self.device)
+        if self.bf16:
+            from megatron.core.transformer.module import Float16Module
+            if not self.frozen and not s.distributed_optimizer:
+                raise ValueError("learner.precision=bfloat16 needs learner.distributed_optimizer=true (fp32 master "
+                                 "weights live in Megatron's optimizer)")
+            self.model = build_gpt_model(self.hf_config, s.tp, s.pp, dtype=torch.bfloat16, role=self.role,
+                                         recompute=s.recompute).to(self.device)
+            self.f16 = Float16Module(self.model.config, self.model)   # where Megatron-LM wraps it
+        else:
+            self.model = build_gpt_model(self.hf_config, s.tp, s.pp, role=self.role,
+                                         recompute=s.recompute).to(self.device)
         if self.frozen:
             self.model.requires_grad_(False)
             self.model.eval()
         else:
             self._build_optimizer()
 
+    @property
+    def bf16(self) -> bool:
+        """learner.precision=bfloat16 (Megatron's bf16 mixed precision)."""
+        return getattr(self.settings, "precision", "float32") == "bfloat16"
+
     def load_hf(self, hf_dir: str | Path) -> None:
-        """Build this rank's model slice and load its shards from HF safetensors."""
+        """Build this rank's model slice and load its shards from HF safetensors (bf16: rounded to the
+        bf16 parameters, and the optimizer's fp32 master weights re-read from them)."""
         s = self.settings
         self.build(hf_dir)
         hf_state = load_hf_state(hf_dir)
         shards = hm.hf_to_megatron_shards(hf_state, self.hf_config, s.tp, s.pp, only=(self.tp_rank, self.pp_rank))
         self._load_local_shards(shards[(self.tp_rank, self.pp_rank)])
         del hf_state, shards
+        self._reload_main_params()
+
+    def _reload_main_params(self) -> None:
+        """bf16: copy the model's parameters into the optimizer's fp32 master weights (Megatron's
+        reload_model_params, as Megatron-LM after loading weights without optimizer state); the fp32
+        path's master weights are the parameters themselves."""
+        if self.bf16 and self.optimizer is not None:
+            with self._cpu_shims():
+                self.optimizer.reload_model_params()
 
     def _load_local_shards(self, local: dict[str, Tensor]) -> None:
         params = dict(self.model.named_parameters())
@@ -203,7 +236,7 @@ class LearnerWorker:
         s = self.settings
         if s.distributed_optimizer:
             from megatron_specrl.learner import megatron_optim
-            self.ddp, self.optimizer = megatron_optim.build(self.model, s)
+            self.ddp, self.optimizer = megatron_optim.build(self.f16 if self.f16 is not None else self.model, s)
             return
         self.ddp = None
         lr = s.lr
@@ -258,7 +291,7 @@ class LearnerWorker:
 
         fb = get_forward_backward_func()
         with self._cpu_shims():
-            return fb(forward_step_func=step, data_iterator=iter(mbs), model=[self.ddp or self.model],
+            return fb(forward_step_func=step, data_iterator=iter(mbs), model=[self.ddp or self.f16 or self.model],
                       num_microbatches=len(mbs), seq_length=max(m["input_ids"].shape[1] for m in mbs),
                       micro_batch_size=max(m["input_ids"].shape[0] for m in mbs), forward_only=forward_only)
 
@@ -426,7 +459,8 @@ class LearnerWorker:
                     raise RuntimeError("Megatron's optimizer skipped the step (non-finite gradients)")
             else:
                 for p in self._params():
-                    p.grad = p.main_grad.detach().clone()
+                    if p.dtype == p.main_grad.dtype:    # bf16 params: iter_hf_state reads main_grad
+                        p.grad = p.main_grad.detach().clone()
                 self.optimizer.prepare_grads()
                 grad_norm = self.optimizer.get_grad_norm()
         return self._reduce_metrics(store, float(grad_norm))
@@ -522,7 +556,7 @@ class LearnerWorker:
             shards = None
             if self.pp_rank == stage and self.dp_rank == 0:
                 param = params[hm.local_param_name(name, params)]
-                src_t = param.grad if grads else param
+                src_t = param if not grads else param.grad if param.grad is not None else param.main_grad
                 local = src_t.detach().float().contiguous()
                 if tp > 1:
                     gathered = [torch.empty_like(local) for _ in range(tp)]
@@ -642,7 +676,8 @@ class LearnerWorker:
         if self.rank == 0:
             (path / "specrl_learner.json").write_text(json.dumps(
                 {"tp": self.settings.tp, "pp": self.settings.pp, "dp": self.settings.dp, "role": self.role,
-                 "distributed_optimizer": self.ddp is not None, "train_steps": self.train_steps}))
+                 "distributed_optimizer": self.ddp is not None, "train_steps": self.train_steps,
+                 "precision": "bfloat16" if self.bf16 else "float32"}))
         if self.world_size > 1:
             dist.barrier()
 
@@ -664,6 +699,11 @@ class LearnerWorker:
             raise hm.CheckpointError(
                 f"{path} holds {'Megatron distributed' if saved_dist else 'torch AdamW'} optimizer state; this "
                 f"learner has learner.distributed_optimizer={self.ddp is not None}: set it to {saved_dist} to resume")
+        saved_precision = meta.get("precision", "float32")
+        here = "bfloat16" if self.bf16 else "float32"
+        if saved_precision != here:
+            raise hm.CheckpointError(f"{path} holds a learner.precision={saved_precision} model; this learner has "
+                                     f"learner.precision={here}: set it to {saved_precision} to resume or convert")
         if load_optimizer:
             self._ensure_optimizer_state()
             self.train_steps = int(meta.get("train_steps", 0))   # the lr warm-up continues where it was
@@ -677,6 +717,8 @@ class LearnerWorker:
             with self._cpu_shims():
                 megatron_optim.load_state_dict(self.optimizer, loaded["optimizer"])
             loaded["optimizer"] = {}
+        elif self.ddp is not None:
+            self._reload_main_params()      # bf16 weights without optimizer state: fresh fp32 master weights
         named = dict(self.model.named_parameters())
         # (without load_optimizer, dist_checkpointing still returns the checkpoint's common, non-sharded
         # optimizer entries: ignore them)
