@@ -68,7 +68,8 @@ from patches.pinned import PinnedPatch
 VERSION = "0.5.23"
 SETTINGS_ENV = "SPECRL_SGLANG_TREE_PROPOSER"
 RPC_METHOD = "specrl_tree_rpc"
-RPC_CALLS = ("take_stats", "state_dict", "load_state_dict")
+RPC_CALLS = ("take_stats", "state_dict", "load_state_dict", "add_responses")
+RPC_INPUTS = ("load_state_dict", "add_responses")   # calls that read their argument from the file
 
 
 class _Seq:
@@ -264,16 +265,16 @@ def _tp_rank() -> int:
 
 
 def specrl_tree_rpc(self, call: str, path: str) -> None:
-    """Scheduler side of SGLangEngine.draft_stats / draft_state / load_draft_state."""
+    """Scheduler side of SGLangEngine.draft_stats / draft_state / load_draft_state / add_to_draft_trees."""
     if call not in RPC_CALLS:
         raise ValueError(f"unknown tree call {call!r}; known: {RPC_CALLS}")
     worker = getattr(self, "draft_worker", None)
     if worker is None or not hasattr(worker, "_prepare_draft_tokens"):
         raise RuntimeError("this SGLang server runs without the NGRAM worker (rollout.draft=tree)")
     drafter = drafter_of(worker)
-    if call == "load_state_dict":
+    if call in RPC_INPUTS:
         with open(path, "rb") as f:
-            drafter.load_state_dict(pickle.load(f))
+            getattr(drafter, call)(pickle.load(f))
         return
     out = getattr(drafter, call)()
     if _tp_rank() == 0:

@@ -157,6 +157,26 @@ class ScoreResult:
 
 
 @dataclass
+class DraftResponse:
+    """A whole response the rollout took without the engine generating it (rollout.verify=prefill: a
+    draft accepted whole, or ended by the verification's replacement), for the engine's draft trees
+    (rollout.draft=tree). Engines that draft from trees take them with
+    `add_to_draft_trees(responses: list[DraftResponse]) -> None`: each enters its prompt's tree and the
+    shared tree once, as a response the engine generated for a request with this draft_key would (the
+    engine's counters of generated and drafted tokens are left alone: it generated none of them). An
+    optional method, as draft_stats: engines without tree drafting ignore the call or lack it; a
+    router sends each response to the engine that gets its prompt's requests."""
+
+    draft_key: str
+    token_ids: list[int]
+
+
+def draft_response_pairs(responses: list[DraftResponse]) -> list[tuple[str, list[int]]]:
+    """(prompt id, token ids) pairs of plain types, as the engines' drafters take them."""
+    return [(str(r.draft_key), [int(t) for t in r.token_ids]) for r in responses]
+
+
+@dataclass
 class EngineHealth:
     alive: bool
     weight_version: int

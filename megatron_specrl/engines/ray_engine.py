@@ -18,7 +18,7 @@ from typing import Any, Iterable
 import torch
 
 from megatron_specrl.engines.protocol import (
-    EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest,
+    DraftResponse, EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest,
     ScoreResult, WeightVersionMismatch, check_count, samples_coupled, verifies_processed_distribution,
 )
 from megatron_specrl.engines.logs import tail_lines
@@ -183,6 +183,10 @@ class RayEngine:
 
     def draft_state(self) -> dict | None:
         return self._get(self.submit("draft_state"), self.timeout_s, "draft_state")
+
+    def add_to_draft_trees(self, responses: list[DraftResponse]) -> None:
+        if responses:
+            self._get(self.submit("add_to_draft_trees", responses), self.timeout_s, "add_to_draft_trees")
 
     def load_draft_state(self, state: dict) -> None:
         self._get(self.submit("load_draft_state", state), self.timeout_s, "load_draft_state")

@@ -18,7 +18,7 @@ from typing import Iterable, Sequence
 import torch
 
 from megatron_specrl.engines.protocol import (
-    EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest, ScoreResult,
+    DraftResponse, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest, ScoreResult,
     WeightVersionMismatch, check_count, samples_coupled, verifies_processed_distribution,
 )
 
@@ -142,6 +142,13 @@ class EngineRouter:
         if longest is not None:
             total["engine_steps_longest"] = longest
         return total
+
+    def add_to_draft_trees(self, responses: list[DraftResponse]) -> None:
+        """Each response to the engine that gets its prompt's requests (shard_by_key), whose trees
+        hold the prompt's other samples."""
+        for e, idx in zip(self.engines, shard_by_key([r.draft_key for r in responses], len(self.engines))):
+            if idx and hasattr(e, "add_to_draft_trees"):
+                e.add_to_draft_trees([responses[i] for i in idx])
 
     def draft_state(self) -> dict | None:
         states = [e.draft_state() for e in self.engines]

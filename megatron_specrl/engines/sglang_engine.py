@@ -42,8 +42,8 @@ from typing import Any, Iterable
 import torch
 
 from megatron_specrl.engines.protocol import (
-    EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest,
-    ScoreResult, WeightVersionMismatch, check_finite_logprobs, check_version,
+    DraftResponse, EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest,
+    ScoreResult, WeightVersionMismatch, check_finite_logprobs, check_version, draft_response_pairs,
 )
 from megatron_specrl.engines.logs import attach_log_file, detach_log_file, tail_lines
 from megatron_specrl.engines.tree_drafter import DRAFT_KEY, OWN_DRAFT, RESPONSE_START, settings_env
@@ -395,6 +395,13 @@ class _SGLangBase:
         """The tree drafter's counters since the last call (draft / accepted / generated tokens,
         request-steps, engine steps) and the trees' size; {} without tree drafting."""
         return self._tree_call("take_stats") if self.draft == "tree" else {}
+
+    def add_to_draft_trees(self, responses: list[DraftResponse]) -> None:
+        """Responses the rollout took without generating them enter their prompts' trees and the shared
+        tree once each, as a generated response would (protocol.DraftResponse); nothing without tree
+        drafting."""
+        if self.draft == "tree" and responses:
+            self._tree_call("add_responses", draft_response_pairs(responses))
 
     def draft_state(self) -> dict | None:
         """The trees (rollout.draft_tree.DraftTrees.state_dict), for checkpoints; None without tree drafting."""

@@ -38,7 +38,11 @@ Per engine step:
   sampler accepts a point-mass draft token y with p(y) and otherwise samples p without y: exactly the
   `exact` rule's verification, done a few tokens per decode step instead of in one prefill. The own
   draft is not cut by probability: stopping it where its old log-probs fall below `min_prob` drafted
-  6% fewer tokens but took more engine steps and was no faster on this CPU (docs/measurements.md).
+  6% fewer tokens but took more engine steps and was no faster on this CPU (docs/measurements.md);
+- a response the rollout took without the engine (rollout.verify=prefill: its draft accepted whole, or
+  ended by the verification's replacement) comes in through `add_responses` between batches and enters
+  its prompt's tree and the shared tree once, as an engine request's response would, so that the trees
+  count every epoch's samples under either verification (verify=decode runs every sample in the engine).
 
 Besides the token counters, two clocks (seconds since the last take_stats, in the engine's process):
 `draft_s`, the drafter's own time inside its steps, and `loop_s`, from the first to the last step in
@@ -72,6 +76,7 @@ RUNAHEAD = "specrl_runahead"          # a run-ahead request: its tokens feed the
 OWN_DRAFT = "specrl_own_draft"        # token ids drafted first, while the response follows them
 
 SHARED_KEY = "\x00shared"            # the tree of all prompts' responses (no prompt id starts with NUL)
+_ADDED = "\x00added"                 # request ids of add_responses' sequences (no engine's request id)
 
 # max_depth None: max_match + max_k, the deepest trie node a proposal reads (a match of up to max_match
 # tokens continued by up to max_k); counts kept deeper would only cost time on every token extended
@@ -343,9 +348,13 @@ class TreeDrafter:
         self._last_ids = self._seen
         for req_id in [r for r in self._live if r not in self._seen and (alive is None or r not in alive)]:
             self._release(req_id)
-        # rebuilt from its newest half once past its bound; where the running requests alone hold more
-        # than that (long responses, large batches), only once it has doubled since the last rebuild:
-        # a rebuild costs the tree's size, so rebuilding every step would cost the batch's tokens a step
+        self._bound_shared()
+
+    def _bound_shared(self) -> None:
+        """The shared tree rebuilt from its newest half once past its bound; where the running requests
+        alone hold more than that (long responses, large batches), only once it has doubled since the
+        last rebuild: a rebuild costs the tree's size, so rebuilding every step would cost the batch's
+        tokens a step."""
         if not self._live:               # no running requests: back under the bound at once
             self._shared_after_rebuild = 0
         nodes = self.trees.nodes_of(SHARED_KEY) if self.shared_nodes else 0
@@ -372,6 +381,22 @@ class TreeDrafter:
             finally:
                 self._k_max = k_max
         self._release(req_id)
+
+    def add_responses(self, responses: Sequence[tuple[str, Sequence[int]]]) -> None:
+        """Whole responses (prompt id, token ids) that the rollout took without the engine generating
+        them (rollout.verify=prefill: a draft accepted whole, or ended by the verification's
+        replacement) enter the trees as an engine request's response does: its prompt's tree and the
+        shared tree, the keys used as a request's start uses them, the shared tree's bound applied as
+        after a step. Nothing counts: the engine generated and drafted none of these tokens (an
+        extension's accepted prefix enters the trees uncounted the same way)."""
+        for i, (key, tokens) in enumerate(responses):
+            rid = (_ADDED, i)
+            ids = ((rid, key), ((rid, SHARED_KEY), SHARED_KEY)) if self.shared_nodes else ((rid, key),)
+            for tree_id, tree_key in ids:
+                self.trees.start(tree_id, str(tree_key), [int(t) for t in tokens])
+                self.trees.finish(tree_id)
+        if responses:
+            self._bound_shared()
 
     def _release(self, req_id: str) -> None:
         """An ended request leaves the drafter; the trees keep its tokens."""

@@ -106,6 +106,10 @@ class TreeProposer:
         """Counters since the last call, and the trees' size now."""
         return self.drafter.take_stats()
 
+    def add_responses(self, responses: list[tuple[str, list[int]]]) -> None:
+        """Whole responses the engine did not generate (TreeDrafter.add_responses)."""
+        self.drafter.add_responses(responses)
+
     def state_dict(self) -> dict:
         return self.drafter.state_dict()
 

@@ -36,8 +36,8 @@ from megatron_specrl.engines.tree_proposer import (
     settings_env,
 )
 from megatron_specrl.engines.protocol import (
-    EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest,
-    ScoreResult, WeightVersionMismatch, check_finite_logprobs, check_version, untruncated_t1,
+    DraftResponse, EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest,
+    ScoreResult, WeightVersionMismatch, check_finite_logprobs, check_version, draft_response_pairs, untruncated_t1,
 )
 from patches.vllm_0_32_0_batched_prompt_logprobs import COUPLED_KEY, UNCOMPUTED, VERIFY_COLUMNS
 
@@ -557,6 +557,16 @@ class VLLMEngine:
             return {}
         with self._lock:
             return self._run(lambda: self.llm.collective_rpc(in_worker, args=("take_stats",)))[0]
+
+    def add_to_draft_trees(self, responses: list[DraftResponse]) -> None:
+        """Responses the rollout took without generating them enter their prompts' trees and the shared
+        tree once each, as a generated response would (protocol.DraftResponse); nothing without tree
+        drafting."""
+        if self.draft != "tree" or not responses:
+            return
+        pairs = draft_response_pairs(responses)
+        with self._lock:
+            self._run(lambda: self.llm.collective_rpc(in_worker, args=("add_responses", pairs)))
 
     def draft_state(self) -> dict | None:
         """The trees as numpy arrays and lists (rollout.draft_tree.DraftTrees.state_dict), for checkpoints."""

@@ -14,6 +14,9 @@ Per (prompt, sample k) at step t:
   4. extend: engine.generate(prompt + y[:n] (+ r_n), the rest of the L tokens), hitting the prefix
      cache; skipped when the response is already finished (EOS or length L)
   5. assemble prefix + continuation and store it for the next epoch.
+With tree drafting, a response that needs no extension (the engine generates none of it) enters its
+prompt's draft trees through the engine (`add_to_draft_trees`) before the extension batch, once, as
+an extension's prefix does when its request starts and as every sample does under verify=decode.
 All requests of a step go to the engine as one verification batch and one extension batch.
 
 A pair that an earlier DAPO round of this step already rolled out (a prompt drawn again: the
@@ -47,8 +50,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatron_specrl.engines.protocol import (
-    GenerateRequest, RolloutEngine, SamplingSettings, ScoreRequest, samples_coupled, untruncated_t1,
-    verifies_processed_distribution,
+    DraftResponse, GenerateRequest, RolloutEngine, SamplingSettings, ScoreRequest, samples_coupled,
+    untruncated_t1, verifies_processed_distribution,
 )
 from megatron_specrl.rollout.acceptance import MODES, coupled_prefix, decide
 from megatron_specrl.rollout.store import Trajectory, TrajectoryStore
@@ -269,6 +272,15 @@ class SpeculativeRollout:
         # 4. extend (plain generation for plans without a draft; verify=decode: every plan, with its
         #    draft as the own draft) in one batch
         to_extend = [p for p in plans if p.needs_generation]
+        # the samples the engine will not see (a draft accepted whole, or ended by the verification's
+        # replacement) enter their prompts' draft trees first, once each, as an extension's accepted
+        # prefix enters when its request starts: verify=decode runs every sample in the engine, and
+        # the trees' counts (and the batch's drafts from them) must not depend on where a sample was
+        # verified. An engine without tree drafting ignores them.
+        taken = [DraftResponse(p.prompt_id, list(p.prefix_ids)) for p in plans
+                 if not p.needs_generation and p.prefix_ids]
+        if taken and hasattr(self.engine, "add_to_draft_trees"):
+            self.engine.add_to_draft_trees(taken)
         requests = [
             GenerateRequest(prompt_ids=p.prompt_ids + p.prefix_ids,
                             max_new_tokens=self.max_new_tokens - len(p.prefix_ids),
