@@ -198,6 +198,11 @@ def _missing(path: Path, where: str, what: str, keys: list[str], fmt: str, row: 
                         f"fields present: {sorted(row)}. Set data.prompt_key / data.answer_key / data.format.")
 
 
+# The roles chat templates render: OpenAI's chat roles (HF templates take system / user / assistant /
+# tool; "developer" and the legacy "function" are OpenAI's) and Llama 3.x's tool-result role "ipython".
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer", "function", "ipython")
+
+
 def _row_to_fields(row: dict, path: Path, where: str, fmt: str, data_cfg: DataConfig) -> tuple[str, str, dict]:
     """(prompt text, answer, meta) for one row of a known format."""
     prompt_keys, answer_keys = _candidates(data_cfg, fmt)
@@ -224,6 +229,9 @@ def _row_to_fields(row: dict, path: Path, where: str, fmt: str, data_cfg: DataCo
             if not isinstance(m.get("role", "user"), str):   # the chat template would fail on it mid-setup
                 raise DatasetError(f"{path}: {where}: prompt field {pkey!r} message {i} has role of type "
                                    f"{type(m['role']).__name__}, expected a string")
+            if m.get("role", "user") not in CHAT_ROLES:   # a typo ("usr") would render silently as another turn
+                raise DatasetError(f"{path}: {where}: prompt field {pkey!r} message {i} has role {m['role']!r}, "
+                                   f"expected one of {', '.join(CHAT_ROLES)}")
         meta["messages"] = [{"role": m.get("role", "user"), "content": m["content"]} for m in prompt]
         users = [m["content"] for m in prompt if m.get("role", "user") == "user"]
         prompt = users[-1] if users else prompt[-1]["content"]

@@ -186,7 +186,7 @@ def learner_hf_state(learner, bucket_bytes: int = 64 << 20, dtype: str | None = 
 
 def _learner_fp32_state(learner, bucket_bytes: int) -> dict[str, torch.Tensor]:
     if hasattr(learner, "iter_hf_state"):        # an in-process LearnerWorker (world 1)
-        return dict(learner.iter_hf_state())
+        return {n: t.float() if t.is_floating_point() else t for n, t in learner.iter_hf_state()}
     import ray
     from megatron_specrl.resync.buckets import Bucket
     from megatron_specrl.resync.routes import bucket_streams

@@ -7,6 +7,9 @@ into the object store once and shared by all ranks.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 import ray
 
 from megatron_specrl.config import LearnerConfig
@@ -20,6 +23,22 @@ def _rendezvous() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), free_port()
 
 
+def rank_env(num_gpus_per_rank: float, env: dict | None = None,
+             environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The env_vars of each learner rank's actor (set before the process starts, so before CUDA
+    initializes). Idle learner threads must not spin on the cores the engine is decoding on
+    (OpenMP's default wait policy busy-waits after every parallel region). GPU ranks get
+    CUDA_DEVICE_MAX_CONNECTIONS=1, as Megatron-LM's scripts and slime's Ray runtime env set: the TP / sequence
+    parallel collectives and the overlapped grad reduce rely on one hardware queue to run in issue
+    order (megatron.core.tensor_parallel.layers warns without it). A value the user set, in `env` or
+    in the driver's environment (`environ`, default os.environ), is kept and passed on to the ranks."""
+    environ = os.environ if environ is None else environ
+    out = {"OMP_WAIT_POLICY": "PASSIVE"}
+    if num_gpus_per_rank > 0:
+        out["CUDA_DEVICE_MAX_CONNECTIONS"] = environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    return {**out, **(env or {})}
+
+
 class LearnerGroup:
     """`worker_cls`: the class each rank's actor runs, a LearnerWorker. A run's policy uses
     resync.learner_actor.RayLearnerWorker (adds the sync methods; actors.start_learner passes it),
@@ -31,9 +50,7 @@ class LearnerGroup:
         """`scheduling`: one Ray scheduling strategy per rank (actors.build_actors' placement group
         bundles); the rendezvous is then on rank 0's node, which need not be the driver's."""
         world = settings.tp * settings.pp * settings.dp
-        # Idle learner threads must not spin on the cores the engine is decoding on (OpenMP's
-        # default wait policy busy-waits after every parallel region).
-        env = {"OMP_WAIT_POLICY": "PASSIVE", **(env or {})}
+        env = rank_env(num_gpus_per_rank, env)
         remote_cls = ray.remote(worker_cls)
         opts = dict(num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank, runtime_env={"env_vars": env})
         where = [{"scheduling_strategy": s} for s in scheduling] if scheduling else [{}] * world

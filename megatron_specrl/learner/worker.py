@@ -64,6 +64,10 @@ def load_hf_state(hf_dir: str | Path) -> HFCheckpoint:
     return HFCheckpoint(hf_dir)
 
 
+# The dtypes iter_hf_state's PP send can carry (indexed in its shape header): parameters', main_grad's.
+_GATHER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _checkpoint_dtype(hf_config) -> torch.dtype | None:
     """The dtype a checkpoint's config.json names (transformers 5: `dtype`, earlier: `torch_dtype`)."""
     d = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
@@ -145,8 +149,10 @@ class LearnerWorker:
         self.dp_rank = ps.get_data_parallel_rank()
         self.first_stage, self.last_stage = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        coords = torch.tensor([self.pp_rank, self.dp_rank, self.tp_rank], dtype=torch.long)
-        table = [torch.zeros(3, dtype=torch.long) for _ in range(world_size)]
+        # collectives on the default group take tensors on self.device: it is NCCL on GPUs, which
+        # refuses CPU tensors (gloo on this CPU takes either)
+        coords = torch.tensor([self.pp_rank, self.dp_rank, self.tp_rank], dtype=torch.long, device=self.device)
+        table = [torch.zeros(3, dtype=torch.long, device=self.device) for _ in range(world_size)]
         dist.all_gather(table, coords)
         self.rank_of = {tuple(t.tolist()): r for r, t in enumerate(table)}   # (pp, dp, tp) -> global rank
         self.model = None
@@ -305,16 +311,16 @@ class LearnerWorker:
 
     def _gather_rows(self, B: int, T: int, pieces: list[tuple[Tensor, Tensor]], to_all: bool) -> Tensor | None:
         """Assemble per-row results from (last stage, tp 0, every DP rank) into one [B, T] tensor."""
-        full = torch.zeros(B, T, dtype=torch.float32)
+        full = torch.zeros(B, T, dtype=torch.float32, device=self.device)   # the default group's device
         if self.last_stage and self.tp_rank == 0:
             for rows, vals in pieces:
-                full[rows, : vals.shape[1]] = vals.detach().float().cpu()
+                full[rows, : vals.shape[1]] = vals.detach().float().to(self.device)
         if self.world_size > 1:
             if to_all:
                 dist.all_reduce(full)
             else:
                 dist.reduce(full, dst=0)
-        return full if (to_all or self.rank == 0) else None
+        return full.cpu() if (to_all or self.rank == 0) else None
 
     @torch.no_grad()
     def _score(self, batch: dict, to_all: bool) -> Tensor | None:
@@ -513,7 +519,7 @@ class LearnerWorker:
     def _reduce_metrics(self, store: list[dict], grad_norm: float) -> dict[str, float]:
         # Only the last stage holds metrics; every rank must all-reduce the same fixed key list.
         keys = POLICY_METRICS if self.role == "policy" else CRITIC_METRICS
-        vec = torch.zeros(len(keys), dtype=torch.float64)
+        vec = torch.zeros(len(keys), dtype=torch.float64, device=self.device)   # NCCL takes no CPU tensors
         if self.last_stage and self.tp_rank == 0:
             for d in store:
                 for i, k in enumerate(keys):
@@ -545,7 +551,9 @@ class LearnerWorker:
         The owning stage's DP-rank-0 TP group all-gathers a parameter, its TP rank 0 sends the
         shards to global rank 0, which merges them: one full tensor in flight at a time.
         `grads=True` yields gradients instead (tests). `miswire` (hf_mapping.MISWIRINGS) renames HF
-        modules on the way out: the resync checker's injected wrong mapping.
+        modules on the way out: the resync checker's injected wrong mapping. Tensors keep the dtype
+        they live in (bf16 parameters of a bf16 learner are gathered and yielded in bf16, half the
+        bytes of fp32); consumers cast where they need another (resync's buckets to the engine's).
         """
         mapping = hm.miswired(hm.get_mapping(self.hf_config), miswire)
         ps = self.ps
@@ -557,27 +565,31 @@ class LearnerWorker:
             if self.pp_rank == stage and self.dp_rank == 0:
                 param = params[hm.local_param_name(name, params)]
                 src_t = param if not grads else param.grad if param.grad is not None else param.main_grad
-                local = src_t.detach().float().contiguous()
+                local = src_t.detach().contiguous()
                 if tp > 1:
                     gathered = [torch.empty_like(local) for _ in range(tp)]
                     dist.all_gather(gathered, local, group=ps.get_tensor_model_parallel_group())
                     shards = gathered
                 else:
                     shards = [local]
-                shards = [t.cpu() for t in shards]
+            # sent to global rank 0 on self.device (the default group is NCCL on GPUs: no CPU tensors),
+            # moved to the CPU only there, one full tensor at a time
             if src != 0:
                 if self.rank == src:
                     full = torch.stack(shards)
-                    shape = torch.tensor(list(full.shape) + [0] * (4 - full.dim()), dtype=torch.long)
+                    shape = torch.tensor(list(full.shape) + [0] * (4 - full.dim())
+                                         + [_GATHER_DTYPES.index(full.dtype)], dtype=torch.long, device=self.device)
                     dist.send(shape, dst=0)
                     dist.send(full, dst=0)
                 elif self.rank == 0:
-                    shape = torch.zeros(4, dtype=torch.long)
+                    shape = torch.zeros(5, dtype=torch.long, device=self.device)
                     dist.recv(shape, src=src)
-                    full = torch.empty([int(x) for x in shape if x > 0], dtype=torch.float32)
+                    full = torch.empty([int(x) for x in shape[:4] if x > 0], dtype=_GATHER_DTYPES[int(shape[4])],
+                                       device=self.device)
                     dist.recv(full, src=src)
                     shards = list(full.unbind(0))
             if self.rank == 0:
+                shards = [t.cpu() for t in shards]
                 for hf_name, t in hm.merge_tp_shards_to_hf(name, shards, self.hf_config, g, mapping):
                     yield hf_name, t
             shards = None
@@ -593,7 +605,8 @@ class LearnerWorker:
                 pass
         else:
             out = Path(out_dir)
-            save_hf_shards(tensors, out, dtype=_checkpoint_dtype(self.hf_config))
+            # a config naming no dtype: fp32, as the export wrote before the gather kept bf16 weights in bf16
+            save_hf_shards(tensors, out, dtype=_checkpoint_dtype(self.hf_config) or torch.float32)
             for f in self.hf_dir.iterdir():
                 if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json", ".bin")):
                     shutil.copy2(f, out / f.name)
