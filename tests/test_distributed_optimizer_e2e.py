@@ -15,7 +15,11 @@ ROOT = Path(__file__).resolve().parent.parent
 def _train(out, model_cache, steps, *extra):
     args = ["tiny-cpu-grpo", f"output_dir={out}", f"trainer.total_steps={steps}", "data.num_synthetic=16",
             "trainer.prompts_per_step=8", "rollout.n_samples=4", "trainer.eval_every=0", "data.num_eval=16",
-            "trainer.checkpoint_every=2", "logging.wandb=false", "learner.distributed_optimizer=true", *extra]
+            "trainer.checkpoint_every=2", "logging.wandb=false", "learner.distributed_optimizer=true",
+            # no SFT warm-up (hundreds of steps): the untrained model scores 0 on every sample (zero advantages),
+            # so the entropy bonus gives the step a gradient to reduce and apply; short responses, small KV cache
+            "model.warmup_steps=0", "learner.loss.entropy_coef=0.01", "rollout.max_new_tokens=32",
+            "rollout.kv_cache_gb=0.25", *extra]
     env = dict(os.environ, MEGATRON_SPECRL_CACHE=str(model_cache))
     return subprocess.run([sys.executable, "-m", "megatron_specrl.cli", "train", *args], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)

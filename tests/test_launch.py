@@ -118,7 +118,8 @@ def test_two_node_ray_cluster_runs_a_tiny_job(tmp_path):
     script = tmp_path / "job.sbatch"
     assert launch_main(["tiny-cpu-grpo", f"output_dir={out}", "trainer.total_steps=1", "model.warmup_steps=0",
                         "data.num_synthetic=16", "trainer.prompts_per_step=8", "rollout.n_samples=4",
-                        "data.num_eval=0", "trainer.eval_every=0", "trainer.checkpoint_every=0",
+                        "rollout.max_new_tokens=16", "rollout.kv_cache_gb=0.25", "data.num_eval=0",
+                        "trainer.eval_every=0", "trainer.checkpoint_every=0",
                         "logging.wandb=false", "logging.plots=false", "trainer.export_hf=false",
                         "--nodes", "2", "--gpus-per-node", "0", "--cpus-per-node", "2",
                         "--ray-port", str(free_port("127.0.0.1")), "--join-timeout-s", "180",

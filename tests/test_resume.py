@@ -23,6 +23,8 @@ STEPS = 5
 def _train(out: Path, cache: Path, kill_at: str | None):
     args = ["tiny-cpu-grpo", f"output_dir={out}", f"trainer.total_steps={STEPS}", "trainer.checkpoint_every=2",
             "data.num_synthetic=16", "trainer.prompts_per_step=8", "rollout.n_samples=4", "trainer.eval_every=0",
+            # shorter responses and a smaller KV cache: the crash/resume bookkeeping does not depend on either
+            "rollout.max_new_tokens=32", "rollout.kv_cache_gb=0.25",
             "logging.wandb=false", "logging.plots=false", "trainer.export_hf=false", "model.warmup_steps=0"]
     env = dict(os.environ, MEGATRON_SPECRL_CACHE=str(cache))
     env.pop("SPECRL_KILL_AT", None)

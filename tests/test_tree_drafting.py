@@ -301,3 +301,51 @@ def test_a_request_at_max_model_len_leaves_the_batch_drafting(engine, monkeypatc
     steps_both = run({0, 1})
     assert steps_alone < 96 / 4, f"own drafts did not cut the steps: {steps_alone}"
     assert steps_both <= steps_alone, (steps_both, steps_alone)
+
+
+# -- session 23: verify=prefill's whole-accepted samples enter the trees as verify=decode's do ---------
+def _engine_sequences(engine):
+    from megatron_specrl.rollout.draft_tree import DraftTrees
+    from test_review_prefill_trees_s23 import sequences
+    return sequences(DraftTrees.from_state_dict(engine.draft_state()))
+
+
+@pytest.mark.slow
+def test_vllm_prefill_rollout_puts_whole_accepted_samples_in_the_trees_as_decode_does(engine):
+    """Greedy responses as last epoch's drafts. verify=decode (exact, greedy) regenerates them in the
+    engine, which inserts them; verify=prefill (lenient, drafts far more likely now than then: accepted
+    whole, L tokens) takes them without a generate call. Both prompts' trees then hold the same
+    sequences, and the shared tree each of them twice; the prefill rollout generated nothing."""
+    Lv, n = 12, 2
+    plain = engine.generate([GenerateRequest(list(PROMPT), Lv)], SamplingSettings(temperature=0.0), 0)[0]
+    assert plain.finish_reason == "length" and len(plain.token_ids) == Lv
+    engine.draft_stats()
+    from megatron_specrl.engines.tree_drafter import SHARED_KEY
+    from megatron_specrl.rollout.speculative import SpeculativeRollout
+    from megatron_specrl.rollout.store import Trajectory, TrajectoryStore
+    seqs_before = _engine_sequences(engine)
+    runs = {}
+    for key, mode, verify, sampling in (("dec", "exact", "decode", SamplingSettings(temperature=0.0)),
+                                        ("pre", "lenient", "prefill", SamplingSettings())):
+        store = TrajectoryStore()
+        for k in range(n):
+            store.put(key, k, Trajectory(list(plain.token_ids), [-50.0] * Lv, "length", -1))
+        roll = SpeculativeRollout(engine, store, mode=mode, lenience=1.0, sampling=sampling, max_new_tokens=Lv,
+                                  seed=0, verify=verify)
+        runs[key] = roll.run([(key, list(PROMPT))], n, 0, step=1)
+    for key in runs:
+        assert [s.response_ids for s in runs[key][0]] == [list(plain.token_ids)] * n
+    assert runs["pre"][1]["spec/full_reuses"] == n and runs["pre"][1].get("tree/generated_tokens", 0.0) == 0.0
+    seqs = _engine_sequences(engine)
+    assert seqs["pre"] == seqs["dec"] == Counter({tuple(plain.token_ids): n})
+    assert seqs[SHARED_KEY] - seqs_before.get(SHARED_KEY, Counter()) == Counter({tuple(plain.token_ids): 2 * n})
+    # the trees draft alike: a third sample of either prompt drafts and accepts the same
+    stats = {}
+    for key in ("pre", "dec"):
+        engine.draft_stats()
+        out = engine.generate([GenerateRequest(list(PROMPT), Lv, draft_key=key, response_start=len(PROMPT))],
+                              SamplingSettings(temperature=0.0), 0)[0]
+        assert out.token_ids == plain.token_ids
+        stats[key] = engine.draft_stats()
+    for c in ("draft_tokens", "accepted_tokens", "request_steps"):
+        assert stats["pre"][c] == stats["dec"][c] and stats["pre"]["accepted_tokens"] > 0, (c, stats)
