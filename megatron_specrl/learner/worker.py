@@ -108,6 +108,29 @@ def restore_cuda_rng_states(saved: list[Tensor] | None, cuda=torch.cuda) -> int:
     return len(fit)
 
 
+def _model_param_name(name: str, params) -> str:
+    """The model's name for a converted (local-spec) parameter name; unknown names stay as they are
+    (the loader reports them as not in the model)."""
+    try:
+        return hm.local_param_name(name, params)
+    except KeyError:
+        return name
+
+
+def release_cached_gpu_memory(cuda=torch.cuda) -> bool:
+    """Hand the blocks torch's caching allocator keeps after a pass back to the driver (empty_cache);
+    False without CUDA. Freed tensors stay reserved by this process otherwise, invisible to the other
+    processes on its GPU: colocated, the critic's and the reference's ranks and the vLLM engine share
+    it (actors.learner_bundles), and the engine's wake_up maps its weights and KV cache anew after the
+    step (vLLM's CuMemAllocator), so a learner still holding its activations makes it fail out of
+    memory where the plan's model, which counts them only while the learner runs, says it fits.
+    `cuda`: the torch.cuda module (tests pass a fake)."""
+    if not cuda.is_available():
+        return False
+    cuda.empty_cache()
+    return True
+
+
 def split_microbatches(rows: list[int], lengths: list[int], micro_batch_size: int,
                        max_tokens: int | None) -> list[list[int]]:
     """Fixed-size microbatches, or (dynamic batching) greedy packs with n * max_len <= max_tokens.
@@ -222,6 +245,9 @@ class LearnerWorker:
 
     def _load_local_shards(self, local: dict[str, Tensor]) -> None:
         params = dict(self.model.named_parameters())
+        # The converter names the local spec's parameters; the TransformerEngine spec (GPUs with TE
+        # installed) fuses the pre-norms into the next linear (hf_mapping.TE_RENAMES): its names.
+        local = {_model_param_name(k, params): v for k, v in local.items()}
         if self.role == "critic":
             local.pop("output_layer.weight", None)   # the value head is new, not in the HF checkpoint
         for name, p in params.items():
@@ -341,13 +367,17 @@ class LearnerWorker:
         """Per-token log-probs [B, T] (0 at t=0 and on padding) on global rank 0; None elsewhere."""
         if self.role not in ("policy", "reference"):
             raise RuntimeError(f"compute_logprobs needs role='policy' or 'reference', not {self.role!r}")
-        return self._score(batch, to_all=False)
+        out = self._score(batch, to_all=False)
+        release_cached_gpu_memory()    # the forward's blocks, for the processes sharing this GPU
+        return out
 
     def compute_values(self, batch: dict) -> Tensor | None:
         """Critic values [B, T] aligned like compute_logprobs, on global rank 0; None elsewhere."""
         if self.role != "critic":
             raise RuntimeError("compute_values needs role='critic'")
-        return self._score(batch, to_all=False)
+        out = self._score(batch, to_all=False)
+        release_cached_gpu_memory()
+        return out
 
     # ------------------------------------------------------------------ training
     def train_step(self, batch: dict) -> dict[str, float]:
@@ -383,6 +413,8 @@ class LearnerWorker:
                 rows = list(range(m * per_mini, (m + 1) * per_mini))
                 history.append(self._optimizer_step(batch, rows))
         self.train_steps += 1
+        # the step's activations and temporaries: colocated, the engines wake into this memory next
+        release_cached_gpu_memory()
         return {**{k: sum(h[k] for h in history) / len(history) for k in history[0]}, **extra, "lr": lr}
 
     def _set_lr(self) -> float:

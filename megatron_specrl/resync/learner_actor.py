@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ray
 
+from megatron_specrl.learner import worker as learner_worker
 from megatron_specrl.learner.worker import LearnerWorker
 from megatron_specrl.resync.buckets import plan_buckets
 from megatron_specrl.resync.engine_actor import load_ipc
@@ -21,7 +22,11 @@ from megatron_specrl.resync.streams import broadcast_all, drain, push_ipc
 
 
 class RayLearnerWorker(LearnerWorker, ResyncMember):
-    """LearnerWorker plus its weights as resync buckets, for each transport (resync.routes)."""
+    """LearnerWorker plus its weights as resync buckets, for each transport (resync.routes).
+
+    Every rank gives its cached GPU blocks back when its part of a sync is done (gathered shards, the
+    buckets copied to the GPU): colocated, the engines take their KV cache back right after the load
+    (resync.lifecycle), and memory this process keeps reserved is not theirs to map."""
 
     def _buckets(self, bucket_bytes: int, dtype: str, miswire: dict[str, str] | None):
         """`miswire`: check-resync's injected wrong mapping (learner.hf_mapping.MISWIRINGS); None in a run."""
@@ -31,6 +36,7 @@ class RayLearnerWorker(LearnerWorker, ResyncMember):
         """Object store: numpy payloads that Ray writes once into its store and engine actors read from there."""
         for bucket in self._buckets(bucket_bytes, dtype, miswire):
             yield bucket.to_payload()
+        learner_worker.release_cached_gpu_memory()
 
     def open_resync_store(self, timeout_s: float) -> tuple[str, int]:
         return self.resync_endpoint.open_store(ray.util.get_node_ip_address(), timeout_s)
@@ -38,16 +44,22 @@ class RayLearnerWorker(LearnerWorker, ResyncMember):
     def broadcast_buckets(self, bucket_bytes: int, dtype: str = "float32", miswire: dict | None = None):
         """Broadcast: rank 0 sends every bucket over the resync group; returns {buckets, bytes} there."""
         buckets = self._buckets(bucket_bytes, dtype, miswire)
-        if self.rank != 0:
-            return drain(buckets)
-        return broadcast_all(self.resync_endpoint, buckets)
+        try:
+            if self.rank != 0:
+                return drain(buckets)
+            return broadcast_all(self.resync_endpoint, buckets)
+        finally:
+            learner_worker.release_cached_gpu_memory()
 
     def push_ipc_buckets(self, bucket_bytes: int, engine_actors: list, version: int, timeout_s: float,
                          dtype: str = "float32", miswire: dict | None = None):
         """CUDA IPC: rank 0 hands each bucket's handles to every engine actor and waits for all of them."""
         buckets = self._buckets(bucket_bytes, dtype, miswire)
         if self.rank != 0:
-            return drain(buckets)
+            try:
+                return drain(buckets)
+            finally:
+                learner_worker.release_cached_gpu_memory()
 
         def load_everywhere(payload):
             # Every engine must be done with the bucket before push_ipc frees it, also when one
@@ -56,5 +68,8 @@ class RayLearnerWorker(LearnerWorker, ResyncMember):
             refs = [a.__ray_call__.remote(load_ipc, payload, version) for a in engine_actors]
             wait_all({ref: (f"engine actor {i}", ray.get) for i, ref in enumerate(refs)}, timeout_s,
                      f"resync cuda_ipc of version {version}")
-        return push_ipc(buckets, self.device, load_everywhere)
+        try:
+            return push_ipc(buckets, self.device, load_everywhere)
+        finally:
+            learner_worker.release_cached_gpu_memory()   # the last bucket's copy is still cached here
 
