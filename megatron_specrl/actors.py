@@ -29,6 +29,10 @@ def init_ray(cfg: RayConfig | None = None) -> bool:
     kwargs = dict(address=cfg.address or "local", include_dashboard=False, log_to_driver=cfg.log_to_driver)
     if cfg.address is None:
         kwargs["num_cpus"] = cfg.num_cpus or max(os.cpu_count() or 2, 2)
+        # no idle workers (one a CPU) started with the driver: the learner ranks and engines all carry a
+        # runtime_env, so none runs in them, and on a small machine they took cores from the actors'
+        # start (~1 s of the tiny CPU run's start-up on 2 cores)
+        kwargs["_system_config"] = {"prestart_worker_first_driver": False}
     ray.init(**kwargs)
     return True
 
@@ -106,7 +110,7 @@ def build_actors(model_dir: str | Path, learner: LearnerConfig, rollout: Rollout
     settings but its own optimizer settings, as verl's critic.optim / critic.grad_clip: lr, warm-up
     (`critic_lr_warmup_steps`, not the policy's learner.lr_warmup_steps), weight decay and gradient clip
     (defaults: AlgorithmConfig's, verl's 0.01 and 1.0). Needs init_ray() first."""
-    from megatron_specrl.engines.factory import make_engine
+    from megatron_specrl.engines.factory import engine_gpus, make_engine, wait_started
     from megatron_specrl.resync.learner_actor import RayLearnerWorker
 
     def group(settings: LearnerConfig, role: str, gpus_per_rank: float, worker_cls=None, scheduling=None) -> LearnerGroup:
@@ -119,12 +123,21 @@ def build_actors(model_dir: str | Path, learner: LearnerConfig, rollout: Rollout
     roles = 1 + (critic_lr is not None) + reference
     rank_bundles, engine_bundles, groups, share = learner_bundles(learner, rollout, learner_gpus_per_rank,
                                                                   learner_roles=roles)
+    engine_kw = dict(log_dir=str(log_dir), use_ray=True, seed=engine_seed,
+                     gpus_per_engine=share if engine_bundles else gpus_per_engine, scheduling=engine_bundles)
+    # No GPU anywhere: the engines build (vLLM's imports, 10+ s) while the learner ranks start and load,
+    # instead of after them. With GPUs the order stays: ranks first, then the engines, which size
+    # their KV cache from the GPU memory they find free (colocated: beside the ranks' weights).
+    cpu_only = not learner_gpus_per_rank and not engine_gpus(rollout, engine_kw["gpus_per_engine"])
+    engine = make_engine(rollout, str(model_dir), wait=False, **engine_kw) if cpu_only else None
     policy = group(learner, "policy", share, RayLearnerWorker, rank_bundles)
     critic_settings = learner.model_copy(update={"lr": critic_lr, "lr_warmup_steps": critic_lr_warmup_steps,
                                                  "weight_decay": critic_weight_decay,
                                                  "grad_clip": critic_grad_clip})
     critic = (group(critic_settings, "critic", share, scheduling=rank_bundles) if critic_lr is not None else None)
     ref = group(learner, "reference", share, scheduling=rank_bundles) if reference else None
-    engine = make_engine(rollout, str(model_dir), log_dir=str(log_dir), use_ray=True, seed=engine_seed,
-                         gpus_per_engine=share if engine_bundles else gpus_per_engine, scheduling=engine_bundles)
+    if engine is None:
+        engine = make_engine(rollout, str(model_dir), **engine_kw)
+    else:
+        wait_started(engine)
     return Actors(policy, engine, critic, ref, groups)

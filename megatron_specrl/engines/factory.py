@@ -40,14 +40,26 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, log_dir: str | Path, inde
     return SGLangEngine, dict(common, **saver, **draft)
 
 
-def make_engine(rollout_cfg: RolloutConfig, model_path: str, log_dir: str | Path, use_ray: bool,
-                seed: int = 0, num_cpus_per_engine: float = 1,
-                gpus_per_engine: float | None = None, scheduling: list | None = None) -> RolloutEngine:
-    """`scheduling`: one Ray scheduling strategy per engine (actors.build_actors' placement groups)."""
+def engine_gpus(rollout_cfg: RolloutConfig, gpus_per_engine: float | None) -> float:
+    """The GPUs each engine's actor asks for: `gpus_per_engine`, by default engine_tp where there is CUDA."""
     import torch
 
     if gpus_per_engine is None:
-        gpus_per_engine = rollout_cfg.engine_tp if torch.cuda.is_available() else 0
+        return rollout_cfg.engine_tp if torch.cuda.is_available() else 0
+    return gpus_per_engine
+
+
+def make_engine(rollout_cfg: RolloutConfig, model_path: str, log_dir: str | Path, use_ray: bool,
+                seed: int = 0, num_cpus_per_engine: float = 1,
+                gpus_per_engine: float | None = None, scheduling: list | None = None,
+                wait: bool = True) -> RolloutEngine:
+    """`scheduling`: one Ray scheduling strategy per engine (actors.build_actors' placement groups).
+
+    Ray engines on CPU (no GPU each) start together, not one after the other; on GPUs each engine
+    still starts once the previous one has built (vLLM sizes its KV cache from the memory it finds
+    free). `wait=False` (Ray engines on CPU): return while they build; wait_started() waits for them."""
+    gpus_per_engine = engine_gpus(rollout_cfg, gpus_per_engine)
+    together = use_ray and not gpus_per_engine
     engines = []
     for i in range(rollout_cfg.num_engines):
         cls, kwargs = engine_kwargs(rollout_cfg, model_path, log_dir, i, seed)
@@ -58,10 +70,24 @@ def make_engine(rollout_cfg: RolloutConfig, model_path: str, log_dir: str | Path
             engines.append(RayEngine(cls, kwargs, name=name, log_dir=log_dir, num_cpus=num_cpus_per_engine,
                                      num_gpus=gpus_per_engine, timeout_s=rollout_cfg.engine_timeout_s,
                                      start_timeout_s=max(600.0, rollout_cfg.engine_timeout_s),
-                                     scheduling_strategy=scheduling[i] if scheduling else None))
+                                     scheduling_strategy=scheduling[i] if scheduling else None,
+                                     wait=not together))
         else:
             engines.append(cls(**kwargs))
+    if together and wait:
+        for e in engines:
+            wait_started(e)
     if len(engines) == 1:
         return engines[0]
     from megatron_specrl.engines.router import EngineRouter
     return EngineRouter(engines)
+
+
+def wait_started(engine: RolloutEngine) -> None:
+    """Wait for the engine(s) of make_engine(wait=False) to finish starting; a failed start raises
+    EngineError, as inside make_engine. Engines that started already return at once."""
+    from megatron_specrl.engines.router import EngineRouter
+
+    for e in engine.engines if isinstance(engine, EngineRouter) else [engine]:
+        if hasattr(e, "wait_started"):   # a RayEngine; an in-process engine has started already
+            e.wait_started()

@@ -51,7 +51,9 @@ class RayEngine:
 
     def __init__(self, engine_cls, engine_kwargs: dict, name: str, log_dir: str | Path,
                  num_cpus: float = 1, num_gpus: float = 0, timeout_s: float = 600.0,
-                 start_timeout_s: float = 600.0, scheduling_strategy=None):
+                 start_timeout_s: float = 600.0, scheduling_strategy=None, wait: bool = True):
+        """`wait=False`: create the actor and return while its engine builds; `wait_started()` then
+        waits for it (and raises what a failed start raises)."""
         self.name = name
         self.scheduling_strategy = scheduling_strategy   # a placement group bundle (actors.build_actors)
         self.engine_cls = engine_cls
@@ -62,10 +64,19 @@ class RayEngine:
         self.actor = None
         self._pid: int | None = None
         self.starts = 0          # a new actor process is a new member of any broadcast group
-        self.start()
+        if wait:
+            self.start()
+        else:
+            self.launch()
 
     # -- lifecycle --------------------------------------------------------------
     def start(self) -> None:
+        self.launch()
+        self.wait_started()
+
+    def launch(self) -> None:
+        """Create the engine's actor without waiting for the engine to build (Ray creates actors
+        asynchronously): several engines, or an engine and the learner ranks, then start together."""
         import ray
 
         where = {"scheduling_strategy": self.scheduling_strategy} if self.scheduling_strategy is not None else {}
@@ -74,7 +85,12 @@ class RayEngine:
             runtime_env={"env_vars": self._actor_env()}, **where)
         self.actor = cls.remote(self.engine_cls, self.engine_kwargs)
         self.starts += 1
-        self._pid = self._get(self.actor.pid.remote(), self.start_timeout_s, "start")
+        self._pid = None
+
+    def wait_started(self) -> None:
+        """Wait until the launched engine has built (its pid answers once its __init__ returned)."""
+        if self._pid is None:
+            self._pid = self._get(self._running_actor().pid.remote(), self.start_timeout_s, "start")
 
     def _actor_env(self) -> dict:
         """Ray pins OMP_NUM_THREADS to the actor's num_cpus (1 here); a CPU engine would then
