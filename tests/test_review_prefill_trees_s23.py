@@ -298,6 +298,10 @@ def test_ray_engine_forwards_the_call_to_its_actor():
     eng.submit = lambda method, *args: sent.append((method, args)) or len(sent)
     eng._get = lambda ref, timeout, what: None
     responses = [DraftResponse("p", [3, 4])]
+    eng.engine_kwargs = {"draft": "none"}                  # no trees: no round trip with the tokens
+    eng.add_to_draft_trees(responses)
+    assert sent == []
+    eng.engine_kwargs = {"draft": "tree"}
     eng.add_to_draft_trees(responses)
     eng.add_to_draft_trees([])
     assert sent == [("add_to_draft_trees", (responses,))]

@@ -201,7 +201,8 @@ class RayEngine:
         return self._get(self.submit("draft_state"), self.timeout_s, "draft_state")
 
     def add_to_draft_trees(self, responses: list[DraftResponse]) -> None:
-        if responses:
+        # an engine without tree drafting ignores them: not worth a round trip with the step's tokens
+        if responses and self.engine_kwargs.get("draft") == "tree":
             self._get(self.submit("add_to_draft_trees", responses), self.timeout_s, "add_to_draft_trees")
 
     def load_draft_state(self, state: dict) -> None:
