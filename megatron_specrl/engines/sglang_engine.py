@@ -41,6 +41,7 @@ from typing import Any, Iterable
 
 import torch
 
+from megatron_specrl.config import OWNED_ENGINE_ARGS
 from megatron_specrl.engines.protocol import (
     DraftResponse, EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest,
     ScoreResult, WeightVersionMismatch, check_finite_logprobs, check_version, draft_response_pairs,
@@ -427,14 +428,31 @@ class SGLangEngine(_SGLangBase):
                  max_model_len: int = 256, tensor_parallel_size: int = 1, dtype: str = "float32",
                  gpu_memory_utilization: float = 0.6, log_dir: str | Path | None = None,
                  engine: Any = None, use_ban_processor: bool = True, draft: str = "none",
-                 draft_tokens: int = 16, draft_settings: dict | None = None, **engine_kwargs):
+                 draft_tokens: int = 16, draft_settings: dict | None = None, enforce_eager: bool | None = None,
+                 cudagraph_capture_sizes: list[int] | None = None, max_num_seqs: int | None = None,
+                 engine_args: dict | None = None, **engine_kwargs):
+        """rollout's verl keys in SGLang's names: enforce_eager true -> disable_cuda_graph (unset: SGLang's
+        CUDA graphs), cudagraph_capture_sizes -> cuda_graph_bs, max_num_seqs -> max_running_requests;
+        `engine_args` (rollout.engine_kwargs.sglang) are passed on as they are. `engine_kwargs`: the
+        factory's (enable_memory_saver) and tests' overrides."""
         super().__init__(name, log_dir, use_ban_processor, draft)
+        owned = OWNED_ENGINE_ARGS["sglang"]
+        for key in engine_args or {}:
+            if key in owned:
+                raise ValueError(f"rollout.engine_kwargs.sglang.{key}: set through {owned[key]}, not here")
         self.server_args = dict(model_path=str(model_path), random_seed=seed, context_length=max_model_len,
                                 tp_size=tensor_parallel_size, dtype=dtype, mem_fraction_static=gpu_memory_utilization,
                                 enable_custom_logit_processor=True, skip_tokenizer_init=True)
+        if enforce_eager:
+            self.server_args["disable_cuda_graph"] = True
+        if cudagraph_capture_sizes:
+            self.server_args["cuda_graph_bs"] = sorted({int(x) for x in cudagraph_capture_sizes})
+        if max_num_seqs is not None:
+            self.server_args["max_running_requests"] = int(max_num_seqs)
         if draft == "tree":   # the scheduler processes SGLang starts inherit the patch settings
             self.server_args.update(tree_server_args(draft_tokens))
             os.environ.update(tree_server_env(draft_settings))
+        self.server_args.update(engine_args or {})
         self.server_args.update(engine_kwargs)
         if engine is None:
             import sglang

