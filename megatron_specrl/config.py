@@ -190,6 +190,11 @@ class RolloutConfig(_Strict):
     max_num_seqs: int | None = Field(None, ge=1)
     max_num_batched_tokens: int | None = Field(None, ge=1)
     engine_kwargs: EngineKwargs = Field(default_factory=EngineKwargs)
+    # vLLM: each generate request carries a seed of (trainer.seed, step, prompt, sample), so a resumed
+    # run draws the same samples. Unset (auto): on CPU only; on GPUs vLLM's sampler runs kernels of
+    # its own per seeded request every step (and no FlashInfer sampling), and GPU kernels do not
+    # replay bit for bit anyway. SGLang engines keep their sampling_seed.
+    seed_requests: bool | None = None
     # Speculative decoding during generation with drafts from per-prompt trees of earlier responses
     # (SRT): every sample of a prompt, past epochs and this step's in-flight tokens. vLLM's rejection
     # sampler keeps every token an exact sample of the policy; composes with any spec_mode.

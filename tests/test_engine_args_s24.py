@@ -94,6 +94,7 @@ def test_factory_hands_each_engine_its_own_engine_kwargs(monkeypatch, tmp_path, 
     assert (kw["enforce_eager"], kw["cudagraph_capture_sizes"], kw["max_num_seqs"]) == (False, [4], 32)
     assert kw["engine_args"] == ({"disable_log_stats": True} if engine == "vllm" else {"chunked_prefill_size": 1024})
     assert ("max_num_batched_tokens" in kw) == (engine == "vllm")
+    assert ("seed_requests" in kw) == (engine == "vllm")      # SGLang keeps its sampling_seed
 
 
 def test_sglang_gets_the_keys_in_its_own_names():
@@ -114,3 +115,34 @@ def test_sglang_gets_the_keys_in_its_own_names():
     assert server_args(enforce_eager=True)["disable_cuda_graph"] is True
     with pytest.raises(ValueError, match=r"^rollout\.engine_kwargs\.sglang\.random_seed: set through trainer\.seed"):
         server_args(engine_args={"random_seed": 1})
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_a_gpu_engine_builds_vllm_with_cuda_graphs_and_unseeded_requests(monkeypatch, tmp_path, gpu):
+    """The engine itself (vLLM's LLM replaced by a recorder): on a GPU, CUDA graphs and generate
+    requests without per-request seeds (vLLM's CUDA sampler loops over seeded requests one kernel each,
+    every step); on CPU, eager and seeded (resume replays the same samples). Asked-for values win."""
+    import torch
+    import vllm
+
+    from patches.vllm_engine_patches import ENV
+    from megatron_specrl.engines.protocol import GenerateRequest, SamplingSettings
+    from megatron_specrl.engines.vllm_engine import VLLMEngine
+
+    built = []
+
+    class RecordingLLM:
+        def __init__(self, **kwargs):
+            built.append(kwargs)
+
+    monkeypatch.setattr(vllm, "LLM", RecordingLLM)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    monkeypatch.setenv(ENV, "0")
+    eng = VLLMEngine(str(tmp_path), name="rec", log_dir=str(tmp_path), max_num_seqs=64,
+                     engine_args={"max_logprobs": 5})
+    assert built[-1]["enforce_eager"] is (not gpu) and built[-1]["max_num_seqs"] == 64
+    assert built[-1]["max_logprobs"] == 5 and built[-1]["block_size"] == (16 if gpu else 32)
+    req = GenerateRequest([3, 4, 5], 4, seed=11)
+    assert eng._sampling_params(req, SamplingSettings()).seed == (None if gpu else 11)
+    eng = VLLMEngine(str(tmp_path), name="rec", log_dir=str(tmp_path), seed_requests=True, enforce_eager=True)
+    assert eng._sampling_params(req, SamplingSettings()).seed == 11 and built[-1]["enforce_eager"] is True

@@ -35,7 +35,8 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, log_dir: str | Path, inde
         # Sleep mode lets colocated engines hand their GPU memory to the learner during training.
         sleep = {"enable_sleep_mode": True} if cfg.colocate and torch.cuda.is_available() else {}
         return VLLMEngine, dict(common, kv_cache_gb=cfg.kv_cache_gb, logprobs_mode=mode,
-                                max_num_batched_tokens=cfg.max_num_batched_tokens, **sleep, **draft)
+                                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                seed_requests=cfg.seed_requests, **sleep, **draft)
     from megatron_specrl.engines.sglang_engine import SGLangEngine
     # SGLang's counterpart of sleep mode: without it release_memory_occupation frees nothing
     # (it also needs the torch_memory_saver package on the GPU nodes)

@@ -277,6 +277,7 @@ class VLLMEngine:
     # generate() and score() honour coupled_seed: position-keyed noise
     # (patches/vllm_0_32_0_coupled_sampling, megatron_specrl.rollout.coupled)
     samples_coupled = True
+    seed_requests = True   # per engine: __init__'s rule (CPU only unless asked)
 
     def __init__(self, model_path: str, name: str = "vllm-0", seed: int = 0, max_model_len: int = 256,
                  kv_cache_gb: float = 1.0, gpu_memory_utilization: float = 0.6,
@@ -284,13 +285,18 @@ class VLLMEngine:
                  enable_prefix_caching: bool = True, enforce_eager: bool | None = None,
                  cudagraph_capture_sizes: list[int] | None = None, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, engine_args: dict | None = None,
-                 logprobs_mode: str = "processed_logprobs", log_dir: str | Path | None = None,
+                 seed_requests: bool | None = None, logprobs_mode: str = "processed_logprobs", log_dir: str | Path | None = None,
                  skip_cache_reset: bool = False, draft: str = "none", draft_tokens: int = 16,
                  draft_settings: dict | None = None, **llm_kwargs):
         """`enforce_eager` None: eager on CPU, CUDA graphs on GPUs (verl's enforce_eager: false);
         `cudagraph_capture_sizes`, `max_num_seqs`, `max_num_batched_tokens`: vLLM's, None for its
         defaults; `engine_args`: rollout.engine_kwargs.vllm, further vLLM engine arguments (checked
-        against vLLM's EngineArgs before it starts). `llm_kwargs`: tests' overrides, applied last."""
+        against vLLM's EngineArgs before it starts). `seed_requests` None: each generate request takes
+        its seed (a resumed run then draws the same samples) on CPU only: vLLM's CUDA sampler draws a
+        seeded request's noise with kernels of its own every step (topk_topp_sampler.random_sample,
+        the rejection sampler's uniforms) and gives up FlashInfer's sampler, thousands of launches a
+        step at RL batch sizes, and GPU kernels do not replay bit for bit anyway. `llm_kwargs`: tests'
+        overrides, applied last."""
         from vllm import LLM
 
         from patches.vllm_engine_patches import apply_all, mark_our_engine
@@ -300,6 +306,7 @@ class VLLMEngine:
         self._log_handler = attach_log_file(self.log_path)
         self._log = logging.getLogger(f"megatron_specrl.engines.{name}")
         self._on_cpu = not torch.cuda.is_available()
+        self.seed_requests = self._on_cpu if seed_requests is None else bool(seed_requests)
         if block_size is None:
             block_size = 32 if self._on_cpu else 16
         if self._on_cpu and block_size % 32:
@@ -369,7 +376,7 @@ class VLLMEngine:
                 extra[RUNAHEAD] = True
             if req.own_draft:
                 extra[OWN_DRAFT] = [int(t) for t in req.own_draft]
-        seed = req.seed
+        seed = req.seed if self.seed_requests else None
         if req.coupled_seed is not None:
             self._check_coupled(s)
             extra.update({COUPLED_KEY: int(req.coupled_seed), RESPONSE_START: req.response_start})
