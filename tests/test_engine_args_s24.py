@@ -146,3 +146,48 @@ def test_a_gpu_engine_builds_vllm_with_cuda_graphs_and_unseeded_requests(monkeyp
     assert eng._sampling_params(req, SamplingSettings()).seed == (None if gpu else 11)
     eng = VLLMEngine(str(tmp_path), name="rec", log_dir=str(tmp_path), seed_requests=True, enforce_eager=True)
     assert eng._sampling_params(req, SamplingSettings()).seed == 11 and built[-1]["enforce_eager"] is True
+
+
+class _OnGPU:
+    """A bucket tensor as a broadcast receiver hands it over on a GPU (none here): device cuda:0."""
+    device = __import__("torch").device("cuda", 0)
+
+    def __init__(self, value):
+        self.value = value
+
+    def detach(self):
+        return self
+
+    def cpu(self):
+        return self.value
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_an_engine_with_tp_workers_hands_them_cpu_tensors(monkeypatch, tp):
+    """With engine_tp > 1 vLLM's workers are processes: a CUDA tensor in collective_rpc's arguments
+    would be rebuilt on cuda:0 in every worker. The engine moves such tensors to the host first
+    (the shared-memory queue passes CPU tensors as raw buffers); one worker in-process takes them as
+    they are."""
+    import threading
+
+    import torch
+
+    from megatron_specrl.engines.vllm_engine import VLLMEngine
+
+    sent = []
+
+    class LLM:
+        def collective_rpc(self, fn, kwargs):
+            sent.append(kwargs["named_tensors"])
+            return [len(kwargs["named_tensors"])]
+
+    eng = VLLMEngine.__new__(VLLMEngine)
+    eng.name, eng.tensor_parallel_size, eng.llm = "e", tp, LLM()
+    eng._lock, eng._version, eng._pending_version = threading.Lock(), 0, None
+    eng._log = __import__("logging").getLogger("test")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    on_host = torch.ones(3)
+    eng.update_weights([("a", _OnGPU(torch.zeros(2))), ("b", on_host)], version=1)
+    (a, got_a), (b, got_b) = sent[0]
+    assert got_b.device.type == "cpu" and torch.equal(got_b, on_host)
+    assert isinstance(got_a, torch.Tensor) if tp > 1 else isinstance(got_a, _OnGPU)

@@ -278,6 +278,7 @@ class VLLMEngine:
     # (patches/vllm_0_32_0_coupled_sampling, megatron_specrl.rollout.coupled)
     samples_coupled = True
     seed_requests = True   # per engine: __init__'s rule (CPU only unless asked)
+    tensor_parallel_size = 1
 
     def __init__(self, model_path: str, name: str = "vllm-0", seed: int = 0, max_model_len: int = 256,
                  kv_cache_gb: float = 1.0, gpu_memory_utilization: float = 0.6,
@@ -307,6 +308,7 @@ class VLLMEngine:
         self._log = logging.getLogger(f"megatron_specrl.engines.{name}")
         self._on_cpu = not torch.cuda.is_available()
         self.seed_requests = self._on_cpu if seed_requests is None else bool(seed_requests)
+        self.tensor_parallel_size = int(tensor_parallel_size)
         if block_size is None:
             block_size = 32 if self._on_cpu else 16
         if self._on_cpu and block_size % 32:
@@ -557,6 +559,12 @@ class VLLMEngine:
         """Load one bucket in place. Each call must hold whole fused groups (all of a layer's
         q/k/v or gate/up): `resync.buckets.plan_buckets` never splits a layer."""
         named = [(n, t.detach()) for n, t in named_tensors]
+        if self.tensor_parallel_size > 1:
+            # vLLM's TP workers are processes of their own: collective_rpc pickles its arguments into
+            # a shared-memory queue, which passes CPU tensors as raw buffers but copies a CUDA tensor
+            # through torch's pickling and rebuilds it on the device it names, cuda:0, in every worker:
+            # a TP-8 engine receiving a broadcast bucket on its GPU would put 8 copies on GPU 0.
+            named = [(n, t if t.device.type == "cpu" else t.cpu()) for n, t in named]
         with self._lock:
             self._begin_update(version)
             if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
