@@ -75,8 +75,10 @@ def _gather_child(rank, world, hf_dir, out_dir, ports):
 
     from megatron_specrl.learner.worker import LearnerWorker
     from test_learner_layouts import loss_config
-    runs = [("bf16_tp2", 2, 1, "bfloat16"), ("bf16_pp2", 1, 2, "bfloat16"), ("fp32_pp2", 1, 2, "float32")]
-    for (tag, tp, pp, prec), port in zip(runs, ports):
+    # the last: an fp32 learner resyncing a bf16 engine casts its shards before the gather (session 24)
+    runs = [("bf16_tp2", 2, 1, "bfloat16", None), ("bf16_pp2", 1, 2, "bfloat16", None),
+            ("fp32_pp2", 1, 2, "float32", None), ("fp32_tp2_cast_bf16", 2, 1, "float32", torch.bfloat16)]
+    for (tag, tp, pp, prec, cast), port in zip(runs, ports):
         settings = LearnerConfig(tp=tp, pp=pp, dp=1, micro_batch_size=1, loss=loss_config(), lr=1e-2,
                                  distributed_optimizer=True, precision=prec)
         w = LearnerWorker(rank, world, "127.0.0.1", port, settings, seed=1)
@@ -91,7 +93,7 @@ def _gather_child(rank, world, hf_dir, out_dir, ports):
                 return real[op](*args, **kwargs)
             return call
         with mock.patch.object(dist, "all_gather", spy("all_gather")), mock.patch.object(dist, "send", spy("send")):
-            state = dict(w.iter_hf_state())
+            state = dict(w.iter_hf_state(dtype=cast))
         torch.save({"moved": moved, "state": state,
                     "param_dtypes": {str(p.dtype) for p in w.model.parameters()}}, f"{out_dir}/{tag}.rank{rank}.pt")
         w.shutdown()
@@ -101,7 +103,7 @@ def _gather_child(rank, world, hf_dir, out_dir, ports):
 def gathered(tiny_llama, tmp_path_factory):
     import torch.multiprocessing as mp
     tmp = tmp_path_factory.mktemp("gather")
-    mp.spawn(_gather_child, args=(2, str(tiny_llama), str(tmp), [free_port("127.0.0.1") for _ in range(3)]),
+    mp.spawn(_gather_child, args=(2, str(tiny_llama), str(tmp), [free_port("127.0.0.1") for _ in range(4)]),
              nprocs=2, join=True)
     return lambda tag, r=0: torch.load(tmp / f"{tag}.rank{r}.pt")
 
@@ -132,3 +134,16 @@ def test_bf16_learner_gathers_its_weights_in_bf16_and_fp32_is_unchanged(gathered
     assert sent and {d for _, d, _ in sent} == {"torch.float32"}
     bf16_sent = [m for m in gathered("bf16_pp2", 1)["moved"] if m[1] != "torch.int64"]
     assert 2 * sum(b for _, _, b in bf16_sent) == sum(b for _, _, b in sent) > 0   # the same tensors, half the bytes
+
+
+def test_fp32_learner_casts_to_the_engine_dtype_before_the_gather(gathered, tiny_llama):
+    """Resync to a bf16 engine from an fp32 learner: each shard is cast where it lives, so the TP
+    all-gather (and on a GPU the copy to the host and the merge on rank 0) move bf16, and the merged
+    tensors equal the fp32 weights cast after the merge, bit for bit (q/k/v and gate/up included)."""
+    hf = _hf_state(tiny_llama)
+    res = gathered("fp32_tp2_cast_bf16")
+    assert res["param_dtypes"] == {"torch.float32"} and set(res["state"]) == set(hf)
+    for name, t in res["state"].items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t, hf[name].float().to(torch.bfloat16)), name
+    wire = [m for r in (0, 1) for m in gathered("fp32_tp2_cast_bf16", r)["moved"]]
+    assert wire and {d for _, d, _ in wire} == {"torch.bfloat16"} and {o for o, _, _ in wire} == {"all_gather"}

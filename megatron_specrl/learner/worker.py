@@ -576,8 +576,8 @@ class LearnerWorker:
                 order.append((p, rule.megatron.format(i=local), g))
         return order
 
-    def iter_hf_state(self, miswire: dict[str, str] | None = None, grads: bool = False
-                      ) -> Iterator[tuple[str, Tensor]]:
+    def iter_hf_state(self, miswire: dict[str, str] | None = None, grads: bool = False,
+                      dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
         """Yield full HF (name, tensor) pairs on global rank 0; every rank must iterate in lockstep.
 
         The owning stage's DP-rank-0 TP group all-gathers a parameter, its TP rank 0 sends the
@@ -585,7 +585,11 @@ class LearnerWorker:
         `grads=True` yields gradients instead (tests). `miswire` (hf_mapping.MISWIRINGS) renames HF
         modules on the way out: the resync checker's injected wrong mapping. Tensors keep the dtype
         they live in (bf16 parameters of a bf16 learner are gathered and yielded in bf16, half the
-        bytes of fp32); consumers cast where they need another (resync's buckets to the engine's).
+        bytes of fp32); consumers cast where they need another. `dtype` (resync: the engine's) casts each
+        floating shard where it lives, before the TP gather: the gather, the PP send, the copy to the
+        host and the merge on rank 0 then move the engine's bytes (an fp32 learner resyncing a bf16
+        engine: half), and the cast runs on the GPU instead of rank 0's single CPU thread. Casting is
+        elementwise, so the merged tensors equal a cast after the merge bit for bit.
         """
         mapping = hm.miswired(hm.get_mapping(self.hf_config), miswire)
         ps = self.ps
@@ -597,7 +601,10 @@ class LearnerWorker:
             if self.pp_rank == stage and self.dp_rank == 0:
                 param = params[hm.local_param_name(name, params)]
                 src_t = param if not grads else param.grad if param.grad is not None else param.main_grad
-                local = src_t.detach().contiguous()
+                local = src_t.detach()
+                if dtype is not None and local.is_floating_point():
+                    local = local.to(dtype)
+                local = local.contiguous()
                 if tp > 1:
                     gathered = [torch.empty_like(local) for _ in range(tp)]
                     dist.all_gather(gathered, local, group=ps.get_tensor_model_parallel_group())

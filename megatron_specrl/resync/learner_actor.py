@@ -14,7 +14,7 @@ import ray
 
 from megatron_specrl.learner import worker as learner_worker
 from megatron_specrl.learner.worker import LearnerWorker
-from megatron_specrl.resync.buckets import plan_buckets
+from megatron_specrl.resync.buckets import plan_buckets, wire_dtype
 from megatron_specrl.resync.engine_actor import load_ipc
 from megatron_specrl.resync.group import ResyncMember
 from megatron_specrl.resync.routes import wait_all
@@ -30,7 +30,9 @@ class RayLearnerWorker(LearnerWorker, ResyncMember):
 
     def _buckets(self, bucket_bytes: int, dtype: str, miswire: dict[str, str] | None):
         """`miswire`: check-resync's injected wrong mapping (learner.hf_mapping.MISWIRINGS); None in a run."""
-        return plan_buckets(self.iter_hf_state(miswire=miswire), bucket_bytes, dtype=dtype)
+        # cast where the shards live (iter_hf_state), then plan_buckets' cast is a no-op
+        return plan_buckets(self.iter_hf_state(miswire=miswire, dtype=wire_dtype(dtype)), bucket_bytes,
+                            dtype=dtype)
 
     def hf_bucket_stream(self, bucket_bytes: int, dtype: str = "float32", miswire: dict | None = None):
         """Object store: numpy payloads that Ray writes once into its store and engine actors read from there."""
