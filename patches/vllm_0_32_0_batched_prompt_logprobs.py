@@ -10,8 +10,14 @@ drafts a step that loop costs more than the prefill itself (measured on CPU: ver
 The replacement keeps the original bookkeeping per request (chunked prefill, preemption,
 completed-request cleanup, the CPU tensors the output processor reads) and only batches the
 math: the logit rows of every request are gathered into one index, processed in chunks whose
-fp32 scores stay under `_MAX_SCORE_BYTES` (a 150k vocab x 11k rows would otherwise need 7 GB),
-and scattered back. For plain requests results are identical to the loop (tested).
+fp32 scores stay under a budget (a 150k vocab x 11k rows would otherwise need 7 GB), and scattered
+back. For plain requests results are identical to the loop (tested). The budget is device-aware
+(`chunk_rows`): 512 MiB on CPU; on CUDA a quarter of the free device memory, between 512 MiB and
+4 GiB, because 512 MiB is only ~73 verification rows of a 152k vocabulary and a 16k-token prefill
+would run ~220 chunks of small kernels one after another. The chunk loop never waits for the device:
+which rows use top-k / top-p or are coupled is read from the requests' settings on the host, and
+the results stay on the device until one non-blocking copy per request (vLLM's own pattern; the
+caller's `_sync_device` completes them).
 
 Verification requests (opt-in, nothing changes for any other request). vLLM computes prompt
 log-probs from the raw logits ("prompt tokens skip sampling processors"), but a speculative
@@ -71,7 +77,9 @@ import torch
 from patches.pinned import PinnedPatch
 
 VERSION = "0.32.0"
-_MAX_SCORE_BYTES = 512 << 20
+_MAX_SCORE_BYTES = 512 << 20           # fp32 scores of a chunk: the budget on CPU, the floor on CUDA
+_MAX_DEVICE_SCORE_BYTES = 4 << 30      # ... the cap on CUDA
+_FREE_FRACTION = 0.25                  # ... of the device memory free after the forward pass
 # fp32-equivalent (row x vocab) buffers alive at once while verifying a chunk: logits, tempered
 # and processed log-probs, the top-k/top-p sort (values + int64 indices), probabilities, fp64 CDF
 # (or, for coupled rows, the int64 noise keys and fp64 uniforms and Gumbel scores)
@@ -217,42 +225,65 @@ def _mark_unverified(dest, rows: slice, tokens: list[int]) -> None:
     dest.selected_token_ranks[rows].fill_(0)
 
 
+def chunk_rows(device_type: str, free_bytes: int | None, vocab: int, buffers: int) -> int:
+    """Rows per chunk: `buffers` fp32 (row x vocab) buffers within the budget. On CPU the budget is
+    `_MAX_SCORE_BYTES`; on CUDA `_FREE_FRACTION` of `free_bytes` (the device memory free to this
+    process), at least `_MAX_SCORE_BYTES` and at most `_MAX_DEVICE_SCORE_BYTES`: fewer, larger
+    chunks where the memory is there (a chunk costs ~20 kernel launches whatever its size)."""
+    budget = _MAX_SCORE_BYTES
+    if device_type == "cuda" and free_bytes is not None:
+        budget = min(max(int(free_bytes * _FREE_FRACTION), _MAX_SCORE_BYTES), _MAX_DEVICE_SCORE_BYTES)
+    return max(1, budget // (4 * buffers * max(vocab, 1)))
+
+
+def _free_device_bytes(device: torch.device) -> int | None:
+    """Device memory free to this process (CUDA only, else None): the driver's free memory plus the
+    caching allocator's reserved but unused blocks (the forward pass's activations)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
 def _row_chunks(runner, hidden_states: torch.Tensor, group: list[_Rows], buffers: int):
-    """(lo, hi, logits of rows lo:hi) over the group's rows, chunked to bound memory."""
+    """(lo, hi, logits of rows lo:hi) over the group's rows, chunked to bound memory (`chunk_rows`)."""
     device = hidden_states.device
     rows = np.concatenate([np.arange(w.offset, w.offset + w.n, dtype=np.int64) for w in group])
+    idx = torch.from_numpy(rows).to(device, non_blocking=True)     # once per group, sliced per chunk
     vocab = runner.model_config.get_vocab_size()
-    chunk = max(1, _MAX_SCORE_BYTES // (4 * buffers * max(vocab, 1)))
+    chunk = chunk_rows(device.type, _free_device_bytes(device), vocab, buffers)
     for lo in range(0, len(rows), chunk):
         hi = min(lo + chunk, len(rows))
-        idx = torch.from_numpy(rows[lo:hi]).to(device, non_blocking=True)
-        yield lo, hi, runner.model.compute_logits(hidden_states.index_select(0, idx))
+        yield lo, hi, runner.model.compute_logits(hidden_states.index_select(0, idx[lo:hi]))
 
 
 def _scatter(group: list[_Rows], out_ids: torch.Tensor, out_lps: torch.Tensor, out_ranks: torch.Tensor) -> None:
+    """The group's results (on the device) into each request's CPU tensors. As vLLM's loop does, the
+    copies are non-blocking (`dest` is pinned where vLLM pins memory) and the runner's
+    `_sync_device`, before any request's log-probs are handed over, completes them."""
     pos = 0
     for w in group:
         rows_of_w = slice(pos, pos + w.n)
-        w.dest.logprob_token_ids[w.dest_slice].copy_(out_ids[rows_of_w])
-        w.dest.logprobs[w.dest_slice].copy_(out_lps[rows_of_w])
-        w.dest.selected_token_ranks[w.dest_slice].copy_(out_ranks[rows_of_w])
+        w.dest.logprob_token_ids[w.dest_slice].copy_(out_ids[rows_of_w], non_blocking=True)
+        w.dest.logprobs[w.dest_slice].copy_(out_lps[rows_of_w], non_blocking=True)
+        w.dest.selected_token_ranks[w.dest_slice].copy_(out_ranks[rows_of_w], non_blocking=True)
         pos += w.n
 
 
 def _score_group(runner, hidden_states: torch.Tensor, k: int, group: list[_Rows]) -> None:
     """One compute_logits + log-softmax + gather per chunk of rows, for requests sharing k."""
     device = hidden_states.device
-    targets = np.concatenate([w.targets for w in group])
-    out_ids = torch.empty((len(targets), k + 1), dtype=torch.int64)
-    out_lps = torch.empty((len(targets), k + 1), dtype=torch.float32)
-    out_ranks = torch.empty(len(targets), dtype=torch.int64)
+    targets = torch.from_numpy(np.concatenate([w.targets for w in group])).to(device, non_blocking=True)
+    # results stay on the device until `_scatter` (no blocking copy per chunk)
+    out_ids = torch.empty((len(targets), k + 1), dtype=torch.int64, device=device)
+    out_lps = torch.empty((len(targets), k + 1), dtype=torch.float32, device=device)
+    out_ranks = torch.empty(len(targets), dtype=torch.int64, device=device)
     for lo, hi, logits in _row_chunks(runner, hidden_states, group, buffers=1):
         if runner.model_config.logprobs_mode in ("raw_logits", "processed_logits"):
             scores = logits.to(torch.float32)
         else:
             scores = runner.sampler.compute_logprobs(logits)
-        tgt = torch.from_numpy(targets[lo:hi]).to(device, non_blocking=True)
-        token_ids, logprobs, ranks, *_ = runner.sampler.gather_logprobs(scores, k, tgt)
+        token_ids, logprobs, ranks, *_ = runner.sampler.gather_logprobs(scores, k, targets[lo:hi])
         out_ids[lo:hi].copy_(token_ids)
         out_lps[lo:hi].copy_(logprobs)
         out_ranks[lo:hi].copy_(ranks)
@@ -262,29 +293,35 @@ def _score_group(runner, hidden_states: torch.Tensor, k: int, group: list[_Rows]
 def _verify_group(runner, hidden_states: torch.Tensor, group: list[_Rows]) -> None:
     """The 4 verification columns (module docstring) for every row of the opted-in requests."""
     device = hidden_states.device
-    targets = np.concatenate([w.targets for w in group])
+    put = lambda a: torch.from_numpy(a).to(device, non_blocking=True)  # noqa: E731  (once per group)
     per_row = lambda f: np.concatenate([np.full(w.n, f(w.verify)) for w in group])  # noqa: E731
-    temperature = torch.from_numpy(per_row(lambda v: v.temperature).astype(np.float32))
-    top_k = torch.from_numpy(per_row(lambda v: v.top_k).astype(np.int32))
-    top_p = torch.from_numpy(per_row(lambda v: v.top_p).astype(np.float32))
-    uniforms = torch.from_numpy(np.concatenate([
+    # the host copies decide, chunk by chunk and without a device sync, which of vLLM's top-k / top-p
+    # paths run and which rows are coupled (per chunk, as the device tensors decided it before)
+    top_k_host = per_row(lambda v: v.top_k).astype(np.int32)
+    top_p_host = per_row(lambda v: v.top_p).astype(np.float32)
+    coupled_host = per_row(lambda v: v.coupled_seed is not None).astype(bool)
+    targets, top_k, top_p = put(np.concatenate([w.targets for w in group])), put(top_k_host), put(top_p_host)
+    temperature = put(per_row(lambda v: v.temperature).astype(np.float32))
+    uniforms = put(np.concatenate([
         replacement_uniforms(w.verify.seed, np.arange(w.first_target, w.first_target + w.n)) for w in group]))
     coupled = None
-    if any(w.verify.coupled_seed is not None for w in group):
-        is_coupled = torch.from_numpy(per_row(lambda v: v.coupled_seed is not None).astype(bool))
-        seeds = torch.from_numpy(per_row(lambda v: v.coupled_seed or 0).astype(np.int64))
+    if coupled_host.any():
+        seeds = per_row(lambda v: v.coupled_seed or 0).astype(np.int64)
         # the target at prompt index i is response position i - start
-        positions = torch.from_numpy(np.concatenate([
-            np.arange(w.first_target, w.first_target + w.n) - w.verify.start for w in group]).astype(np.int64))
-        coupled = (is_coupled, seeds, positions)
-    out_ids = torch.empty((len(targets), VERIFY_COLUMNS), dtype=torch.int64)
-    out_lps = torch.empty((len(targets), VERIFY_COLUMNS), dtype=torch.float32)
-    out_ranks = torch.empty(len(targets), dtype=torch.int64)
+        positions = np.concatenate([
+            np.arange(w.first_target, w.first_target + w.n) - w.verify.start for w in group]).astype(np.int64)
+        coupled = (put(coupled_host), put(seeds), put(positions))
+    # results stay on the device until `_scatter` (no blocking copy per chunk)
+    out_ids = torch.empty((len(targets), VERIFY_COLUMNS), dtype=torch.int64, device=device)
+    out_lps = torch.empty((len(targets), VERIFY_COLUMNS), dtype=torch.float32, device=device)
+    out_ranks = torch.empty(len(targets), dtype=torch.int64, device=device)
     for lo, hi, logits in _row_chunks(runner, hidden_states, group, buffers=_VERIFY_BUFFERS):
-        put = lambda t: t[lo:hi].to(device, non_blocking=True)  # noqa: E731
-        ids, lps, ranks = verify_rows(logits, put(torch.from_numpy(targets)), put(temperature), put(top_k),
-                                      put(top_p), put(uniforms),
-                                      None if coupled is None else tuple(put(t) for t in coupled))
+        vocab = logits.shape[-1]
+        ids, lps, ranks = verify_rows(
+            logits, targets[lo:hi], temperature[lo:hi], top_k[lo:hi], top_p[lo:hi], uniforms[lo:hi],
+            None if coupled is None else tuple(t[lo:hi] for t in coupled),
+            top_k_off=bool((top_k_host[lo:hi] >= vocab).all()), top_p_off=bool((top_p_host[lo:hi] >= 1.0).all()),
+            coupled_rows=None if coupled is None else np.flatnonzero(coupled_host[lo:hi]))
         out_ids[lo:hi].copy_(ids)
         out_lps[lo:hi].copy_(lps)
         out_ranks[lo:hi].copy_(ranks)
@@ -292,12 +329,16 @@ def _verify_group(runner, hidden_states: torch.Tensor, group: list[_Rows]) -> No
 
 
 def verify_rows(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                top_p: torch.Tensor, uniforms: torch.Tensor, coupled: tuple | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                top_p: torch.Tensor, uniforms: torch.Tensor, coupled: tuple | None = None, *,
+                top_k_off: bool | None = None, top_p_off: bool | None = None,
+                coupled_rows: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [R, V] and per-row targets (int64), temperature, top_k (V = off), top_p (1 = off),
     uniforms in [0, 1) (float64) -> token ids [R, 4], log-probs [R, 4], ranks [R] (docstring layout).
     `coupled` = (is_coupled [R] bool, noise seeds [R] int64, response positions [R] int64): those
     rows put the coupled draw in columns 2-3 instead of a replacement.
+    What the caller knows on the host saves reading it back from the device: `top_k_off` /
+    `top_p_off` (no row uses it, `tempered_and_processed`) and `coupled_rows` (the indices of the
+    coupled rows, from is_coupled); left None they are read from the tensors.
 
     The processed distribution is built as `Sampler.sample` builds it: fp32 logits divided by the
     temperature, then `apply_top_k_top_p` (top_k / top_p None when no row uses them), then a
@@ -305,14 +346,24 @@ def verify_rows(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.
     from vllm.v1.sample.sampler import Sampler
 
     vocab = logits.shape[-1]
-    tempered, processed = tempered_and_processed(logits, temperature, top_k, top_p)
+    tempered, processed = tempered_and_processed(logits, temperature, top_k, top_p,
+                                                 top_k_off=top_k_off, top_p_off=top_p_off)
     tgt = targets.unsqueeze(1)
     _, lp_y, ranks, *_ = Sampler.gather_logprobs(tempered, 0, targets)
     lp_y_proc = processed.gather(1, tgt)
-    # r ~ processed distribution without y, renormalised: inverse CDF in fp64, one uniform per row
-    if coupled is not None and bool(coupled[0].all()):
-        ids, lps = _coupled_columns(tempered, processed, tgt, lp_y, lp_y_proc, *coupled)
+    n_coupled = 0
+    if coupled is not None:
+        if coupled_rows is None:
+            rows = coupled[0].nonzero().squeeze(1)          # a device sync
+        elif len(coupled_rows) == len(targets):
+            rows = torch.arange(len(targets), device=logits.device)
+        else:
+            rows = torch.from_numpy(np.asarray(coupled_rows, dtype=np.int64)).to(logits.device, non_blocking=True)
+        n_coupled = rows.numel()
+    if n_coupled and n_coupled == len(targets):
+        ids, lps = _coupled_columns(tempered, processed, tgt, lp_y, lp_y_proc, rows, *coupled[1:])
         return ids, lps, ranks
+    # r ~ processed distribution without y, renormalised: inverse CDF in fp64, one uniform per row
     probs = processed.exp()
     probs.scatter_(1, tgt, 0.0)
     cdf = probs.to(torch.float64).cumsum_(dim=1)
@@ -328,41 +379,46 @@ def verify_rows(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.
     lp_r_proc = processed.gather(1, r).masked_fill_(none.unsqueeze(1), float("-inf"))
     ids = torch.cat([tgt, tgt, r, r], dim=1)
     lps = torch.cat([lp_y, lp_y_proc, lp_r, lp_r_proc], dim=1)
-    if coupled is not None and bool(coupled[0].any()):   # a batch mixing coupled and exact requests
-        c_ids, c_lps = _coupled_columns(tempered, processed, tgt, lp_y, lp_y_proc, *coupled)
+    if n_coupled:                                       # a batch mixing coupled and exact requests
+        c_ids, c_lps = _coupled_columns(tempered, processed, tgt, lp_y, lp_y_proc, rows, *coupled[1:])
         ids = torch.where(coupled[0].unsqueeze(1), c_ids, ids)
         lps = torch.where(coupled[0].unsqueeze(1), c_lps, lps)
     return ids, lps, ranks
 
 
 def tempered_and_processed(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                           top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                           top_p: torch.Tensor, *, top_k_off: bool | None = None, top_p_off: bool | None = None,
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """[R, V] log-probs of log_softmax(logits / T) (the learner's convention) and of what the sampler
     draws from: logits / T, vLLM's `apply_top_k_top_p` (top_k / top_p None when no row uses them),
     renormalised; -inf outside the nucleus. Per-row temperature, top_k (V = off), top_p (1 = off).
-    Also the coupled draw's distribution (patches/vllm_0_32_0_coupled_sampling), so verification
-    and decoding truncate identically."""
+    `top_k_off` / `top_p_off`: whether no row uses it, when the caller knows it on the host (else
+    read from the tensors, a device sync each). Also the coupled draw's distribution
+    (patches/vllm_0_32_0_coupled_sampling), so verification and decoding truncate identically."""
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
     from vllm.v1.sample.sampler import Sampler
 
     vocab = logits.shape[-1]
     x = logits.to(torch.float32) / temperature.unsqueeze(1)
     tempered = Sampler.compute_logprobs(x)
-    k = None if bool((top_k >= vocab).all()) else top_k.clone()   # apply_top_k_only edits k in place
-    p = None if bool((top_p >= 1.0).all()) else top_p
+    if top_k_off is None:
+        top_k_off = bool((top_k >= vocab).all())
+    if top_p_off is None:
+        top_p_off = bool((top_p >= 1.0).all())
+    k = None if top_k_off else top_k.clone()   # apply_top_k_only edits k in place
+    p = None if top_p_off else top_p
     # x is masked in place; without truncation the processed distribution is the tempered one
     processed = tempered if k is None and p is None else Sampler.compute_logprobs(apply_top_k_top_p(x, k, p))
     return tempered, processed
 
 
-def _coupled_columns(tempered, processed, tgt, lp_y, lp_y_proc, is_coupled, seeds, positions):
+def _coupled_columns(tempered, processed, tgt, lp_y, lp_y_proc, rows, seeds, positions):
     """(ids, log-probs) with columns 2-3 holding c, the coupled draw at that response position
-    (megatron_specrl.rollout.coupled; it may equal y). Rows not coupled get c = y: the caller
-    keeps its own columns for them."""
+    (megatron_specrl.rollout.coupled; it may equal y), for the coupled `rows` (indices, int64).
+    Rows not coupled get c = y: the caller keeps its own columns for them."""
     from megatron_specrl.rollout.coupled import coupled_tokens
 
     c = tgt.squeeze(1).clone()
-    rows = is_coupled.nonzero().squeeze(1)
     if rows.numel():
         c[rows] = coupled_tokens(processed.index_select(0, rows), seeds[rows], positions[rows])
     c = c.unsqueeze(1)
