@@ -130,6 +130,17 @@ OWNED_ENGINE_ARGS = {
 }
 
 
+def check_engine_args(engine: str, args: dict, known: set[str] | None = None) -> None:
+    """One line naming the first key of rollout.engine_kwargs.<engine> that this project sets itself
+    (OWNED_ENGINE_ARGS) or, given the engine's argument names (`known`), that the engine lacks."""
+    owned = OWNED_ENGINE_ARGS[engine]
+    for key in args:
+        if key in owned:
+            raise ValueError(f"rollout.engine_kwargs.{engine}.{key}: set through {owned[key]}, not here")
+        if known is not None and key not in known:
+            raise ValueError(f"rollout.engine_kwargs.{engine}.{key}: not an engine argument of the installed {engine}")
+
+
 class EngineKwargs(_Strict):
     """[rollout.engine_kwargs] verl's pass-through of further engine arguments, per engine."""
     vllm: dict[str, Any] = Field(default_factory=dict)
@@ -138,9 +149,7 @@ class EngineKwargs(_Strict):
     @model_validator(mode="after")
     def _not_ours(self) -> "EngineKwargs":
         for engine in ("vllm", "sglang"):
-            for key in getattr(self, engine):
-                if key in OWNED_ENGINE_ARGS[engine]:
-                    raise ValueError(f"rollout.engine_kwargs.{engine}.{key} is set through {OWNED_ENGINE_ARGS[engine][key]}, not here")
+            check_engine_args(engine, getattr(self, engine))
         return self
 
 

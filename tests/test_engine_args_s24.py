@@ -65,9 +65,9 @@ def test_engine_kwargs_are_checked_against_vllms_engine_args_before_it_starts(tm
 def test_config_refuses_in_one_line_what_the_engines_could_not_honour():
     recipe = resolve_recipe("tiny-cpu-grpo")
     bad = {
-        ("rollout.engine_kwargs.vllm.max_model_len=4",): "rollout.engine_kwargs.vllm.max_model_len is set through "
+        ("rollout.engine_kwargs.vllm.max_model_len=4",): "rollout.engine_kwargs.vllm.max_model_len: set through "
                                                          "rollout.max_model_len",
-        ("rollout.engine_kwargs.sglang.tp_size=2",): "rollout.engine_kwargs.sglang.tp_size is set through "
+        ("rollout.engine_kwargs.sglang.tp_size=2",): "rollout.engine_kwargs.sglang.tp_size: set through "
                                                      "rollout.engine_tp",
         ("rollout.enforce_eager=true", "rollout.cudagraph_capture_sizes=[1,2]"): "needs CUDA graphs",
         ("rollout.cudagraph_capture_sizes=[0]",): "expected a non-empty list of batch sizes >= 1",

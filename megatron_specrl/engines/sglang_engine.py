@@ -41,7 +41,7 @@ from typing import Any, Iterable
 
 import torch
 
-from megatron_specrl.config import OWNED_ENGINE_ARGS
+from megatron_specrl.config import check_engine_args
 from megatron_specrl.engines.protocol import (
     DraftResponse, EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest,
     ScoreResult, WeightVersionMismatch, check_finite_logprobs, check_version, draft_response_pairs,
@@ -436,10 +436,7 @@ class SGLangEngine(_SGLangBase):
         `engine_args` (rollout.engine_kwargs.sglang) are passed on as they are. `engine_kwargs`: the
         factory's (enable_memory_saver) and tests' overrides."""
         super().__init__(name, log_dir, use_ban_processor, draft)
-        owned = OWNED_ENGINE_ARGS["sglang"]
-        for key in engine_args or {}:
-            if key in owned:
-                raise ValueError(f"rollout.engine_kwargs.sglang.{key}: set through {owned[key]}, not here")
+        check_engine_args("sglang", engine_args or {})
         self.server_args = dict(model_path=str(model_path), random_seed=seed, context_length=max_model_len,
                                 tp_size=tensor_parallel_size, dtype=dtype, mem_fraction_static=gpu_memory_utilization,
                                 enable_custom_logit_processor=True, skip_tokenizer_init=True)

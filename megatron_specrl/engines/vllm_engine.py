@@ -30,7 +30,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from megatron_specrl.config import OWNED_ENGINE_ARGS
+from megatron_specrl.config import check_engine_args
 from megatron_specrl.engines.logs import attach_log_file, detach_log_file, reattach_log_file, tail_lines
 from megatron_specrl.engines.tree_proposer import (
     DRAFT_KEY, OWN_DRAFT, PROPOSER_CLASS, RESPONSE_START, RUNAHEAD, SETTINGS_ENV, in_worker,
@@ -188,16 +188,6 @@ def bind_cpu_workers(tensor_parallel_size: int, cpus: Iterable[int] | None = Non
     return os.environ["VLLM_CPU_OMP_THREADS_BIND"]
 
 
-def check_engine_args(extra: dict, known: set[str], what: str = "rollout.engine_kwargs.vllm") -> None:
-    """One line naming the first key of `extra` that is this project's or not an engine argument."""
-    owned = OWNED_ENGINE_ARGS["vllm"]
-    for key in extra:
-        if key in owned:
-            raise ValueError(f"{what}.{key}: set through {owned[key]}, not here")
-        if key not in known:
-            raise ValueError(f"{what}.{key}: not an engine argument of this vLLM (vllm.engine.arg_utils.EngineArgs)")
-
-
 def vllm_engine_arg_names() -> set[str]:
     from vllm.engine.arg_utils import EngineArgs
     return {f.name for f in dataclasses.fields(EngineArgs)}
@@ -215,7 +205,7 @@ def llm_args(model_path: str, *, on_cpu: bool, seed: int, max_model_len: int, kv
     the captured tensors (model_loader/reload), so resyncs keep the graphs valid."""
     engine_args = dict(engine_args or {})
     if engine_args:
-        check_engine_args(engine_args, vllm_engine_arg_names() if known_args is None else known_args)
+        check_engine_args("vllm", engine_args, vllm_engine_arg_names() if known_args is None else known_args)
     eager = on_cpu if enforce_eager is None else bool(enforce_eager)
     if eager and cudagraph_capture_sizes:
         raise ValueError("rollout.cudagraph_capture_sizes needs CUDA graphs: rollout.enforce_eager must not be true")
@@ -286,7 +276,8 @@ class VLLMEngine:
                  enable_prefix_caching: bool = True, enforce_eager: bool | None = None,
                  cudagraph_capture_sizes: list[int] | None = None, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, engine_args: dict | None = None,
-                 seed_requests: bool | None = None, logprobs_mode: str = "processed_logprobs", log_dir: str | Path | None = None,
+                 seed_requests: bool | None = None, logprobs_mode: str = "processed_logprobs",
+                 log_dir: str | Path | None = None,
                  skip_cache_reset: bool = False, draft: str = "none", draft_tokens: int = 16,
                  draft_settings: dict | None = None, **llm_kwargs):
         """`enforce_eager` None: eager on CPU, CUDA graphs on GPUs (verl's enforce_eager: false);
