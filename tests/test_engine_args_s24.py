@@ -46,6 +46,8 @@ def test_capture_sizes_scheduler_limits_and_engine_kwargs_reach_vllm(tmp_path):
     assert kw["max_num_seqs"] == 256 and kw["max_num_batched_tokens"] == 4096 and kw["max_logprobs"] == 5
     with pytest.raises(ValueError, match="needs CUDA graphs"):
         _args(tmp_path, on_cpu=False, enforce_eager=True, cudagraph_capture_sizes=[1])
+    # a GPU recipe's capture sizes tried on a CPU (enforce_eager unset: eager there) start, capturing nothing
+    assert "compilation_config" not in _args(tmp_path, on_cpu=True, cudagraph_capture_sizes=[1, 2])
     # a CPU engine prefills a whole sequence a step (no chunked prefill): a smaller budget is refused
     with pytest.raises(ValueError, match=r"max_num_batched_tokens=100: .* at least the engine's max_model_len, 273"):
         _args(tmp_path, on_cpu=True, max_num_batched_tokens=100)

@@ -207,7 +207,7 @@ def llm_args(model_path: str, *, on_cpu: bool, seed: int, max_model_len: int, kv
     if engine_args:
         check_engine_args("vllm", engine_args, vllm_engine_arg_names() if known_args is None else known_args)
     eager = on_cpu if enforce_eager is None else bool(enforce_eager)
-    if eager and cudagraph_capture_sizes:
+    if enforce_eager and cudagraph_capture_sizes:
         raise ValueError("rollout.cudagraph_capture_sizes needs CUDA graphs: rollout.enforce_eager must not be true")
     kwargs = dict(
         model=str(model_path), seed=seed, max_model_len=max_model_len, dtype=dtype,
@@ -242,7 +242,7 @@ def llm_args(model_path: str, *, on_cpu: bool, seed: int, max_model_len: int, kv
         kwargs["max_num_batched_tokens"] = int(max_num_batched_tokens)
     if max_num_seqs is not None:
         kwargs["max_num_seqs"] = int(max_num_seqs)
-    if cudagraph_capture_sizes:
+    if cudagraph_capture_sizes and not eager:   # a CPU engine left eager (auto) captures none
         compilation = dict(engine_args.pop("compilation_config", None) or {})
         compilation["cudagraph_capture_sizes"] = sorted({int(x) for x in cudagraph_capture_sizes})
         kwargs["compilation_config"] = compilation
