@@ -715,6 +715,8 @@ class LearnerWorker:
     def save_checkpoint(self, path: str | Path) -> None:
         """Megatron dist checkpoint (model + AdamW state + RNG), synchronous writer."""
         from megatron.core import dist_checkpointing
+
+        from patches.megatron_core_0_16_1_sync_save import in_process_results_queue
         self._require_trainable("save_checkpoint")
         path = Path(path)
         if self.rank == 0:
@@ -723,7 +725,7 @@ class LearnerWorker:
             dist.barrier()
         self._ensure_optimizer_state()
         sd = self._sharded_state_dict()
-        with self._cpu_shims():
+        with self._cpu_shims(), in_process_results_queue():   # no Manager process for a synchronous save
             dist_checkpointing.save(sd, str(path), async_sharded_save=False)
         if self.rank == 0:
             (path / "specrl_learner.json").write_text(json.dumps(
