@@ -2,20 +2,14 @@
 (patches/megatron_core_0_16_1_sync_save.py): Megatron's writer made one per process, 2.4-2.8 s at
 each learner process's first save on this machine."""
 
+import contextlib
 import queue
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+from megatron_specrl.ports import free_port
 
 
 def test_the_queue_is_seeded_for_the_save_only_and_megatrons_own_is_kept():
@@ -58,7 +52,7 @@ def _save_load_child(rank, port, out, use_queue):
     state = {"w": ShardedTensor.from_rank_offsets("w", weights.clone())}
     result = {}
     try:
-        ctx = in_process_results_queue() if use_queue else torch.no_grad()
+        ctx = in_process_results_queue() if use_queue else contextlib.nullcontext()
         with patches.cuda_to_cpu(), ctx:   # as the learner saves on CPU (its writer syncs "the GPU")
             dist_checkpointing.save(state, out, async_sharded_save=False)
         loaded = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(3, 4))}, out)
@@ -73,7 +67,7 @@ def _save_load_child(rank, port, out, use_queue):
 def test_a_synchronous_save_round_trips_without_a_manager(tmp_path, use_queue):
     out = tmp_path / "ckpt"
     out.mkdir()
-    mp.spawn(_save_load_child, args=(_free_port(), str(out), use_queue), nprocs=1, join=True)
+    mp.spawn(_save_load_child, args=(free_port("127.0.0.1"), str(out), use_queue), nprocs=1, join=True)
     result = torch.load(f"{out}.result")
     if use_queue:
         assert result == {"equal": True}
