@@ -14,6 +14,7 @@ from typing import Any, Literal
 from omegaconf import OmegaConf
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from megatron_specrl import config_hints
 
 # Weight-resync transports (trainer.resync_transport): the one list of their names. resync/choose.py
 # picks among them, resync/routes.py has one route per name (a test holds the two in step).
@@ -625,11 +626,12 @@ def _parse_overrides(overrides: list[str]):
 
 
 def _format_validation_error(err: ValidationError) -> str:
-    lines = []
+    lines, known = [], config_hints.schema_keys(RunConfig)
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
-        if e["type"] == "extra_forbidden":
-            lines.append(f"unknown config key '{key}'")
+        if e["type"] == "extra_forbidden":   # with our name for a verl key or a near miss
+            lines += [f"unknown config key '{leaf}'{config_hints.hint(leaf, known)}"
+                      for leaf in config_hints.leaf_keys(key, e.get("input"))]
             continue
         value = e.get("input")
         lines.append(f"invalid value for '{key}': {value!r} ({e['msg']})" if e["loc"] else f"invalid config: {e['msg']}")
