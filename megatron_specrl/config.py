@@ -620,9 +620,31 @@ def _parse_overrides(overrides: list[str]):
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override {item!r} is not of the form key=value")
     try:
-        return OmegaConf.from_dotlist(list(overrides))
+        parsed = OmegaConf.from_dotlist(list(overrides))
     except Exception as e:  # omegaconf grammar errors
         raise ConfigError(f"cannot parse overrides {overrides}: {_one_line(e)}") from None
+    for item in overrides:   # Hydra reads {a:1} as a mapping; YAML (omegaconf) as a key "a:1" without a value
+        key, value = item.split("=", 1)
+        if value.lstrip()[:1] not in ("{", "["):
+            continue
+        tree = OmegaConf.to_container(parsed)
+        for part in key.split("."):
+            tree = tree.get(part) if isinstance(tree, dict) else None
+        glued = _glued_flow_keys(tree)
+        if glued:
+            raise ConfigError(f"override {item!r}: '{glued[0]}' is read as a key without a value; write a mapping "
+                              f"with a space after each colon ({{k: v, ...}}) or set its keys one by one ({key}.k=v)")
+    return parsed
+
+
+def _glued_flow_keys(tree) -> list[str]:
+    """Mapping keys like 'n:2' with no value under an override: a flow mapping written without spaces."""
+    if isinstance(tree, dict):
+        return [k for k, v in tree.items() if isinstance(k, str) and ":" in k and v is None] + \
+            [g for v in tree.values() for g in _glued_flow_keys(v)]
+    if isinstance(tree, list):
+        return [g for v in tree for g in _glued_flow_keys(v)]
+    return []
 
 
 def _format_validation_error(err: ValidationError) -> str:

@@ -52,3 +52,15 @@ def test_schema_keys_walks_nested_sections_only():
     assert {"rollout.val_kwargs.n", "learner.loss.clip_high", "algorithm.kl_ctrl.kl_coef",
             "rollout.engine_kwargs.vllm", "output_dir"} <= set(KNOWN)
     assert "rollout" not in KNOWN and "rollout.val_kwargs" not in KNOWN
+
+
+def test_hydra_style_mapping_without_spaces_is_named():
+    # Hydra reads {n:2} as a mapping; YAML reads a key "n:2" with no value, which the schema would then
+    # report as an unknown key 'rollout.val_kwargs.n:2'
+    msg = _error("rollout.val_kwargs={do_sample:true,n:2}")
+    assert msg.startswith("override 'rollout.val_kwargs={do_sample:true,n:2}': 'do_sample:true' is read as a key")
+    assert "rollout.val_kwargs.k=v" in msg
+    cfg = load_config(RECIPE, ["rollout.val_kwargs={do_sample: true, n: 2, temperature: 0.6}",
+                               "rollout.cudagraph_capture_sizes=[1,2,4]", "ray.address=ray://head:10001"])
+    assert (cfg.rollout.val_kwargs.do_sample, cfg.rollout.val_kwargs.n) == (True, 2)
+    assert cfg.rollout.cudagraph_capture_sizes == [1, 2, 4] and cfg.ray.address == "ray://head:10001"
