@@ -3,7 +3,8 @@
 Users come from verl and type its names (`trainer.test_freq`, `actor_rollout_ref.rollout.n`); an
 unknown-key error that only repeats the key sends them to the README's tables. `hint(key, known)`
 names our key instead: from verl's name (the map below, taken from verl's `ppo_trainer.yaml` and
-its DAPO recipe; a key given without verl's `actor_rollout_ref.` prefix is looked up with it too),
+its DAPO recipe; a key given without verl's `actor_rollout_ref.` prefix is looked up with it too, and
+one that is ours under that prefix, `actor_rollout_ref.rollout.temperature`, is ours without it),
 else from the same leaf name elsewhere in the schema (`trainer.lr` -> `learner.lr`), else from the
 closest spelling (difflib). The names are hints, not aliases: one spelling per setting in recipes.
 """
@@ -64,6 +65,8 @@ VERL_NAMES: dict[str, str] = {
     "custom_reward_function.path": "reward.name (a dotted path package.module.function)",
     "custom_reward_function.name": "reward.name (a dotted path package.module.function)",
     "trainer.total_training_steps": "trainer.total_steps",
+    "trainer.total_epochs": "trainer.total_steps (steps: an epoch is the prompts / trainer.prompts_per_step)",
+    "trainer.val_before_train": "trainer.eval_every (> 0 also evaluates before the first step)",
     "trainer.test_freq": "trainer.eval_every",
     "trainer.save_freq": "trainer.checkpoint_every",
     "trainer.max_actor_ckpt_to_keep": "trainer.keep_checkpoints",
@@ -104,6 +107,8 @@ def hint(key: str, known: list[str]) -> str:
     for name in (key, _VERL_PREFIX + key):
         if name in VERL_NAMES:
             return f" (verl's name; here: {VERL_NAMES[name]})"
+    if key.startswith(_VERL_PREFIX) and key.removeprefix(_VERL_PREFIX) in known:   # verl's rollout.* keys
+        return f" (verl's name; here: {key.removeprefix(_VERL_PREFIX)})"
     leaf = key.rsplit(".", 1)[-1]
     same_leaf = [k for k in known if k.rsplit(".", 1)[-1] == leaf]
     close = same_leaf[:1] or difflib.get_close_matches(key, known, n=1, cutoff=0.75)

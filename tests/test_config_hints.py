@@ -64,3 +64,9 @@ def test_hydra_style_mapping_without_spaces_is_named():
                                "rollout.cudagraph_capture_sizes=[1,2,4]", "ray.address=ray://head:10001"])
     assert (cfg.rollout.val_kwargs.do_sample, cfg.rollout.val_kwargs.n) == (True, 2)
     assert cfg.rollout.cudagraph_capture_sizes == [1, 2, 4] and cfg.ray.address == "ray://head:10001"
+
+
+def test_verl_rollout_keys_that_are_ours_under_its_prefix():
+    assert ("'actor_rollout_ref.rollout.gpu_memory_utilization' (verl's name; here: rollout.gpu_memory_utilization)"
+            in _error("actor_rollout_ref.rollout.gpu_memory_utilization=0.5"))
+    assert "(verl's name; here: trainer.total_steps (steps:" in _error("trainer.total_epochs=3")
