@@ -623,11 +623,13 @@ def _parse_overrides(overrides: list[str]):
         parsed = OmegaConf.from_dotlist(list(overrides))
     except Exception as e:  # omegaconf grammar errors
         raise ConfigError(f"cannot parse overrides {overrides}: {_one_line(e)}") from None
+    plain = None
     for item in overrides:   # Hydra reads {a:1} as a mapping; YAML (omegaconf) as a key "a:1" without a value
         key, value = item.split("=", 1)
         if value.lstrip()[:1] not in ("{", "["):
             continue
-        tree = OmegaConf.to_container(parsed)
+        plain = OmegaConf.to_container(parsed) if plain is None else plain
+        tree = plain
         for part in key.split("."):
             tree = tree.get(part) if isinstance(tree, dict) else None
         glued = _glued_flow_keys(tree)
