@@ -123,6 +123,8 @@ def per_epoch(rows: list[dict], steps_per_epoch: int, verify_in_decode: bool = F
             "step_cost_sums": {k: total(f"tree_cost/{k.removeprefix('cost_')}") for k in STEP_COST_SUMS},
             # requests running in a decode step, summed over steps (one token each without drafts)
             "request_steps": request_steps or generated,
+            # the engine's requests (tree drafting counts them; without it every sample is one)
+            "requests": total("tree/requests") or total("spec/samples"),
             "generated_tokens": generated,
             "accepted_tokens": total("spec/accepted_tokens"),
             "replaced_tokens": replaced,
@@ -169,6 +171,10 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, float]:
         # how full the batch is: a rollout's requests running per decode step, on average; drafts
         # finish most requests in a few steps and leave the rest of the steps to the batch's tail
         summary[f"running_per_step_{m}"] = sum(e["request_steps"] for e in eps) / max(steps, 1)
+        # steps a request ran, on average, against the decode steps the batch took: the gap is its tail
+        requests = sum(e.get("requests", 0.0) for e in eps)
+        if requests:
+            summary[f"steps_per_request_{m}"] = sum(e["request_steps"] for e in eps) / requests
         fit = fit_step_cost({k: sum(e.get("step_cost_sums", {}).get(k, 0.0) for e in eps) for k in STEP_COST_SUMS})
         if fit is not None:
             for name, value in zip(("ms", "ms_per_request", "ms_per_draft_token"), fit):
@@ -327,7 +333,8 @@ def time_table(spreads: dict[str, dict[str, float]], modes: list[str], n_seeds: 
     verification, the engine's generation call and, with tree drafting, its decode loop and the
     drafter inside it; the call less the loop is request intake, the first prefill and outputs;
     `other` is the driver's own work. Milliseconds per decode step = generation call / decode steps;
-    requests running per step shows how much of the loop serves the batch's tail; with tree drafting,
+    steps per request (the engine steps a request ran, on average) against the decode steps, and
+    requests running per step, show how much of the loop serves the batch's tail; with tree drafting,
     what a decode step costs, fitted over its steps: ms = a + b x requests + c x draft tokens; and the
     drafter's own microseconds per request and decode step (it runs between two forwards: on a GPU,
     whose decode steps are far shorter than this CPU's, it decides whether drafting pays)."""
@@ -337,14 +344,14 @@ def time_table(spreads: dict[str, dict[str, float]], modes: list[str], n_seeds: 
     table = Table(title=f"where the time goes, seconds per rollout, epochs {STEADY_FROM_EPOCH}+ "
                         f"(mean of {n_seeds} seed{'s' if n_seeds > 1 else ''})")
     for col in ["mode", "verification", "generation call", "decode loop (tree)", "drafter (tree)", "other",
-                "decode steps", "requests running / step", "ms / decode step", "draft accepted",
+                "decode steps", "steps / request", "requests running / step", "ms / decode step", "draft accepted",
                 "drafter us / request-step", "ms / step (fit)"]:
         table.add_column(col, justify="right")
     for m in modes:
         table.add_row(m, cell(f"per_rollout_verify_s_{m}"), cell(f"per_rollout_generate_s_{m}"),
                       cell(f"per_rollout_loop_s_{m}"), cell(f"per_rollout_draft_s_{m}"),
                       cell(f"per_rollout_other_s_{m}"), cell(f"decode_steps_{m}", "{:.1f}"),
-                      cell(f"running_per_step_{m}", "{:.1f}"),
+                      cell(f"steps_per_request_{m}", "{:.1f}"), cell(f"running_per_step_{m}", "{:.1f}"),
                       cell(f"ms_per_decode_step_{m}", "{:.1f}"), cell(f"draft_accept_rate_{m}", "{:.0%}"),
                       cell(f"draft_us_per_request_step_{m}", "{:.1f}"),
                       "-" if f"step_cost_ms_{m}" not in spreads else

@@ -140,6 +140,9 @@ def test_bench_smoke_run_writes_json(tmp_path):
         assert 0 < e["step_cost_sums"]["cost_n"] < e["decode_steps"] * e["rollouts"] and 0 < e["step_cost_sums"]["cost_y"] <= e["loop_s"]
     assert all(e["step_cost_sums"]["cost_n"] == 0 for e in run["epochs"]["off"]) and "step_cost_ms_off" not in t
     assert 1 <= t["running_per_step_off"] <= 16 and 1 <= t["running_per_step_tree"] <= 16   # 4 prompts x 4 samples
+    # the engine's requests, counted by the drafter: every sample once; a request runs at most the batch's steps
+    assert all(e["requests"] == 16 * e["rollouts"] for e in run["epochs"]["tree"])
+    assert 1 <= t["steps_per_request_tree"] <= t["decode_steps_tree"]
     assert all(e["eval_accuracy"] is not None for e in run["epochs"]["off"])
     # every mode dumps its rollouts (trainer.rollout_data_dir), one file a step, every sample's tokens
     from megatron_specrl.rollout.dump import read_rollouts

@@ -89,7 +89,9 @@ STEP_COST_SUMS = ("cost_n", "cost_r", "cost_d", "cost_rr", "cost_rd", "cost_dd",
 # draft_tokens (and own_ / shared_draft_tokens): the draft tokens the engine verified, accept_rate's
 # denominator; proposed_tokens: all the drafter proposed (vLLM's scheduler may verify fewer: it cuts a
 # draft to the step's token budget or max_model_len, and drops it for a preempted request)
-COUNTERS = ("draft_tokens", "accepted_tokens", "generated_tokens", "request_steps", "engine_steps",
+# requests: those of the rollout that the drafter saw start (run-ahead ones left out); request_steps /
+# requests is how many steps a request ran on average, against engine_steps, what the batch took
+COUNTERS = ("draft_tokens", "accepted_tokens", "generated_tokens", "request_steps", "requests", "engine_steps",
             "runahead_tokens", "own_draft_tokens", "shared_draft_tokens", "proposed_tokens", "draft_s",
             *STEP_COST_SUMS)
 
@@ -418,6 +420,7 @@ class TreeDrafter:
         if opts.own_draft and tuple(prefix) == opts.own_draft[:len(prefix)]:
             self._own[req_id] = opts.own_draft
         max_end = self.max_model_len if opts.max_end is None else min(opts.max_end, self.max_model_len)
+        self.counters["requests"] += not opts.runahead
         live = self._live[req_id] = [opts.response_start, opts.prompt_len - opts.response_start, 0,
                                      int(opts.runahead), max_end, opts.stops]
         return live

@@ -111,6 +111,10 @@ def tree_metrics(engine) -> dict[str, float]:
             "tree/accept_rate": accepted / max(drafted, 1.0),
             "tree/tokens_per_step": stats["generated_tokens"] / max(stats["request_steps"], 1.0),
             "tree/generated_tokens": stats["generated_tokens"], "tree/request_steps": stats["request_steps"],
+            # engine steps a request ran, on average: far below the batch's steps where a tail of slow
+            # requests sets them
+            "tree/requests": stats.get("requests", 0.0),
+            "tree/steps_per_request": stats["request_steps"] / max(stats.get("requests", 0.0), 1.0),
             "tree/engine_steps": stats["engine_steps"],   # summed over engines, as every counter
             # the rollout's decode steps: one engine's, the longest, where several step side by side
             "tree/engine_steps_longest": stats.get("engine_steps_longest", stats["engine_steps"]),
