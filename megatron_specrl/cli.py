@@ -34,8 +34,9 @@ def cmd_train(args) -> int:
     cfg = load_config(resolve_recipe(recipe), overrides)
     from megatron_specrl.plan import build_plan, print_plan
     plan = build_plan(cfg)    # layout, model, data and memory, before anything is written
-    if args.dry_run:   # trainer.resume, read only, as the run checks it first thing (run_setup.build_run)
-        from megatron_specrl.run_setup import find_resume
+    if args.dry_run:   # the engine and trainer.resume (read only), as the run checks them first (run_setup.build_run)
+        from megatron_specrl.run_setup import check_engine_installed, find_resume
+        check_engine_installed(cfg.rollout.engine)
         find_resume(cfg, Path(cfg.output_dir))
         print(to_yaml(cfg), end="")
     print_plan(plan)

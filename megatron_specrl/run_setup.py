@@ -6,7 +6,9 @@ eval and the end-of-run export, so trainer.py stays one screen.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TypeVar
@@ -119,6 +121,7 @@ def build_run(cfg: RunConfig) -> Run:
     from megatron_specrl.rewards import default_reward_for, get_reward
 
     out = Path(cfg.output_dir)
+    check_engine_installed(cfg.rollout.engine)
     resume_from = find_resume(cfg, out)     # before anything is written into an earlier run's directory
     model_dir = resolve_model(cfg.model, seed=0, task_terms=tuple(cfg.data.synthetic_terms))
     hf_config = read_hf_config(model_dir)
@@ -238,6 +241,14 @@ def load_tokenizer(model_path: str, model_dir: Path, hf_config: dict) -> PreTrai
         raise ConfigError(f"model.path={model_path!r}: the tokenizer has {len(tokenizer)} tokens, more than the "
                           f"model's vocab_size={vocab} (config.json): a tokenizer of another model?")
     return tokenizer
+
+
+def check_engine_installed(engine: str) -> None:
+    """The rollout engine's package must be importable here: otherwise the run would fail only once Ray
+    and the learner are up, when the engine actor's start raises (find_spec imports nothing)."""
+    if engine not in sys.modules and importlib.util.find_spec(engine) is None:
+        raise ConfigError(f"rollout.engine={engine!r}: the {engine} package is not installed in this environment"
+                          + ("" if engine == "vllm" else " (the default engine is vllm)"))
 
 
 def find_resume(cfg: RunConfig, out: Path) -> Path | None:
