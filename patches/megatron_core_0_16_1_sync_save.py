@@ -25,8 +25,8 @@ VERSION = "0.16.1"
 
 @contextlib.contextmanager
 def in_process_results_queue():
-    import megatron.core
-    if megatron.core.__version__ != VERSION:
+    from patches import megatron_version
+    if megatron_version() != VERSION:
         yield
         return
     from megatron.core.dist_checkpointing.strategies import filesystem_async
