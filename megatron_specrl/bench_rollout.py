@@ -49,24 +49,26 @@ def mode_overrides(mode: str) -> list[str]:
     per rollout, so a mode with and without it measures run-ahead's gain on its own; `+noshared` drafts
     from each prompt's own tree only (rollout.draft_shared_nodes=0), which measures the shared tree's;
     `+pytrees` keeps the trees in pure Python (rollout.draft_impl=python: the same drafts, so the same
-    tokens), which measures the compiled trees' gain. Not in the default list."""
+    tokens), which measures the compiled trees' gain; `+nocalib` drafts from the trees' raw frequencies
+    (rollout.draft_calibrate=false), which measures the calibration's. Not in the default list."""
     spec, *extras = mode.split("+")
     if spec == "tree":
         spec, extras = "off", ["tree", *extras]
     decode = spec == "exact" and extras[:2] == ["tree", "decode"]
     rest = [e for e in extras if e != "decode"] if decode else extras
     flags = []
-    while rest[1:] and rest[-1] in ("noshared", "pytrees") and rest[-1] not in flags:
+    while rest[1:] and rest[-1] in ("noshared", "pytrees", "nocalib") and rest[-1] not in flags:
         flags.append(rest.pop())
     known = spec in ("off", "exact", "lenient", "coupled") and rest in ([], ["tree"], ["tree", "runahead"])
     if not known:
         raise SystemExit(f"unknown bench mode {mode!r}; modes: {', '.join(MODES)}, exact+tree+decode, and any "
-                         "+tree mode with +runahead, then +noshared and/or +pytrees")
+                         "+tree mode with +runahead, then any of +noshared, +pytrees, +nocalib")
     runahead = RUNAHEAD_REQUESTS if "runahead" in rest else 0
     out = [f"rollout.spec_mode={spec}", f"rollout.draft={'tree' if rest else 'none'}", f"rollout.runahead={runahead}",
            f"rollout.verify={'decode' if decode else 'prefill'}"]
     return (out + (["rollout.draft_shared_nodes=0"] if "noshared" in flags else [])
-            + (["rollout.draft_impl=python"] if "pytrees" in flags else []))
+            + (["rollout.draft_impl=python"] if "pytrees" in flags else [])
+            + (["rollout.draft_calibrate=false"] if "nocalib" in flags else []))
 
 
 def _parse(argv):

@@ -217,6 +217,15 @@ class RolloutConfig(_Strict):
     # the drafter's time per request and step inside vLLM) or in pure Python (rollout/draft_tree.py,
     # the reference): the same drafts.
     draft_impl: Literal["compiled", "python"] = "compiled"
+    # Scale each source's tree frequencies (the request's prompt's tree, the shared tree) by how often
+    # the engine's next token is the tree's first proposal (engines/tree_drafter.Calibration): in the
+    # first epoch the trees hold only in-flight siblings, whose paths look certain and are not.
+    draft_calibrate: bool = True
+    # Whether a prompt whose tree holds no earlier response (its first epoch) drafts, from its siblings
+    # in flight and the shared tree. Unset: on GPUs only; on a CPU a drafted step costs 2-2.6x a plain
+    # one and such drafts are rarely accepted (the first epoch ran 1.8x slower than plain decoding).
+    # Undrafted responses still enter the trees when their batch ends. vLLM engines only.
+    draft_fresh_prompts: bool | None = None
     # A shared tree over the recent responses of all prompts drafts beside each prompt's own tree
     # (SuffixDecoding's global tree): a request takes the draft expected to be accepted further.
     # Rebuilt from its newest half once it passes this many states (within draft_max_nodes). 0: off.
@@ -495,6 +504,9 @@ class RunConfig(_Strict):
         if r.spec_mode == "coupled" and r.engine != "vllm":
             raise ValueError(f"rollout.spec_mode=coupled with rollout.engine={r.engine}: position-keyed sampling "
                              "is built into the vLLM engine only; use rollout.engine=vllm or another spec_mode")
+        if r.draft_fresh_prompts is False and r.engine != "vllm":
+            raise ValueError(f"rollout.draft_fresh_prompts=false with rollout.engine={r.engine}: only the vLLM engine "
+                             "runs a fresh prompt's requests undrafted; leave it unset (SGLang drafts every prompt)")
         if r.draft_shared_nodes >= r.draft_max_nodes:
             raise ValueError(f"rollout.draft_shared_nodes={r.draft_shared_nodes} must be below rollout.draft_max_nodes="
                              f"{r.draft_max_nodes}: the shared tree lives within the trees' memory bound")

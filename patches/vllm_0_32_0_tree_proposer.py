@@ -16,6 +16,19 @@ of accepted tokens) is vLLM's own code, unchanged: a point-mass draft is accepte
 target probability p(x) under the request's processed distribution (temperature, top-k, top-p)
 and a rejection resamples from p with x removed, so the output distribution is the target's.
 
+And it wraps `GPUModelRunner._prepare_inputs`: vLLM 0.32 takes the speculative path whenever a
+speculative config exists (`use_spec_decode = self.speculative_config is not None`), so a step in
+which no request has draft tokens still builds spec-decode metadata and samples through the
+rejection sampler, which with zero drafts draws the same tokens as the plain sampler (logits at
+each request's last position, the bonus token from the same sampler with the same generators) at
+about twice its cost on this CPU. With our proposer and no draft token in the step, the metadata is
+dropped and the runner samples as an engine without speculative decoding does (the logits
+indices are the same: each request's last scheduled token). vLLM keeps zero-draft rows on the
+speculative path for recurrent backends (GDN's decode-only CUDA graphs read a state offset only it
+applies); the tree proposer drafts for attention models (Llama, Qwen2). Measured: an engine with
+the tree proposer and no draft in any step ran 22% slower than one without speculative decoding
+(in-process, 128 requests, the same tokens); docs/measurements.md, session 27.
+
 Pinned to vLLM 0.32.0; on other versions `apply()` leaves vLLM alone and returns False. Only
 engines this project starts call `apply()` (VLLMEngine, before building its LLM).
 """
@@ -39,11 +52,21 @@ def _propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, *
     return _PATCH.original("propose_draft_token_ids")(self, scheduler_output, sampled_token_ids, *args, **kwargs)
 
 
+def _prepare_inputs(self, *args, **kwargs):
+    logits_indices, spec_decode_metadata, max_num_sampled_tokens = _PATCH.original("_prepare_inputs")(
+        self, *args, **kwargs)
+    if (spec_decode_metadata is not None and getattr(getattr(self, "drafter", None), "specrl_batch_proposer", False)
+            and not any(spec_decode_metadata.num_draft_tokens)):
+        spec_decode_metadata = None      # no draft in this step: the plain sampler, as without spec decoding
+    return logits_indices, spec_decode_metadata, max_num_sampled_tokens
+
+
 def _runner():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     return GPUModelRunner
 
 
-_PATCH = PinnedPatch(VERSION, _runner, ["propose_draft_token_ids"],
-                     lambda originals: {"propose_draft_token_ids": _propose_draft_token_ids})
+_PATCH = PinnedPatch(VERSION, _runner, ["propose_draft_token_ids", "_prepare_inputs"],
+                     lambda originals: {"propose_draft_token_ids": _propose_draft_token_ids,
+                                        "_prepare_inputs": _prepare_inputs})
 apply, revert, is_applied = _PATCH.apply, _PATCH.revert, _PATCH.is_applied

@@ -103,9 +103,10 @@ def test_modes_and_seed_spread():
     assert mode_overrides("exact+tree+decode+pytrees")[-2:] == ["rollout.verify=decode", "rollout.draft_impl=python"]
     assert mode_overrides("tree+noshared+pytrees")[-2:] == ["rollout.draft_shared_nodes=0", "rollout.draft_impl=python"]
     assert mode_overrides("tree+pytrees+noshared")[-2:] == ["rollout.draft_shared_nodes=0", "rollout.draft_impl=python"]
+    assert mode_overrides("exact+tree+decode+nocalib")[-2:] == ["rollout.verify=decode", "rollout.draft_calibrate=false"]
     for bad in ("exact+ngram", "exact+runahead", "coupled+runahead+tree", "lenient+tree+decode", "exact+decode",
                 "exact+noshared", "noshared", "tree+noshared+runahead", "exact+pytrees", "tree+pytrees+pytrees",
-                "tree+pytrees+runahead"):
+                "tree+pytrees+runahead", "exact+nocalib", "tree+nocalib+nocalib"):
         with pytest.raises(SystemExit, match="unknown bench mode"):
             mode_overrides(bad)
     sp = spread([{"speedup_x": 2.0, "only_one": 1.0}, {"speedup_x": 3.0}])

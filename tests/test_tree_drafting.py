@@ -27,7 +27,7 @@ def engine(tiny_llama, tmp_path_factory):
     from megatron_specrl.engines.vllm_engine import VLLMEngine
     eng = VLLMEngine(str(tiny_llama), name="vllm-tree", seed=0, max_model_len=256, kv_cache_gb=0.25,
                      log_dir=tmp_path_factory.mktemp("engine-logs"), draft="tree", draft_tokens=8,
-                     draft_settings={"min_prob": 0.0})
+                     draft_settings={"min_prob": 0.0}, draft_fresh_prompts=True)   # drafting in flight from the first request
     yield eng
     eng.shutdown()
 

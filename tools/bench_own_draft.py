@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--profile", choices=ARMS, help="cProfile this arm's generations; print the top functions")
+    ap.add_argument("--profile-out", help="also write the profile here (pstats format) to sort it other ways")
     ap.add_argument("--temperature", type=float, default=1.0,
                     help="0: greedy, so `own` drafts its exact output (a perfect drafter's ceiling)")
     args = ap.parse_args()
@@ -138,6 +139,8 @@ def main() -> None:
     if profile is not None:
         print(f"cProfile of `{args.profile}` ({args.rounds} generations), by own time:")
         pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+        if args.profile_out:
+            profile.dump_stats(args.profile_out)
 
 
 if __name__ == "__main__":

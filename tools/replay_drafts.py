@@ -147,6 +147,8 @@ def main() -> None:
     ap.add_argument("--min-prob", type=float, default=0.1)
     ap.add_argument("--shared-nodes", default=None, metavar="N[,N...]",
                     help="the shared tree's bound (rollout.draft_shared_nodes; 0: prompt trees only), one run each")
+    ap.add_argument("--calibration", default="on", metavar="on|off[,...]",
+                    help="the drafter's calibration of tree frequencies (rollout.draft_calibrate), one run each")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--from-step", type=int, default=None)
     ap.add_argument("--max-new-tokens", type=int, default=None,
@@ -172,6 +174,9 @@ def main() -> None:
     if not 0 <= args.min_prob <= 1:
         raise SystemExit(f"--min-prob {args.min_prob}: expected a probability in [0, 1]")
 
+    calibrations = args.calibration.split(",")
+    if not set(calibrations) <= {"on", "off"}:
+        raise SystemExit(f"--calibration {args.calibration!r}: expected on, off or on,off")
     shared = [None]
     if args.shared_nodes is not None:
         shared = _counts("--shared-nodes", args.shared_nodes,
@@ -193,12 +198,14 @@ def main() -> None:
     max_new = args.max_new_tokens if args.max_new_tokens is not None else infer_max_new_tokens(steps)
     print(f"{args.rollouts}: {len(steps)} rollouts of {len(next(iter(steps.values())))} samples; summary from step "
           f"{start}; max_new_tokens {max_new if max_new is not None else 'unknown (drafts not cut)'}")
-    for w, n in ((w, n) for w in windows for n in shared):
-        policy = settings if n is None else dict(settings, shared_nodes=n)
+    for w, n, cal in ((w, n, cal) for w in windows for n in shared for cal in calibrations):
+        policy = dict(settings, calibrate=cal == "on")
+        if n is not None:
+            policy["shared_nodes"] = n
         res = [r for s, r in replay(steps, w, args.own_draft, policy, args.draft_tokens,
                                     args.max_model_len, max_new).items() if s >= start]
         total = lambda k: sum(r[k] for r in res)
-        label = "" if n is None else f" shared {n}"
+        label = ("" if n is None else f" shared {n}") + ("" if len(calibrations) == 1 else f" calibration {cal}")
         print(f"  window {w or 'all':>3}{' +own' if args.own_draft else ''}{label}: decode steps / rollout "
               f"{statistics.fmean(r['steps'] for r in res):5.1f}  tokens verified / step "
               f"{total('verified') / max(total('steps') - len(res), 1):6.0f}  requests running / step "

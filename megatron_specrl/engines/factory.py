@@ -26,7 +26,7 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, log_dir: str | Path, inde
     draft = dict(draft=cfg.draft, draft_tokens=cfg.draft_tokens,
                  draft_settings={"min_prob": cfg.draft_min_prob, "token_budget": cfg.draft_token_budget,
                                  "max_nodes": cfg.draft_max_nodes, "shared_nodes": cfg.draft_shared_nodes,
-                                 "impl": cfg.draft_impl})
+                                 "impl": cfg.draft_impl, "calibrate": cfg.draft_calibrate})
     if cfg.engine == "vllm":
         from megatron_specrl.engines.vllm_engine import VLLMEngine
         # Generated tokens report processed log-probs (after temperature, top-k and top-p), the
@@ -36,7 +36,8 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, log_dir: str | Path, inde
         sleep = {"enable_sleep_mode": True} if cfg.colocate and torch.cuda.is_available() else {}
         return VLLMEngine, dict(common, kv_cache_gb=cfg.kv_cache_gb, logprobs_mode=mode,
                                 max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                seed_requests=cfg.seed_requests, **sleep, **draft)
+                                seed_requests=cfg.seed_requests, draft_fresh_prompts=cfg.draft_fresh_prompts,
+                                **sleep, **draft)
     from megatron_specrl.engines.sglang_engine import SGLangEngine
     # SGLang's counterpart of sleep mode: without it release_memory_occupation frees nothing
     # (it also needs the torch_memory_saver package on the GPU nodes)

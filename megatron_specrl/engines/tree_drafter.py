@@ -22,6 +22,10 @@ Per engine step:
 - the draft is the tree's proposal from the longest suffix of the response, up to K tokens, where K
   shrinks as more requests run (a step verifies about `token_budget` tokens) and the path-probability
   cut-off `min_prob` relaxes as the batch empties (DAS and FastGRPO size drafts the same way);
+- the path probabilities are the trees' frequencies scaled per source by a calibration learned from
+  the engine's own samples (`Calibration`: is the token the engine sampled next the tree's first
+  proposal, as often as the tree's frequency says?), so that paths the trees have seen once or twice
+  (the first epoch's in-flight siblings) are drafted a token or two deep instead of K;
 - every response also enters one shared tree of all prompts' responses (`SHARED_KEY`, SuffixDecoding's
   global tree), and a request drafts from both: it takes the shared tree's draft unless its own
   prompt's draft has the higher expected accepted length (`DraftTrees.propose_scored`; extending both
@@ -81,8 +85,13 @@ _ADDED = "\x00added"                 # request ids of add_responses' sequences (
 # max_depth None: max_match + max_k, the deepest trie node a proposal reads (a match of up to max_match
 # tokens continued by up to max_k); counts kept deeper would only cost time on every token extended
 # impl: "compiled" (numba, rollout/draft_tree_compiled.py) or "python" (rollout/draft_tree.py): same drafts
+# calibrate: scale each source's tree frequencies by how often the engine's next token is the tree's
+# first proposed token, against the frequency the tree gave it (`Calibration`); calibration_prior:
+# pseudo-counts that hold a source at 1 until it has evidence; calibration_decay: what an engine step
+# keeps of the evidence so far
 DEFAULTS = {"max_depth": None, "max_match": 16, "max_nodes": 4_000_000, "min_prob": 0.1,
-            "token_budget": 2048, "shared_nodes": 1_000_000, "impl": "compiled"}
+            "token_budget": 2048, "shared_nodes": 1_000_000, "impl": "compiled",
+            "calibrate": True, "calibration_prior": 2.0, "calibration_decay": 0.8}
 
 # least-squares sums over steps for seconds = a + b r + c d (r: requests in the step, d: draft tokens)
 STEP_COST_SUMS = ("cost_n", "cost_r", "cost_d", "cost_rr", "cost_rd", "cost_dd", "cost_y", "cost_ry", "cost_dy")
@@ -91,9 +100,55 @@ STEP_COST_SUMS = ("cost_n", "cost_r", "cost_d", "cost_rr", "cost_rd", "cost_dd",
 # draft to the step's token budget or max_model_len, and drops it for a preempted request)
 # requests: those of the rollout that the drafter saw start (run-ahead ones left out); request_steps /
 # requests is how many steps a request ran on average, against engine_steps, what the batch took
+# the calibration's evidence over the rollout, per source (prompt: the request's prompt's tree; shared):
+# first tokens the engine's next token matched, and the sum of the frequencies the tree gave them
+CALIBRATION_SUMS = ("calib_prompt_hits", "calib_prompt_expected", "calib_shared_hits", "calib_shared_expected")
 COUNTERS = ("draft_tokens", "accepted_tokens", "generated_tokens", "request_steps", "requests", "engine_steps",
             "runahead_tokens", "own_draft_tokens", "shared_draft_tokens", "proposed_tokens", "draft_s",
-            *STEP_COST_SUMS)
+            *STEP_COST_SUMS, *CALIBRATION_SUMS)
+SOURCES = ("prompt", "shared")
+
+
+class Calibration:
+    """How far each draft source's tree frequencies are to be trusted, learned from the engine's own
+    samples. A tree's frequency is an empirical count: a path one in-flight sibling took has frequency
+    1 at every node, yet in the first epoch (no earlier responses, only siblings a few tokens ahead)
+    the engine's next token is that sibling's 2-8% of the time. Drafting such paths whole verified 10
+    draft tokens for every one accepted and made the first epoch 1.9-2.9x slower than plain decoding
+    on this CPU (docs/measurements.md, session 27).
+
+    Every engine step, each source's first proposed token for a request (proposed whether or not it was
+    drafted or cut) is checked against the token the engine then sampled at that position, which is the
+    policy's sample whether the token came from a draft or not (an exact rejection sampler). kappa =
+    (hits + prior) / (expected + prior), capped at 1, where `expected` sums the tree's frequencies of
+    those first tokens: the share of the tree's frequency that comes true. Each draft token's path
+    probability is scaled by kappa (kappa^j at the j-th token), so `min_prob` cuts a distrusted source's
+    drafts after a token or two and a trusted one's (kappa near 1, later epochs) not at all; and the two
+    sources compete on the scaled expected lengths. Evidence decays by `decay` a step (about five steps'
+    worth counts), so a source comes back as soon as its first tokens come true again (the next epoch's
+    trees). Kept with the trees in checkpoints, so a resumed run drafts as the crashed one would have."""
+
+    def __init__(self, prior: float, decay: float):
+        self.prior, self.decay = float(prior), float(decay)
+        self.hits, self.expected = [0.0, 0.0], [0.0, 0.0]
+
+    def kappas(self) -> tuple[float, float]:
+        return tuple(min(1.0, (h + self.prior) / (e + self.prior)) for h, e in zip(self.hits, self.expected))
+
+    def observe(self, source: int, hit: bool, expected: float) -> None:
+        self.hits[source] += hit
+        self.expected[source] += expected
+
+    def step(self) -> None:
+        self.hits = [h * self.decay for h in self.hits]
+        self.expected = [e * self.decay for e in self.expected]
+
+    def state_dict(self) -> dict:
+        return {"hits": list(self.hits), "expected": list(self.expected)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.hits = [float(x) for x in state["hits"]]
+        self.expected = [float(x) for x in state["expected"]]
 
 
 def add_step_cost(sums: dict, requests: float, drafts: float, seconds: float) -> None:
@@ -208,6 +263,12 @@ class TreeDrafter:
         self._step_running, self._step_drafts, self._step_joined = 0, 0, False
         self._step_verified: int | None = None   # draft tokens the engine said it verified this step
         self._shared_after_rebuild = 0   # the shared tree's states after its last keep_newest
+        self.calibration = (Calibration(s["calibration_prior"], s["calibration_decay"]) if s["calibrate"]
+                            else None)
+        self._kappas: tuple[float, float] | None = None        # this step's, None: uncalibrated
+        # request id -> each source's first proposed token and its frequency, checked against the
+        # request's next token in the next step
+        self._firsts: dict[str, tuple[tuple[int, float], ...]] = {}
 
     # -- draft length rules ----------------------------------------------------------------
     def draft_len(self, running: int) -> int:
@@ -227,6 +288,7 @@ class TreeDrafter:
         self._seen, self._drafting = set(), False
         self._step_running, self._step_drafts, self._step_joined = running, 0, False
         self._step_verified = None
+        self._kappas = self.calibration.kappas() if self.calibration is not None else None
 
     def request(self, req_id: str, opts: Callable[[], RequestOpts | None],
                 seq: Callable[[int, int], Sequence[int]], end: int, gained: int | None = None,
@@ -271,6 +333,14 @@ class TreeDrafter:
             accepted = min(accepted, n)
             del new[kept:]
         c = self.counters
+        firsts = self._firsts.pop(req_id, None)
+        if firsts is not None and new:    # what the trees proposed last step against what the engine sampled
+            for i, (token, freq) in enumerate(firsts):
+                if freq > 0:                  # (-1, 0.0): the tree had no continuation
+                    hit = new[0] == token
+                    self.calibration.observe(i, hit, freq)
+                    c[CALIBRATION_SUMS[2 * i]] += hit
+                    c[CALIBRATION_SUMS[2 * i + 1]] += freq
         own = self._own.get(req_id)
         if own is not None and tuple(new) != own[consumed:consumed + len(new)]:
             del self._own[req_id]   # the response left its own draft: the tree drafts from here on
@@ -285,7 +355,9 @@ class TreeDrafter:
             kind = "own_draft_tokens"
         elif k > 0:
             # the shared tree's draft unless the prompt's own expects more accepted tokens
-            draft, source = self.trees.extend_and_propose(ids, new, k, self._step_min_prob)
+            draft, source, first = self.trees.extend_and_propose(ids, new, k, self._step_min_prob, self._kappas)
+            if self.calibration is not None and not ended:
+                self._firsts[req_id] = first
             new_in_tree = True
             if source:
                 kind = "shared_draft_tokens"
@@ -337,6 +409,8 @@ class TreeDrafter:
         self.counters["engine_steps"] += self._drafting   # only steps where a request of ours ran
         last, self._last_step = self._last_step, None
         if self._drafting:
+            if self.calibration is not None:
+                self.calibration.step()
             now = time.perf_counter()
             self.counters["draft_s"] += now - self._step_t0
             self._loop = [self._loop[0] if self._loop else self._step_t0, now]
@@ -403,6 +477,7 @@ class TreeDrafter:
     def _release(self, req_id: str) -> None:
         """An ended request leaves the drafter; the trees keep its tokens."""
         self._own.pop(req_id, None)
+        self._firsts.pop(req_id, None)
         self._unverified.pop(req_id, None)   # a draft the engine never verified: never counted
         if self._live.pop(req_id, None) is not None:
             self.trees.finish(req_id)
@@ -439,7 +514,10 @@ class TreeDrafter:
         return out
 
     def state_dict(self) -> dict:
-        return self.trees.state_dict()
+        state = self.trees.state_dict()
+        if self.calibration is not None:
+            state["calibration"] = self.calibration.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Trees saved by an earlier run, rebuilt under this drafter's settings (a resumed run may have
@@ -450,4 +528,7 @@ class TreeDrafter:
         self._live.clear()
         self._own.clear()
         self._unverified.clear()
+        self._firsts.clear()
         self._shared_after_rebuild = 0
+        if self.calibration is not None and state.get("calibration") is not None:
+            self.calibration.load_state_dict(state["calibration"])

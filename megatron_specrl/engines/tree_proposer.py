@@ -106,6 +106,10 @@ class TreeProposer:
         """Counters since the last call, and the trees' size now."""
         return self.drafter.take_stats()
 
+    def keys_held(self, keys: list[str]) -> list[bool]:
+        """Whether each prompt's tree holds anything (an earlier response, or one in flight)."""
+        return [self.drafter.trees.has_key(k) for k in keys]
+
     def add_responses(self, responses: list[tuple[str, list[int]]]) -> None:
         """Whole responses the engine did not generate (TreeDrafter.add_responses)."""
         self.drafter.add_responses(responses)

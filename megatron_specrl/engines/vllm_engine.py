@@ -279,7 +279,7 @@ class VLLMEngine:
                  seed_requests: bool | None = None, logprobs_mode: str = "processed_logprobs",
                  log_dir: str | Path | None = None,
                  skip_cache_reset: bool = False, draft: str = "none", draft_tokens: int = 16,
-                 draft_settings: dict | None = None, **llm_kwargs):
+                 draft_settings: dict | None = None, draft_fresh_prompts: bool | None = None, **llm_kwargs):
         """`enforce_eager` None: eager on CPU, CUDA graphs on GPUs (verl's enforce_eager: false);
         `cudagraph_capture_sizes`, `max_num_seqs`, `max_num_batched_tokens`: vLLM's, None for its
         defaults; `engine_args`: rollout.engine_kwargs.vllm, further vLLM engine arguments (checked
@@ -287,8 +287,14 @@ class VLLMEngine:
         its seed (a resumed run then draws the same samples) on CPU only: vLLM's CUDA sampler draws a
         seeded request's noise with kernels of its own every step (topk_topp_sampler.random_sample,
         the rejection sampler's uniforms) and gives up FlashInfer's sampler, thousands of launches a
-        step at RL batch sizes, and GPU kernels do not replay bit for bit anyway. `llm_kwargs`: tests'
-        overrides, applied last."""
+        step at RL batch sizes, and GPU kernels do not replay bit for bit anyway.
+        `draft_fresh_prompts` (tree drafting): whether a request whose prompt's tree holds no earlier
+        response drafts (from its siblings in flight and the shared tree); None: on GPUs only. Where it
+        does not, it runs undrafted and its response enters the trees when the batch ends, so the next
+        epoch drafts from it as if it had been fed in flight (a tree's proposals depend only on the
+        sequences it holds). On this CPU a drafted step costs 2-2.6x a plain one and such drafts are
+        accepted 10-33% of the time: drafting them made the first epoch 1.8x slower than plain
+        decoding (docs/measurements.md, session 27). `llm_kwargs`: tests' overrides, applied last."""
         from vllm import LLM
 
         from patches.vllm_engine_patches import apply_all, mark_our_engine
@@ -317,6 +323,7 @@ class VLLMEngine:
         if draft not in ("none", "tree"):
             raise ValueError(f"draft must be 'none' or 'tree', got {draft!r}")
         self.draft = draft
+        self.draft_fresh_prompts = (not self._on_cpu) if draft_fresh_prompts is None else bool(draft_fresh_prompts)
         if draft == "tree":   # speculative decoding from per-prompt trees (engines/tree_proposer.py)
             os.environ[SETTINGS_ENV] = settings_env(**(draft_settings or {}))
         kwargs = llm_args(
@@ -344,7 +351,7 @@ class VLLMEngine:
     def weight_version(self) -> int:
         return self._version
 
-    def _sampling_params(self, req: GenerateRequest, s: SamplingSettings):
+    def _sampling_params(self, req: GenerateRequest, s: SamplingSettings, undrafted: bool = False):
         from vllm import SamplingParams
 
         if self.logprobs_mode == "raw_logprobs" and s.need_logprobs and not untruncated_t1(s):
@@ -363,7 +370,7 @@ class VLLMEngine:
         if req.own_draft is not None and (self.draft != "tree" or req.draft_key is None):
             raise ValueError("an own draft (rollout.verify=decode) needs tree drafting (rollout.draft=tree) and a "
                              "draft_key: the engine's proposer drafts it")
-        if req.draft_key is not None and self.draft == "tree":
+        if req.draft_key is not None and self.draft == "tree" and not undrafted:
             extra.update({DRAFT_KEY: req.draft_key, RESPONSE_START: req.response_start})
             if req.runahead:
                 extra[RUNAHEAD] = True
@@ -395,13 +402,18 @@ class VLLMEngine:
             return []
         with self._lock:
             self._check_unchanged(weight_version)
-            params = [self._sampling_params(r, sampling) for r in requests]
+            undrafted = self._fresh_prompt_requests(requests)
+            params = [self._sampling_params(r, sampling, i in undrafted) for i, r in enumerate(requests)]
             prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
             if any(r.runahead for r in requests):
                 outs = self._run(lambda: self._generate_with_runahead(
                     prompts, params, [r.runahead for r in requests]))
             else:
                 outs = self._run(lambda: self.llm.generate(prompts, params, use_tqdm=False))
+            if undrafted:   # their responses feed the trees now, as they would have in flight
+                pairs = [(str(requests[i].draft_key), [int(t) for t in requests[i].prompt_ids[requests[i].response_start:]]
+                          + [int(t) for t in outs[i].outputs[0].token_ids]) for i in sorted(undrafted)]
+                self._run(lambda: self.llm.collective_rpc(in_worker, args=("add_responses", pairs)))
             self._check_unchanged(weight_version)
         results = []
         for out in outs:
@@ -618,6 +630,21 @@ class VLLMEngine:
                               tail_lines(self.log_path))
 
     # -- draft trees (rollout.draft=tree) ------------------------------------------------
+    def _fresh_prompt_requests(self, requests: list[GenerateRequest]) -> set[int]:
+        """Indices of the requests that run undrafted (draft_fresh_prompts off): those with a draft key
+        whose tree holds nothing yet, unless they carry an own draft (verify=decode: it is verified in
+        the decode loop) or run ahead (they exist to feed their tree in flight)."""
+        if self.draft != "tree" or self.draft_fresh_prompts:
+            return set()
+        cand = [i for i, r in enumerate(requests) if r.draft_key is not None and not r.own_draft and not r.runahead]
+        if not cand:
+            return set()
+        keys = sorted({str(requests[i].draft_key) for i in cand})
+        held = self._run(lambda: self.llm.collective_rpc(in_worker, args=("keys_held", keys)))[0]
+        fresh = {k for k, h in zip(keys, held) if not h}
+        return {i for i in cand if str(requests[i].draft_key) in fresh}
+
+
     def draft_stats(self) -> dict[str, float]:
         """The tree proposer's counters since the last call (draft / accepted / generated tokens,
         request-steps, engine steps) and the trees' size; {} without tree drafting."""

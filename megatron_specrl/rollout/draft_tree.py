@@ -20,7 +20,10 @@ min_prob)``:
 2. From m walk down, always taking the most frequent child (ties: smallest token id), appending its
    token while (a) fewer than ``max_tokens`` tokens are proposed, (b) the node stays within depth
    ``max_depth`` (|m| + len(draft) <= max_depth), (c) the path probability, the product of
-   child.count / sum(children counts) along the walk, stays >= ``min_prob``.
+   kappa x child.count / sum(children counts) along the walk, stays >= ``min_prob``. ``kappa`` (1 by
+   default) is the caller's calibration of the tree's frequencies against what the engine accepts
+   (engines/tree_drafter.py): a path seen once has frequency 1 at every node, which the engine's
+   samples follow far less often when the tree holds only a few in-flight siblings.
 
 Design: one generalized suffix automaton per key (not a literal trie)
 --------------------------------------------------------------------
@@ -106,6 +109,8 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 
 _FORMAT = "draft_trees/1"
+_ARRAYS = ("key_num_seqs", "seq_lengths", "tokens")   # a state_dict's numpy arrays (the rest is json)
+_NO_FIRST = (-1, 0.0)                    # a walk without a first token
 _NPZ = "draft_trees.npz"
 _JSON = "draft_trees.json"
 _MEM_SAMPLE = 4096   # states sampled (over all keys) by stats() for memory_bytes
@@ -365,27 +370,41 @@ class DraftTrees:
         return self.propose_scored(request_id, max_tokens, min_prob)[0]
 
     def extend_and_propose(self, request_ids: Sequence[Hashable], tokens: Sequence[int], max_tokens: int,
-                           min_prob: float = 0.1) -> tuple[list[int], int]:
+                           min_prob: float = 0.1, kappas: Sequence[float] | None = None
+                           ) -> tuple[list[int], int, tuple[tuple[int, float], ...]]:
         """Extend each request (several sequences growing alike, e.g. one in its prompt's tree and one
         in a shared tree) by `tokens`, then draft from the best of their proposals: a later request's
-        draft replaces the draft so far when it differs and scores at least as high. Returns (draft,
-        index of the request it came from). One call per engine step and request, so that
-        CompiledDraftTrees can do it all in one compiled call."""
+        draft replaces the draft so far when it differs and scores at least as high. `kappas`: each
+        request's calibration (`propose_scored`; default 1). Returns (draft, index of the request it
+        came from, each request's first proposed token and its tree frequency, whatever the cut-off:
+        (-1, 0.0) where its tree has no continuation), the last so that the caller can check its
+        calibration against the token the engine samples next. One call per engine step and request,
+        so that CompiledDraftTrees can do it all in one compiled call."""
         if len(tokens):
             for rid in request_ids:
                 self.extend(rid, tokens)
         best: list[int] = []
         best_score, src = 0.0, 0
+        firsts = []
         for i, rid in enumerate(request_ids):
-            draft, score = self.propose_scored(rid, max_tokens, min_prob)
+            draft, score, first = self._propose_from(rid, max_tokens, min_prob, 1.0 if kappas is None else kappas[i])
+            firsts.append(first)
             if i == 0 or (score >= best_score and draft != best):
                 best, best_score, src = draft, score, i
-        return best, src
+        return best, src, tuple(firsts)
 
-    def propose_scored(self, request_id: Hashable, max_tokens: int, min_prob: float = 0.1) -> tuple[list[int], float]:
-        """`propose`'s draft and its expected number of accepted tokens if the tree's frequencies were
-        the model's: the sum over the draft of the path probability up to each token (a draft is
-        accepted token by token until the first miss). Two sources' drafts compare by it."""
+    def propose_scored(self, request_id: Hashable, max_tokens: int, min_prob: float = 0.1,
+                       kappa: float = 1.0) -> tuple[list[int], float]:
+        """`propose`'s draft and its expected number of accepted tokens if the tree's frequencies,
+        each scaled by `kappa`, were the model's: the sum over the draft of the path probability up to
+        each token (a draft is accepted token by token until the first miss). Two sources' drafts
+        compare by it."""
+        return self._propose_from(request_id, max_tokens, min_prob, kappa)[:2]
+
+    def _propose_from(self, request_id: Hashable, max_tokens: int, min_prob: float,
+                      kappa: float) -> tuple[list[int], float, tuple[int, float]]:
+        """propose_scored's draft and score, and the walk's first token with its frequency (the
+        probability factor of the first step, before kappa and the cut-off), (-1, 0.0) if none."""
         req = self._reqs[request_id]
         self._trees.move_to_end(req.key)
         tree = req.tree
@@ -394,32 +413,39 @@ class DraftTrees:
         if req.tail is None:
             v = req.anchor                       # suffix of length min(len, max_depth) ...
             if not v:
-                return [], 0.0
+                return [], 0.0, _NO_FIRST
             while length[link[v]] >= max_match:  # ... -> of length min(len, max_match)
                 v = link[v]
             while v and not trans[v]:            # shorter until one has a continuation
                 v = link[v]
             if not v:
-                return [], 0.0
+                return [], 0.0, _NO_FIRST
             m = length[v]
             if m > max_match:
                 m = max_match
         else:
             v, m = self._match(tree, req)
             if not v:
-                return [], 0.0
+                return [], 0.0, _NO_FIRST
         room = self.max_depth - m                # deepest node: depth max_depth
         if max_tokens > room:
             max_tokens = room
         out: list[int] = []
         if max_tokens <= 0 or min_prob > 1.0:
-            return out, 0.0
+            return out, 0.0, _NO_FIRST
         append = out.append
         cnt, utok, ustate = tree.cnt, tree.utok, tree.ustate
         prob, score = 1.0, 0.0
-        for _ in range(max_tokens):
+        first = _NO_FIRST
+        for i in range(max_tokens):
             c = utok[v]
-            if c >= 0:                           # one child: probability factor 1
+            if c >= 0:                           # one child: frequency 1
+                if i == 0:
+                    first = (c, 1.0)
+                if kappa != 1.0:
+                    prob *= kappa
+                    if prob < min_prob:
+                        break
                 append(c)
                 score += prob
                 v = ustate[v]
@@ -434,13 +460,15 @@ class DraftTrees:
                 tot += k
                 if k > bc or (k == bc and c < best):
                     bc, best, bu = k, c, u
-            prob *= bc / tot
+            if i == 0:
+                first = (best, bc / tot)
+            prob *= kappa * bc / tot if kappa != 1.0 else bc / tot
             if prob < min_prob:
                 break
             append(best)
             score += prob
             v = bu
-        return out, score
+        return out, score, first
 
     def _context(self, req: _Request) -> list[int]:
         """The last max_match tokens of a frozen request (its stored tokens, then its tail)."""
@@ -654,9 +682,9 @@ class DraftTrees:
         """Write a state_dict (e.g. fetched from an engine) without building the trees here."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        np.savez(d / _NPZ, key_num_seqs=state["key_num_seqs"], seq_lengths=state["seq_lengths"],
-                 tokens=state["tokens"])
-        meta = {"format": state["format"], "config": state["config"], "keys": list(state["keys"])}
+        np.savez(d / _NPZ, **{k: state[k] for k in _ARRAYS})
+        # format, config, keys, and what a caller keeps beside the trees (the drafter's calibration)
+        meta = {k: (list(v) if k == "keys" else v) for k, v in state.items() if k not in _ARRAYS}
         (d / _JSON).write_text(json.dumps(meta))
 
     @staticmethod
@@ -666,7 +694,6 @@ class DraftTrees:
         try:
             meta = json.loads((d / _JSON).read_text())
             with np.load(d / _NPZ) as arrays:
-                return dict(meta, key_num_seqs=arrays["key_num_seqs"], seq_lengths=arrays["seq_lengths"],
-                            tokens=arrays["tokens"])
+                return dict(meta, **{k: arrays[k] for k in _ARRAYS})
         except Exception as e:
             raise RuntimeError(f"draft trees in {d} are missing or corrupt: {type(e).__name__}: {e}") from None

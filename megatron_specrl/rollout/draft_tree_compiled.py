@@ -202,19 +202,29 @@ def _feed(st, ed, ht, meta, root, last, anchor, n, tokens, room, depth):
 
 
 @njit(cache=True)
-def _walk(st, ed, v, m, max_tokens, max_depth, min_prob, out):
-    """DraftTrees.propose_scored's walk from the match (state v, length m): (tokens, score)."""
+def _walk(st, ed, v, m, max_tokens, max_depth, min_prob, kappa, out):
+    """DraftTrees._propose_from's walk from the match (state v, length m): (tokens, score, first token,
+    its frequency)."""
     room = max_depth - m
     if max_tokens > room:
         max_tokens = room
     if max_tokens <= 0 or min_prob > 1.0:
-        return 0, 0.0
+        return 0, 0.0, -1, 0.0
     prob = 1.0
     score = 0.0
     k = 0
-    for _ in range(max_tokens):
+    ftok = -1
+    fp = 0.0
+    for i in range(max_tokens):
         c = st[v, UTOK]
-        if c >= 0:                               # one child: probability factor 1
+        if c >= 0:                               # one child: frequency 1
+            if i == 0:
+                ftok = c
+                fp = 1.0
+            if kappa != 1.0:
+                prob *= kappa
+                if prob < min_prob:
+                    break
             out[k] = c
             k += 1
             score += prob
@@ -237,29 +247,35 @@ def _walk(st, ed, v, m, max_tokens, max_depth, min_prob, out):
                 best = t
                 bu = u
             e = ed[e, NEXT]
-        prob *= bc / tot
+        if i == 0:
+            ftok = best
+            fp = bc / tot
+        if kappa != 1.0:
+            prob *= kappa * bc / tot
+        else:
+            prob *= bc / tot
         if prob < min_prob:
             break
         out[k] = best
         k += 1
         score += prob
         v = bu
-    return k, score
+    return k, score, ftok, fp
 
 
 @njit(cache=True)
-def _propose(st, ed, root, anchor, max_match, max_depth, max_tokens, min_prob, out):
+def _propose(st, ed, root, anchor, max_match, max_depth, max_tokens, min_prob, kappa, out):
     v = anchor                                   # suffix of length min(len, max_depth) ...
     if v == root:
-        return 0, 0.0
+        return 0, 0.0, -1, 0.0
     while st[st[v, LINK], LEN] >= max_match:     # ... -> of length min(len, max_match)
         v = st[v, LINK]
     while v != root and st[v, NCHILD] == 0:      # shorter until one has a continuation
         v = st[v, LINK]
     if v == root:
-        return 0, 0.0
+        return 0, 0.0, -1, 0.0
     m = min(st[v, LEN], max_match)
-    return _walk(st, ed, v, m, max_tokens, max_depth, min_prob, out)
+    return _walk(st, ed, v, m, max_tokens, max_depth, min_prob, kappa, out)
 
 
 @njit(cache=True)
@@ -275,11 +291,12 @@ def _fits(st, ed, ht, meta, last, n):
 
 @njit(cache=True)
 def _feed_propose(st, ed, ht, meta, two, root0, last0, anchor0, n0, root1, last1, anchor1, n1, tokens,
-                  depth, max_match, max_tokens, min_prob, out0, out1):
+                  depth, max_match, max_tokens, min_prob, kappa0, kappa1, out0, out1, firsts):
     """DraftTrees.extend_and_propose for one request or two (`two`) in one call, when they surely fit
     the arrays (else status 1 and nothing done): feed both, propose from both, keep the second's draft
     when it differs and scores at least as high. Returns (status, last0, anchor0, made0, last1,
-    anchor1, made1, draft length, source); the draft is in out0 (source 0) or out1 (source 1)."""
+    anchor1, made1, draft length, source); the draft is in out0 (source 0) or out1 (source 1), each
+    request's first token and its frequency in firsts[i] = (token, frequency), token -1 for none."""
     n = tokens.shape[0]
     if n and not (_fits(st, ed, ht, meta, last0, 2 * n) and (not two or _fits(st, ed, ht, meta, last1, 2 * n))):
         return 1, last0, anchor0, 0, last1, anchor1, 0, 0, 0
@@ -292,10 +309,14 @@ def _feed_propose(st, ed, ht, meta, two, root0, last0, anchor0, n0, root1, last1
         last1, anchor1, _, _ = _feed(st, ed, ht, meta, root1, last1, anchor1, n1, tokens, big, depth)
     made0 = s1 - s0
     made1 = meta[N_STATES] - s1
-    k0, score0 = _propose(st, ed, root0, anchor0, max_match, depth, max_tokens, min_prob, out0)
+    k0, score0, ftok, fp = _propose(st, ed, root0, anchor0, max_match, depth, max_tokens, min_prob, kappa0, out0)
+    firsts[0, 0] = ftok
+    firsts[0, 1] = fp
     if not two:
         return 0, last0, anchor0, made0, last1, anchor1, 0, k0, 0
-    k1, score1 = _propose(st, ed, root1, anchor1, max_match, depth, max_tokens, min_prob, out1)
+    k1, score1, ftok, fp = _propose(st, ed, root1, anchor1, max_match, depth, max_tokens, min_prob, kappa1, out1)
+    firsts[1, 0] = ftok
+    firsts[1, 1] = fp
     source = 0
     if score1 >= score0:
         same = k0 == k1
@@ -310,7 +331,7 @@ def _feed_propose(st, ed, ht, meta, two, root0, last0, anchor0, n0, root1, last1
 
 
 @njit(cache=True)
-def _match_propose(st, ed, ht, root, ctx, max_depth, max_tokens, min_prob, out):
+def _match_propose(st, ed, ht, root, ctx, max_depth, max_tokens, min_prob, kappa, out):
     """Match the context (the last max_match tokens) from scratch, then walk: DraftTrees._match."""
     v = root
     n = 0
@@ -327,8 +348,8 @@ def _match_propose(st, ed, ht, root, ctx, max_depth, max_tokens, min_prob, out):
         v = st[v, LINK]
         n = st[v, LEN]
     if v == root:
-        return 0, 0.0
-    return _walk(st, ed, v, n, max_tokens, max_depth, min_prob, out)
+        return 0, 0.0, -1, 0.0
+    return _walk(st, ed, v, n, max_tokens, max_depth, min_prob, kappa, out)
 
 
 @njit(cache=True)
@@ -420,6 +441,7 @@ class CompiledDraftTrees(DraftTrees):
         self._out = np.zeros(self.max_depth + 1, np.int32)
         self._out1 = np.zeros(self.max_depth + 1, np.int32)
         self._no_tokens = np.zeros(0, np.int32)
+        self._firsts = np.zeros((2, 2), np.float64)     # each source's first token and its frequency
 
     # -- storage hooks -------------------------------------------------------------------------
     def _new_tree(self) -> _Key:
@@ -482,7 +504,7 @@ class CompiledDraftTrees(DraftTrees):
             req.last, req.anchor = int(remap[req.last]), int(remap[req.anchor])
 
     # -- reads ---------------------------------------------------------------------------------
-    def propose_scored(self, request_id, max_tokens: int, min_prob: float = 0.1) -> tuple[list[int], float]:
+    def _propose_from(self, request_id, max_tokens: int, min_prob: float, kappa: float):
         req = self._reqs[request_id]
         self._trees.move_to_end(req.key)
         tree = req.tree
@@ -491,29 +513,32 @@ class CompiledDraftTrees(DraftTrees):
             out = self._out = np.zeros(max_tokens, np.int32)
             self._out1 = np.zeros(max_tokens, np.int32)
         if req.tail is None:
-            k, score = _propose(self._st, self._ed, tree.root, req.anchor, self.max_match, self.max_depth,
-                                max_tokens, min_prob, out)
+            k, score, ftok, fp = _propose(self._st, self._ed, tree.root, req.anchor, self.max_match, self.max_depth,
+                                          max_tokens, min_prob, float(kappa), out)
         else:
-            k, score = _match_propose(self._st, self._ed, self._ht, tree.root, np.asarray(self._context(req), np.int32),
-                                      self.max_depth, max_tokens, min_prob, out)
-        return out[:k].tolist(), score
+            k, score, ftok, fp = _match_propose(self._st, self._ed, self._ht, tree.root,
+                                                np.asarray(self._context(req), np.int32),
+                                                self.max_depth, max_tokens, min_prob, float(kappa), out)
+        return out[:k].tolist(), score, (int(ftok), float(fp))
 
-    def extend_and_propose(self, request_ids, tokens, max_tokens: int, min_prob: float = 0.1):
+    def extend_and_propose(self, request_ids, tokens, max_tokens: int, min_prob: float = 0.1, kappas=None):
         """DraftTrees.extend_and_propose; for one request or the pair TreeDrafter asks for (the prompt's
         tree and the shared tree) one compiled call, when no request is frozen and the size bound
         cannot be reached by this call (the general path runs otherwise, evicting as DraftTrees does)."""
         n, two = len(tokens), len(request_ids) == 2
         if not 0 < len(request_ids) <= 2 or self._nodes + 4 * n > self.max_nodes or max_tokens > len(self._out):
-            return super().extend_and_propose(request_ids, tokens, max_tokens, min_prob)
+            return super().extend_and_propose(request_ids, tokens, max_tokens, min_prob, kappas)
         r0, r1 = self._reqs[request_ids[0]], self._reqs[request_ids[-1]]
         if r0.tail is not None or r1.tail is not None:
-            return super().extend_and_propose(request_ids, tokens, max_tokens, min_prob)
+            return super().extend_and_propose(request_ids, tokens, max_tokens, min_prob, kappas)
+        k0, k1 = (1.0, 1.0) if kappas is None else (float(kappas[0]), float(kappas[-1]))
+        firsts = self._firsts
         status, last0, anchor0, made0, last1, anchor1, made1, k, source = _feed_propose(
             self._st, self._ed, self._ht, self._meta, two, r0.tree.root, r0.last, r0.anchor, len(r0.seq),
             r1.tree.root, r1.last, r1.anchor, len(r1.seq), np.asarray(tokens, np.int32) if n else self._no_tokens,
-            self.max_depth, self.max_match, max_tokens, min_prob, self._out, self._out1)
+            self.max_depth, self.max_match, max_tokens, min_prob, k0, k1, self._out, self._out1, firsts)
         if status:                               # the arrays must grow first: the general path does
-            return super().extend_and_propose(request_ids, tokens, max_tokens, min_prob)
+            return super().extend_and_propose(request_ids, tokens, max_tokens, min_prob, kappas)
         for req, last, anchor, made in ((r0, last0, anchor0, made0), (r1, last1, anchor1, made1))[:1 + two]:
             req.last, req.anchor = last, anchor
             if n:
@@ -521,7 +546,8 @@ class CompiledDraftTrees(DraftTrees):
                 self._nodes += made
                 req.seq.extend(tokens)
             self._trees.move_to_end(req.key)
-        return (self._out1 if source else self._out)[:k].tolist(), source
+        first = tuple((int(firsts[i, 0]), float(firsts[i, 1])) for i in range(1 + two))
+        return (self._out1 if source else self._out)[:k].tolist(), source, first
 
     def _state_of(self, key: str, tokens) -> int:
         tree = self._trees.get(key)

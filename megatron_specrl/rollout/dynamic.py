@@ -25,12 +25,14 @@ ADDITIVE_SUFFIXES = ("_tokens", "_s", "spec/drafts", "spec/nonfinite_logprobs", 
                      "spec/samples", "spec/full_reuses", "spec/lenient_excess", "spec/redraws",
                      "runahead/requests", "spec/decode_steps", "tree/engine_steps", "tree/engine_steps_longest",
                      "tree/request_steps", "tree/requests")
-ADDITIVE_PREFIXES = ("tree_cost/",)     # the step-cost fit's sums
+ADDITIVE_PREFIXES = ("tree_cost/", "tree_calib/")     # the step-cost fit's and the calibration's sums
 # ratios of counters: recomputed from the step's sums (an average over rounds would weigh a small
 # round like a full one); numerator and denominator as rollout/speculative.py and tree_metrics define them
 RATIOS = {"tree/accept_rate": ("tree/accepted_tokens", "tree/draft_tokens"),
           "tree/tokens_per_step": ("tree/generated_tokens", "tree/request_steps"),
           "tree/steps_per_request": ("tree/request_steps", "tree/requests"),
+          "tree/calibration_prompt": ("tree_calib/prompt_hits", "tree_calib/prompt_expected"),
+          "tree/calibration_shared": ("tree_calib/shared_hits", "tree_calib/shared_expected"),
           "spec/mean_accept_len": ("spec/accepted_tokens", "spec/drafts"),
           "spec/reuse_ratio": ("spec/accepted_tokens", "spec/response_tokens"),
           "spec/full_reuse_ratio": ("spec/full_reuses", "spec/samples"),

@@ -125,6 +125,12 @@ def tree_metrics(engine) -> dict[str, float]:
             # the engine's decode loop for the batch (first to last drafting step) and the drafter's share
             "tree/loop_s": stats.get("loop_s", 0.0), "tree/draft_s": stats.get("draft_s", 0.0),
             "runahead/tokens": stats.get("runahead_tokens", 0.0),
+            # the drafter's calibration (engines/tree_drafter.Calibration): per source, how often the
+            # engine's next token was the tree's first proposed token, over the frequency the tree gave it
+            **{f"tree/calibration_{src}": stats.get(f"calib_{src}_hits", 0.0)
+               / max(stats.get(f"calib_{src}_expected", 0.0), 1.0) for src in ("prompt", "shared")
+               if stats.get(f"calib_{src}_expected", 0.0) > 0},
+            **{f"tree_calib/{k.removeprefix('calib_')}": v for k, v in stats.items() if k.startswith("calib_")},
             **{f"tree_cost/{k.removeprefix('cost_')}": v for k, v in stats.items() if k.startswith("cost_")}}
 
 
@@ -362,6 +368,7 @@ class SpeculativeRollout:
         # engine decode steps of the generation batch: counted by the tree proposer when it drafts (the
         # longest engine's, as the longest continuation sets them without drafts), otherwise one a token
         # of the longest continuation
-        metrics["spec/decode_steps"] = metrics.get("tree/engine_steps_longest",
-                                                   float(max((len(r.token_ids) for r in results), default=0)))
+        # (a batch whose requests all ran undrafted, rollout.draft_fresh_prompts, counts as one without drafts)
+        metrics["spec/decode_steps"] = (metrics.get("tree/engine_steps_longest")
+                                        or float(max((len(r.token_ids) for r in results), default=0)))
         return samples, metrics
