@@ -68,6 +68,7 @@ def test_summary_counts_only_steady_epochs():
             for e in range(1, 5)]
     s = summarize({"off": off, "lenient": fast})
     assert s["speedup_lenient"] == pytest.approx(4.0)       # epochs 1-2 (slow) are not counted
+    assert s["speedup_all_epochs_lenient"] == pytest.approx(16.0 / 10.0)   # ... except in the all-epochs ratio
     assert s["reuse_ratio_lenient"] == pytest.approx(0.9)
     assert s["final_eval_accuracy_lenient"] == 0.35
     assert s["verify_share_lenient"] == pytest.approx(0.8 / 8.0)   # verification vs off's steady rollout time

@@ -53,6 +53,9 @@ class TreeProposer:
         spec = vllm_config.speculative_config
         self.drafter = TreeDrafter(int(spec.num_speculative_tokens), int(vllm_config.model_config.max_model_len),
                                    read_settings(os.environ.get(SETTINGS_ENV)))
+        if getattr(self.drafter.trees, "compiled", False):   # numba's kernels now, not in the first rollout
+            from megatron_specrl.rollout.draft_tree_compiled import load_kernels
+            load_kernels()
 
     @property
     def trees(self):

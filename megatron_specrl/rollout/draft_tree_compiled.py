@@ -425,6 +425,8 @@ class _Key:
 class CompiledDraftTrees(DraftTrees):
     """DraftTrees with the automata in numpy arrays built and read by numba (module docstring)."""
 
+    compiled = True                 # TreeProposer loads the kernels when its engine starts
+
     compact_min_garbage = 1 << 16   # garbage states below which the pool is never compacted
     initial_states = 1024           # the arrays' first sizes (edges: twice that)
 
@@ -582,3 +584,19 @@ class CompiledDraftTrees(DraftTrees):
         for t in trees:
             total += size(t) + size(t.seqs) + sequences_bytes(t.seqs)
         return int(total)
+
+
+def load_kernels() -> None:
+    """Compile (first use ever) or load from numba's cache (~0.5 s) the kernels of the hot paths, on
+    throwaway trees: an engine calls this when it starts, so that its first rollout does not pay it."""
+    trees = CompiledDraftTrees(max_depth=8, max_match=4, max_nodes=100_000)
+    trees.insert("k", [1, 2, 3, 1, 2, 4])
+    trees.insert("g", [(7 * i) % 1009 for i in range(3 * CompiledDraftTrees.initial_states)])   # the arrays grow
+    trees.start("r", "k", [1])
+    trees.start("s", "k", [1])
+    trees.extend_and_propose(["r", "s"], [2], 4, 0.1, kappas=(1.0, 0.5))
+    trees.extend_and_propose(["r"], [3], 4)
+    trees.propose_scored("r", 4, 0.1)
+    trees.finish("r")
+    trees.finish("s")
+    trees.keep_newest("k", 4)
