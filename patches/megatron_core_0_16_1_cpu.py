@@ -215,12 +215,8 @@ def cuda_to_cpu(modules=_SCHEDULE_MODULES):
 #       main-param groups and in get_grad_norm_fp32; a CPU tensor reports 'torch.FloatTensor', so
 #       Tensor.type() without arguments reports the CUDA name of a CPU tensor (the dtype is the same);
 #    c. `tensor.cuda()` before a gather in the distributed optimizer's state gather: identity;
-#    d. (not CUDA: torch's Adam, used when neither TE nor apex is installed, as on CPU) loading a
-#       'fully_reshardable' / 'fully_sharded_model_space' checkpoint copies every per-parameter
-#       optimizer state key from the checkpoint, but the loaders skip torch Adam's per-parameter
-#       "step" on the source side ("Handle torch Adam step separately": load_state_dict already set
-#       it from the param groups), so the copy raises KeyError('step'); the "step" entry is held
-#       out of the destination during that copy.
+#    (torch Adam's "step" on loading a reshardable checkpoint is not a CPU matter: it fails on GPUs
+#    without TE / apex too, so megatron_core_0_16_1_torch_adam_load.py holds it out on any device.)
 #    Overlapped grad reduce / param gather (CUDA streams) and NCCL buffer registration stay off:
 #    the learner builds DistributedDataParallelConfig with overlap_* False on CPU.
 _OPTIMIZER_MODULES = (
@@ -244,22 +240,6 @@ def _cuda_type_name(orig_type):
     return type_
 
 
-def _skip_torch_adam_step(orig):
-    def _set_main_param_and_optimizer_states(self, model_param, tensors):
-        if "step" in tensors or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-            return orig(self, model_param, tensors)
-        group_index, group_order = self.model_param_group_index_map[model_param]
-        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
-        step = state.pop("step", None)
-        try:
-            return orig(self, model_param, tensors)
-        finally:
-            if step is not None:
-                state["step"] = step
-    _set_main_param_and_optimizer_states.__wrapped__ = orig
-    return _set_main_param_and_optimizer_states
-
-
 @contextlib.contextmanager
 def megatron_optimizer_on_cpu():
     """Scoped (restored on exit): Megatron DDP / optimizer / dist-checkpoint modules see CPU as CUDA.
@@ -268,15 +248,11 @@ def megatron_optimizer_on_cpu():
     buffers and need nothing): finish_grad_sync / finalize_model_grads, optimizer.step,
     sharded_state_dict / load_state_dict.
     """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     saved_type, saved_cuda = torch.Tensor.type, torch.Tensor.cuda
-    saved_set = DistributedOptimizer._set_main_param_and_optimizer_states
     torch.Tensor.type = _cuda_type_name(saved_type)
     torch.Tensor.cuda = lambda t, *a, **k: t
-    DistributedOptimizer._set_main_param_and_optimizer_states = _skip_torch_adam_step(saved_set)
     try:
         with cuda_to_cpu(_SCHEDULE_MODULES + _OPTIMIZER_MODULES):
             yield
     finally:
         torch.Tensor.type, torch.Tensor.cuda = saved_type, saved_cuda
-        DistributedOptimizer._set_main_param_and_optimizer_states = saved_set

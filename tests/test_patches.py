@@ -60,9 +60,8 @@ def test_cuda_to_cpu_is_scoped():
 
 def test_megatron_optimizer_shim_is_scoped():
     """Inside the context, Megatron's DDP / optimizer modules allocate on CPU, CPU tensors report CUDA
-    type strings (conversions with an argument still convert), .cuda() is the identity and the
-    distributed optimizer's torch-Adam 'step' is held out of the reshardable loader's copy;
-    everything is restored on exit."""
+    type strings (conversions with an argument still convert) and .cuda() is the identity; everything
+    is restored on exit. The distributed optimizer's loader is not the CPU shim's business (below)."""
     from megatron.core.distributed import param_and_grad_buffer
     from megatron.core.optimizer import clip_grads, distrib_optimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -76,24 +75,35 @@ def test_megatron_optimizer_shim_is_scoped():
         buf = param_and_grad_buffer.torch.zeros(4, device=param_and_grad_buffer.torch.cuda.current_device())
         norm = clip_grads.torch.tensor([1.0], device="cuda")
         assert buf.device.type == "cpu" and norm.device.type == "cpu"
-        assert DistributedOptimizer._set_main_param_and_optimizer_states.__wrapped__ is orig_set
-
-        # The loader's copy: "step" missing from the source is skipped, the state keeps its step.
-        main = torch.zeros(4)
-        fake = types.SimpleNamespace(
-            config=types.SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False),
-            model_param_group_index_map={"p": (0, 0)},
-            optimizer=types.SimpleNamespace(param_groups=[{"params": [main]}], state={}))
-        step = torch.tensor(5.0)
-        fake.optimizer.state[main] = {"exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4), "step": step}
-        DistributedOptimizer._set_main_param_and_optimizer_states(
-            fake, "p", {"param": torch.ones(4), "exp_avg": torch.full((4,), 2.0), "exp_avg_sq": torch.full((4,), 3.0)})
-        st = fake.optimizer.state[main]
-        assert main.tolist() == [1.0] * 4 and st["exp_avg"].tolist() == [2.0] * 4 and st["step"] is step
+        assert DistributedOptimizer._set_main_param_and_optimizer_states is orig_set
     assert t.type() == "torch.FloatTensor"
     assert distrib_optimizer.torch is torch and param_and_grad_buffer.torch is torch and clip_grads.torch is torch
-    assert DistributedOptimizer._set_main_param_and_optimizer_states is orig_set
     with pytest.raises((AssertionError, RuntimeError)):
         t.cuda()
-    with pytest.raises(KeyError, match="step"):   # the upstream behaviour the shim works around
-        orig_set(fake, "p", {"param": torch.ones(4), "exp_avg": torch.ones(4), "exp_avg_sq": torch.ones(4)})
+
+
+def test_torch_adam_step_is_held_out_of_the_loader_copy_on_any_device(monkeypatch):
+    """Loading a reshardable distributed-optimizer checkpoint into torch's Adam (no TE / apex) raised
+    KeyError('step') on an H200: the fix lived in the CPU shim, which GPUs never enter. The loader's
+    copy skips a "step" missing from the source and keeps the state's own, with CUDA reported present."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from patches.megatron_core_0_16_1_torch_adam_load import torch_adam_step_held_out
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)     # what a GPU learner sees
+    main = torch.zeros(4)
+    fake = types.SimpleNamespace(
+        config=types.SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False),
+        model_param_group_index_map={"p": (0, 0)},
+        optimizer=types.SimpleNamespace(param_groups=[{"params": [main]}], state={}))
+    step = torch.tensor(5.0)
+    fake.optimizer.state[main] = {"exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4), "step": step}
+    src = {"param": torch.ones(4), "exp_avg": torch.full((4,), 2.0), "exp_avg_sq": torch.full((4,), 3.0)}
+    orig_set = DistributedOptimizer._set_main_param_and_optimizer_states
+    with pytest.raises(KeyError, match="step"):   # the upstream behaviour the patch works around
+        orig_set(fake, "p", src)
+    with torch_adam_step_held_out():
+        assert DistributedOptimizer._set_main_param_and_optimizer_states.__wrapped__ is orig_set
+        DistributedOptimizer._set_main_param_and_optimizer_states(fake, "p", src)
+    st = fake.optimizer.state[main]
+    assert main.tolist() == [1.0] * 4 and st["exp_avg"].tolist() == [2.0] * 4 and st["exp_avg_sq"].tolist() == [3.0] * 4
+    assert st["step"] is step
+    assert DistributedOptimizer._set_main_param_and_optimizer_states is orig_set

@@ -165,8 +165,11 @@ def load_state_dict(optimizer, state_dict) -> None:
     0.16.1) gives every parameter's state the *same* "step" tensor, and torch's Adam increments each
     parameter's step in place, so the shared counter would advance once per parameter per step and
     the bias correction of every step after a resume would be wrong (tests/test_distributed_optimizer.py
-    catches it as a resumed step that differs from the uninterrupted one)."""
-    optimizer.load_state_dict(state_dict)
+    catches it as a resumed step that differs from the uninterrupted one). The loader's copy itself
+    needs torch Adam's step held out (patches/megatron_core_0_16_1_torch_adam_load.py), on GPUs too."""
+    from patches.megatron_core_0_16_1_torch_adam_load import torch_adam_step_held_out
+    with torch_adam_step_held_out():
+        optimizer.load_state_dict(state_dict)
     for opt in inner_optimizers(optimizer):
         for st in opt.state.values():
             if isinstance(st.get("step"), torch.Tensor):
