@@ -120,7 +120,9 @@ def _open_ipc_in_child(payload, results):
     """The receiving process: map the sender's GPU buffers and send back host copies."""
     torch.cuda.set_device(0)
     got = CudaIpcTransport().unpack(payload, device=0)
-    results.put([(n, t.device.type, t.cpu()) for n, t in got])
+    # bytes, not tensors: a CPU tensor through the queue is a shared-memory handle that dies with this process
+    results.put([(n, t.device.type, str(t.dtype), t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+                 for n, t in got])
 
 
 @pytest.mark.gpu
@@ -142,8 +144,9 @@ def test_cuda_ipc_transport_gpu():
     finally:
         child.join(30)
         t.release()
-    assert [n for n, _, _ in got] == [n for n, _ in model_tensors()]
-    assert all(dev == "cuda" and torch.equal(a, b) for (_, a), (_, dev, b) in zip(model_tensors(), got))
+    assert [n for n, _, _, _ in got] == [n for n, _ in model_tensors()]
+    assert all(dev == "cuda" and dtype == str(a.dtype) and a.contiguous().view(torch.uint8).numpy().tobytes() == raw
+               for (_, a), (_, dev, dtype, raw) in zip(model_tensors(), got))
 
 
 def test_numpy_payload_round_trip_keeps_bf16_and_values():
