@@ -337,13 +337,19 @@ def check_throughput(hf_dir, big: bool = True):
         out = {"shape": shape, "B": B, "T": T}
         bf16 = dict(precision="bfloat16", distributed_optimizer=True, recompute_old_logprobs=True)
         variants = (("fp32", {}, False), ("fp32_tf32", {}, True), ("bf16", bf16, False),
+                    ("bf16_recompute_selective", dict(bf16, recompute="selective") if CUDA else bf16, False),
                     ("bf16_recompute_full", dict(bf16, recompute="full") if CUDA else bf16, False))
+        gib = (lambda: torch.cuda.max_memory_allocated() / 2**30) if CUDA else (lambda: None)
+        reset = torch.cuda.reset_peak_memory_stats if CUDA else (lambda: None)
         ref_lp = None
         for tag, kw, tf32 in variants:
             torch.backends.cuda.matmul.allow_tf32 = tf32
             torch.backends.cudnn.allow_tf32 = tf32
+            reset()
             w = _worker(_settings(micro_batch_size=2, **kw), d)
             try:
+                peak_load = gib()
+                reset()
                 w.compute_logprobs(batch)
                 sync = torch.cuda.synchronize if CUDA else (lambda: None)
                 sync()
@@ -352,7 +358,15 @@ def check_throughput(hf_dir, big: bool = True):
                 sync()
                 score = time.perf_counter() - t0
                 ref_lp = lp if ref_lp is None else ref_lp
+                peak_score = gib()
                 batch["old_logprobs"] = torch.zeros(B, T)
+                w.train_step(batch)              # the optimizer's state exists from here on
+                sync()
+                reset()
+                w.forward_backward(batch)        # forward + backward alone, no optimizer step
+                sync()
+                peak_fwd_bwd = gib()
+                reset()
                 w.train_step(batch)
                 sync()
                 t0 = time.perf_counter()
@@ -361,10 +375,11 @@ def check_throughput(hf_dir, big: bool = True):
                     m = w.train_step(batch)
                 sync()
                 dt = (time.perf_counter() - t0) / steps
-                peak = torch.cuda.max_memory_allocated() / 2**30 if CUDA else None
+                peak = gib()
                 sel = lm.bool()
                 out[tag] = {"train_step_s": dt, "train_tokens_per_s": B * T / dt, "score_s": score,
-                            "loss": m["loss"], "peak_gib": peak,
+                            "loss": m["loss"], "peak_train_gib": peak, "peak_load_gib": peak_load,
+                            "peak_score_gib": peak_score, "peak_fwd_bwd_gib": peak_fwd_bwd, "plan_gib": _plan_gib(d, B, T, kw),
                             "logprob_maxdiff_vs_fp32": float((lp - ref_lp)[sel].abs().max()),
                             "logprob_meandiff_vs_fp32": float((lp - ref_lp)[sel].abs().mean())}
             finally:
@@ -374,11 +389,28 @@ def check_throughput(hf_dir, big: bool = True):
                 w.shutdown()
                 if CUDA:
                     torch.cuda.empty_cache()
-                    torch.cuda.reset_peak_memory_stats()
+                    if tag in out:
+                        out[tag]["left_after_shutdown_gib"] = torch.cuda.memory_allocated() / 2**30
         out["bf16_speedup"] = out["fp32"]["train_step_s"] / out["bf16"]["train_step_s"]
         out["tf32_speedup"] = out["fp32"]["train_step_s"] / out["fp32_tf32"]["train_step_s"]
         out["ok"] = all(math.isfinite(out[t]["loss"]) for t, _, _ in variants)
     return out
+
+
+def _plan_gib(model_dir, B, T, learner_kw) -> dict:
+    """The plan check's learner memory for this run's shape (megatron_specrl.plan, unfused attention:
+    no TransformerEngine here), to set beside the measured peaks."""
+    from megatron_specrl.config import load_config
+    from megatron_specrl.learner.model_provider import padded_vocab_size
+    from megatron_specrl.plan import ModelShape, learner_memory, load_hf_config
+    s = ModelShape.from_hf(load_hf_config(str(model_dir)))
+    ov = [f"model.path={model_dir}", f"data.max_prompt_len={T // 4}", f"rollout.max_new_tokens={T - T // 4}",
+          f"trainer.prompts_per_step={B // 2}", "rollout.n_samples=2", "learner.micro_batch_size=2",
+          f"rollout.max_model_len={T}"] + [f"learner.{k}={str(v).lower()}" for k, v in learner_kw.items()]
+    cfg = load_config(ROOT / "examples" / "tiny-cpu-grpo.yaml", ov)
+    m = learner_memory(cfg, s, padded_vocab_size(s.vocab, 1), flash=False)
+    return {"static": m.static / 2**30, "activations": m.activations / 2**30, "total": m.total / 2**30,
+            "scoring": (m.static + m.scoring) / 2**30}
 
 
 CHECKS = {"learner_fp32": check_learner_fp32, "recompute": check_recompute, "optimizers": check_optimizers,
