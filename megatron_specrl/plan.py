@@ -19,6 +19,8 @@ Memory model (bytes per GPU, the heaviest rank):
            fp32 learner gets no flash attention on GPUs: TransformerEngine's flash and fused backends
            take fp16 / bf16 only, so it runs the unfused one), selective the same without them, full stores each
            layer's input plus one layer's tensors; the
+           bf16 on the local spec (no flash) also keeps the RMSNorms' tensors and the attention's
+           softmax in fp32 (fp32_extra_bytes_per_token_layer). The
            first pipeline stage holds min(pp, microbatches) microbatches in flight (1F1B), and the last
            stage holds the fp32 logits and their log-softmax. PPO's critic (the same layout, a value
            head for the LM head) and the frozen KL reference (weights in the learner's precision) share
@@ -185,6 +187,20 @@ def activation_elements_per_token_layer(s: ModelShape, tp: int, seq_len: int, fl
     return n
 
 
+def fp32_extra_bytes_per_token_layer(s: ModelShape, tp: int, seq_len: int, attention_probs: bool) -> int:
+    """What a bf16 learner on Megatron's local spec keeps in fp32 beyond `activation_elements_per_token_layer`
+    x 2 bytes, per token and layer: the RMSNorms compute in fp32 and save their four tensors in fp32 (2
+    more bytes each), and the unfused attention (attention_softmax_in_fp32) saves the fp32 softmax
+    probabilities beside their bf16 copy (4 more bytes a score) unless recompute drops them. Counted with
+    saved-tensor hooks (tests/test_plan_bf16_local.py); on an H200 (session 28) a 0.5B bf16 learner's
+    training peak was 13% above the estimate without this term and 3% with it. TransformerEngine's
+    fused norms and flash attention (the GPU path the plan assumes for bf16) save neither."""
+    extra = 4 * s.hidden * 2
+    if attention_probs:
+        extra += s.heads * seq_len // tp * 4
+    return extra
+
+
 def learner_bytes(cfg: RunConfig) -> tuple[int, int, int, int]:
     """(weight, gradient, optimizer-state, activation) bytes per parameter / element of the learner:
     fp32 (4, 4, 8: AdamW's moments, 4), or bf16 mixed precision (2, 4: Megatron DDP's fp32 main_grad,
@@ -210,8 +226,12 @@ def learner_memory(cfg: RunConfig, s: ModelShape, padded_vocab: int, flash: bool
     in_flight = min(le.pp, batch_arithmetic(cfg)["microbatches"])
     layers = s.layers // le.pp
     per_layer = activation_elements_per_token_layer(s, le.tp, seq, flash) * tokens * a_bytes
+    probs = not flash
     if le.recompute == "selective" and not flash:   # flash attention already stores no scores
         per_layer = activation_elements_per_token_layer(s, le.tp, seq, flash=True) * tokens * a_bytes
+        probs = False
+    if le.precision == "bfloat16" and not flash:    # Megatron's local spec: fp32 norms and softmax
+        per_layer += fp32_extra_bytes_per_token_layer(s, le.tp, seq, probs) * tokens
 
     def stage(microbatches: int) -> int:
         if le.recompute == "full":      # each layer's input kept, one layer rebuilt at a time
