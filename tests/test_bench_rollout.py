@@ -138,7 +138,10 @@ def test_bench_smoke_run_writes_json(tmp_path):
     assert 0 <= t["draft_accept_rate_tree"] <= 1 and t["ms_per_decode_step_tree"] > 0
     assert t["draft_us_per_request_step_tree"] > 0 and "draft_us_per_request_step_off" not in t
     # decode-step cost sums: steps timed inside the decode loop, by the tree drafter only
-    for e in run["epochs"]["tree"]:
+    # (the first epoch runs undrafted on CPU: rollout.draft_fresh_prompts, unset, drafts fresh prompts on GPUs only)
+    first, *later = run["epochs"]["tree"]
+    assert first["step_cost_sums"]["cost_n"] == 0 and first["draft_tokens"] == 0
+    for e in later:
         assert 0 < e["step_cost_sums"]["cost_n"] < e["decode_steps"] * e["rollouts"] and 0 < e["step_cost_sums"]["cost_y"] <= e["loop_s"]
     assert all(e["step_cost_sums"]["cost_n"] == 0 for e in run["epochs"]["off"]) and "step_cost_ms_off" not in t
     assert 1 <= t["running_per_step_off"] <= 16 and 1 <= t["running_per_step_tree"] <= 16   # 4 prompts x 4 samples
