@@ -27,3 +27,19 @@ def test_gpu_check_runs_its_learner_checks_on_cpu(tmp_path):
     if not torch.cuda.is_available():
         assert "skipped" in r["recompute"] and "skipped" in r["cuda_ipc"]
     assert "ALL OK" in proc.stdout
+
+
+def test_bench_verify_cost_runs_and_restores_the_cache():
+    """tools/bench_verify_cost.py (prepared for a GPU lease): a forward over q new tokens per sequence
+    on a filled KV cache, cropped back each time (the tool asserts the cache length), on the tiny shape."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_verify_cost", ROOT / "tools" / "bench_verify_cost.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    dev = torch.device("cpu")
+    model, cfg = mod.build("tiny", torch.float32, dev)
+    assert next(model.parameters()).dtype == torch.float32 and torch.get_default_dtype() == torch.float32
+    cache = mod.filled_cache(cfg, batch=3, context=16, dtype=torch.float32, device=dev)
+    for q in (1, 4):
+        assert mod.step_ms(model, cache, 3, 16, q, dev, repeats=1) > 0
+    assert cache.get_seq_length() == 16
