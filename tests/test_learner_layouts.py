@@ -36,11 +36,13 @@ def make_batch(hf_dir, seed: int = 0) -> dict:
     }
 
 
-def hf_reference(hf_dir, batch, loss_cfg):
-    """HF logits, log-probs and grads (HF names) of the same RL objective."""
+def hf_reference(hf_dir, batch, loss_cfg, device="cpu"):
+    """HF logits, log-probs and grads (HF names) of the same RL objective, computed on `device`
+    (tools/gpu_check.py: the GPU) and returned on the CPU."""
     from transformers import AutoModelForCausalLM
     from megatron_specrl.learner.losses import rl_policy_objective
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).to(device)
+    batch = {k: v.to(device) for k, v in batch.items()}
     logits = model(batch["input_ids"]).logits
     logp = torch.log_softmax(logits.float(), -1)
     lp = logp[:, :-1].gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
@@ -50,8 +52,8 @@ def hf_reference(hf_dir, batch, loss_cfg):
     full = complete_batch(batch, lp.detach())
     loss, _ = rl_policy_objective(lp, ent, full, loss_cfg)
     loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    return logits.detach(), lp.detach() * batch["attention_mask"], grads
+    grads = {n: p.grad.cpu() for n, p in model.named_parameters()}
+    return logits.detach().cpu(), (lp.detach() * batch["attention_mask"]).cpu(), grads
 
 
 def complete_batch(batch, logprobs):

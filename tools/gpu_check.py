@@ -63,39 +63,17 @@ def _maxdiff(a: dict, b: dict) -> float:
 
 
 def _batch(hf_dir):
-    from test_learner_layouts import complete_batch, make_batch
-    from transformers import AutoModelForCausalLM
+    """make_batch's batch and the same completed with HF's log-probs (rollout / old / reference)."""
+    from test_learner_layouts import complete_batch, hf_reference, loss_config, make_batch
     batch = make_batch(hf_dir)
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
-    with torch.no_grad():
-        logp = torch.log_softmax(model(batch["input_ids"]).logits.float(), -1)
-    lp = logp[:, :-1].gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
-    lp = torch.cat([lp.new_zeros(lp.shape[0], 1), lp], 1) * batch["attention_mask"]
-    return batch, complete_batch(batch, lp)
-
-
-def _hf_on_device(hf_dir, batch):
-    """HF transformers' log-probs and grads of the same objective, on DEV (the test's reference, moved)."""
-    from test_learner_layouts import complete_batch, loss_config
-    from transformers import AutoModelForCausalLM
-    from megatron_specrl.learner.losses import rl_policy_objective
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).to(DEV)
-    b = {k: v.to(DEV) for k, v in batch.items()}
-    logp = torch.log_softmax(model(b["input_ids"]).logits.float(), -1)
-    lp = logp[:, :-1].gather(-1, b["input_ids"][:, 1:, None])[..., 0]
-    ent = -(logp.exp() * logp).sum(-1)[:, :-1]
-    z = lp.new_zeros(lp.shape[0], 1)
-    lp, ent = torch.cat([z, lp], 1), torch.cat([z, ent], 1)
-    full = complete_batch(b, lp.detach())
-    loss, _ = rl_policy_objective(lp, ent, full, loss_config())
-    loss.backward()
-    grads = {n: p.grad.detach().cpu() for n, p in model.named_parameters()}
-    return (lp.detach() * b["attention_mask"]).cpu(), grads
+    return batch, complete_batch(batch, hf_reference(hf_dir, batch, loss_config())[1])
 
 
 def check_learner_fp32(hf_dir):
-    batch, full = _batch(hf_dir)
-    hf_lp, hf_grads = _hf_on_device(hf_dir, batch)
+    from test_learner_layouts import complete_batch, hf_reference, loss_config, make_batch
+    batch = make_batch(hf_dir)
+    _, hf_lp, hf_grads = hf_reference(hf_dir, batch, loss_config(), device=DEV)   # HF on the same device
+    full = complete_batch(batch, hf_lp)
     w = _worker(_settings(), hf_dir)
     try:
         lp = w.compute_logprobs(full)
