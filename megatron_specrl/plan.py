@@ -24,7 +24,13 @@ Memory model (bytes per GPU, the heaviest rank):
            first pipeline stage holds min(pp, microbatches) microbatches in flight (1F1B), and the last
            stage holds the fp32 logits and their log-softmax. PPO's critic (the same layout, a value
            head for the LM head) and the frozen KL reference (weights in the learner's precision) share
-           the policy ranks' GPUs (actors.learner_bundles) and stay resident.
+           the policy ranks' GPUs (actors.learner_bundles) and stay resident. The optimizer step
+           runs after backward has freed the activations, so the peak is the static memory plus the
+           larger of the activations and the step's temporaries: torch's AdamW (the replicated
+           optimizer, and Megatron's distributed one without TransformerEngine or apex) takes the
+           foreach path on GPUs, whose sqrt of the second moments is one fp32 copy of every parameter
+           it updates (on an H200 a 0.5B bf16 learner with full recompute peaked 2.0 GiB above its
+           static memory in the step, 1.9 GiB of it that copy); TE's FusedAdam updates in place.
   scoring  the reference's log-probs, PPO's critic values and (use_kl_in_reward with
            recompute_old_logprobs) the policy's are forward passes over the batch before colocated
            engines release their memory (trainer.train_step): the static memory plus one microbatch's
@@ -162,6 +168,8 @@ class LearnerMemory:
     reference: int = 0
     # a forward-only pass over one microbatch (reference / critic / policy scoring; no saved tensors)
     scoring: int = 0
+    # transient bytes of the optimizer step (optimizer_step_bytes), after backward freed the activations
+    optimizer_step: int = 0
 
     @property
     def static(self) -> int:
@@ -169,7 +177,7 @@ class LearnerMemory:
 
     @property
     def total(self) -> int:
-        return self.static + self.activations
+        return self.static + max(self.activations, self.optimizer_step)
 
 
 def activation_elements_per_token_layer(s: ModelShape, tp: int, seq_len: int, flash: bool) -> int:
@@ -216,7 +224,33 @@ def flash_attention(cfg: RunConfig) -> bool:
     return cfg.learner.precision == "bfloat16" and cfg.cluster.gpus_per_node > 0
 
 
-def learner_memory(cfg: RunConfig, s: ModelShape, padded_vocab: int, flash: bool) -> LearnerMemory:
+def adam_kind(cfg: RunConfig) -> str:
+    """Which Adam the learner steps with, as far as its memory goes: `fused` (Megatron's distributed
+    optimizer takes TransformerEngine's or apex's FusedAdam, which the GPU plan assumes installed, as it
+    assumes TE's flash attention), `foreach` (torch's AdamW on GPUs: the replicated optimizer in
+    learner/worker.py always), `per_tensor` (torch's AdamW on CPU parameters, a loop over tensors)."""
+    if cfg.cluster.gpus_per_node == 0:
+        return "per_tensor"
+    return "fused" if cfg.learner.distributed_optimizer else "foreach"
+
+
+def optimizer_step_bytes(s: ModelShape, tp: int, padded_vocab: int, params: int, kind: str) -> int:
+    """Temporaries of one AdamW step: torch's foreach path allocates sqrt(exp_avg_sq) for all the
+    parameters it updates at once (fp32; the rest of its update is in place), the per-tensor path one
+    tensor's worth (the largest: the vocabulary shard of the embedding or head, or fc1), FusedAdam none.
+    `params` is the optimizer's local parameter count (a DP shard with the distributed optimizer)."""
+    if kind == "fused":
+        return 0
+    if kind == "foreach":
+        return params * FP32
+    if kind == "per_tensor":
+        return FP32 * s.hidden * max(padded_vocab // tp, 2 * s.ffn // tp)
+    raise ValueError(f"unknown Adam kind {kind!r}")
+
+
+def learner_memory(cfg: RunConfig, s: ModelShape, padded_vocab: int, flash: bool,
+                   adam: str | None = None) -> LearnerMemory:
+    """The learner's bytes on its heaviest rank; `adam` overrides adam_kind(cfg) (a GPU without TE)."""
     le = cfg.learner
     w_bytes, g_bytes, o_bytes, a_bytes = learner_bytes(cfg)
     params = max(stage_parameters(s, le.tp, le.pp, st, padded_vocab) for st in range(le.pp))
@@ -248,8 +282,10 @@ def learner_memory(cfg: RunConfig, s: ModelShape, padded_vocab: int, flash: bool
         n = max(stage_parameters(s, le.tp, le.pp, st, padded_vocab, role="critic") for st in range(le.pp))
         critic = n * (w_bytes + g_bytes) + optimizer(n)
     reference = params * w_bytes if cfg.needs_reference else 0
+    local = math.ceil(params / le.dp) if le.distributed_optimizer else params   # what one rank's Adam updates
+    step = optimizer_step_bytes(s, le.tp, padded_vocab, local, adam or adam_kind(cfg))
     return LearnerMemory(params, params * w_bytes, params * g_bytes, optimizer(params), acts, tokens, in_flight,
-                         critic, reference, scoring_memory(cfg, s, padded_vocab, tokens, flash))
+                         critic, reference, scoring_memory(cfg, s, padded_vocab, tokens, flash), step)
 
 
 def scoring_memory(cfg: RunConfig, s: ModelShape, padded_vocab: int, tokens: int, flash: bool) -> int:
@@ -421,7 +457,8 @@ def _memory(cfg: RunConfig, lm: LearnerMemory, em: EngineMemory) -> list[str]:
                    f"(weights {lm.weights / GB:.1f} + grads {lm.grads / GB:.1f} + optimizer {lm.optimizer / GB:.1f} "
                    + (f"+ PPO critic {lm.critic / GB:.1f} " if lm.critic else "")
                    + (f"+ KL reference {lm.reference / GB:.1f} " if lm.reference else "")
-                   + f"+ activations {lm.activations / GB:.1f}) at learner.tp={cfg.learner.tp} pp={cfg.learner.pp} "
+                   + f"+ the larger of activations {lm.activations / GB:.1f} and the optimizer step's "
+                   f"temporaries {lm.optimizer_step / GB:.1f}) at learner.tp={cfg.learner.tp} pp={cfg.learner.pp} "
                    f"dp={cfg.learner.dp}; raise tp/pp, set learner.distributed_optimizer / learner.recompute, "
                    "or lower learner.micro_batch_size")
     if em.kv_space < em.max_model_len * em.kv_per_token:
@@ -525,7 +562,10 @@ class Plan:
                                      + (f" + KL reference {gb(self.learner.reference)}" if self.learner.reference else "")
                                      + f" + activations {gb(self.learner.activations)} (recompute {le.recompute}, "
                                      f"{self.learner.tokens_per_microbatch} tokens x "
-                                     f"{self.learner.microbatches_in_flight} in flight) = {gb(self.learner.total)}"),
+                                     f"{self.learner.microbatches_in_flight} in flight)"
+                                     + (f", or the optimizer step's {gb(self.learner.optimizer_step)} (torch AdamW)"
+                                        if self.learner.optimizer_step else "")
+                                     + f" = {gb(self.learner.total)}"),
             *self._scoring_rows(gb),
             *self._engine_rows(gb),
             ("data", cfg.data.source + (f" (eval {cfg.data.eval_source})" if cfg.data.eval_source else "")),

@@ -43,3 +43,48 @@ def test_bench_verify_cost_runs_and_restores_the_cache():
     for q in (1, 4):
         assert mod.step_ms(model, cache, 3, 16, q, dev, repeats=1) > 0
     assert cache.get_seq_length() == 16
+
+
+def test_plan_matches_the_recorded_h200_peaks(tmp_path):
+    """The plan check's learner memory against the peaks measured on an H200 (session 28,
+    docs/measurements_gpu/h200_s28_throughput.json; Megatron's local spec and torch's foreach AdamW, no
+    TransformerEngine there). With full recompute the peak is the optimizer step's: torch's foreach AdamW
+    holds an fp32 sqrt of every second moment, which the plan missed (10% low) until it counted it."""
+    import importlib.util
+
+    from transformers import LlamaConfig
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rec = json.loads((ROOT / "docs" / "measurements_gpu" / "h200_s28_throughput.json").read_text())["throughput"]
+    sh = rec["shape"]
+    LlamaConfig(hidden_size=sh["hidden"], num_hidden_layers=sh["layers"], num_attention_heads=sh["heads"],
+                num_key_value_heads=sh["kv"], intermediate_size=sh["inter"], vocab_size=sh["vocab"],
+                max_position_embeddings=rec["T"]).save_pretrained(tmp_path)
+    bf16 = {"precision": "bfloat16", "distributed_optimizer": True, "recompute_old_logprobs": True}
+    for tag, kw in (("fp32", {}), ("bf16", bf16), ("bf16_recompute_selective", {**bf16, "recompute": "selective"}),
+                    ("bf16_recompute_full", {**bf16, "recompute": "full"})):
+        plan = mod._plan_gib(tmp_path, rec["B"], rec["T"], kw)
+        measured = rec[tag]["peak_train_gib"]
+        assert abs(plan["total"] / measured - 1) < 0.05, (tag, plan, measured)
+    # the step's temporaries set the full-recompute peak: without them the plan is 10% low there
+    full = mod._plan_gib(tmp_path, rec["B"], rec["T"], {**bf16, "recompute": "full"})
+    assert full["optimizer_step"] > full["activations"]
+    assert (full["static"] + full["activations"]) / rec["bf16_recompute_full"]["peak_train_gib"] < 0.92
+
+
+def test_adam_kind_follows_the_optimizer_the_learner_builds():
+    """Replicated AdamW on GPUs is torch's foreach (an fp32 copy of the parameters in the step), the
+    distributed optimizer on a GPU cluster TE's FusedAdam (none), CPU torch's per-tensor loop (one tensor)."""
+    from megatron_specrl.config import load_config
+    from megatron_specrl.plan import ModelShape, adam_kind, optimizer_step_bytes
+    base = ROOT / "examples" / "tiny-cpu-grpo.yaml"
+    assert adam_kind(load_config(base, [])) == "per_tensor"
+    gpu = ["cluster.gpus_per_node=8"]
+    assert adam_kind(load_config(base, gpu)) == "foreach"
+    assert adam_kind(load_config(base, gpu + ["learner.distributed_optimizer=true"])) == "fused"
+    s = ModelShape("llama", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=256, vocab=1000, tied=False,
+                   qkv_bias=False, max_positions=128)
+    assert optimizer_step_bytes(s, 1, 1024, 10_000, "foreach") == 40_000
+    assert optimizer_step_bytes(s, 1, 1024, 10_000, "fused") == 0
+    assert optimizer_step_bytes(s, 2, 1024, 10_000, "per_tensor") == 4 * 64 * 512   # the head's TP shard

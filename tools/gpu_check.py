@@ -375,8 +375,8 @@ def check_throughput(hf_dir, big: bool = True):
 
 
 def _plan_gib(model_dir, B, T, learner_kw) -> dict:
-    """The plan check's learner memory for this run's shape (megatron_specrl.plan, unfused attention:
-    no TransformerEngine here), to set beside the measured peaks."""
+    """The plan check's learner memory for this run's shape (megatron_specrl.plan, unfused attention and
+    torch's foreach AdamW: no TransformerEngine here), to set beside the measured peaks."""
     from megatron_specrl.config import load_config
     from megatron_specrl.learner.model_provider import padded_vocab_size
     from megatron_specrl.plan import ModelShape, learner_memory, load_hf_config
@@ -385,8 +385,9 @@ def _plan_gib(model_dir, B, T, learner_kw) -> dict:
           f"trainer.prompts_per_step={B // 2}", "rollout.n_samples=2", "learner.micro_batch_size=2",
           f"rollout.max_model_len={T}"] + [f"learner.{k}={str(v).lower()}" for k, v in learner_kw.items()]
     cfg = load_config(ROOT / "examples" / "tiny-cpu-grpo.yaml", ov)
-    m = learner_memory(cfg, s, padded_vocab_size(s.vocab, 1), flash=False)
-    return {"static": m.static / 2**30, "activations": m.activations / 2**30, "total": m.total / 2**30,
+    m = learner_memory(cfg, s, padded_vocab_size(s.vocab, 1), flash=False, adam="foreach")
+    return {"static": m.static / 2**30, "activations": m.activations / 2**30,
+            "optimizer_step": m.optimizer_step / 2**30, "total": m.total / 2**30,
             "scoring": (m.static + m.scoring) / 2**30}
 
 
