@@ -88,3 +88,19 @@ def test_adam_kind_follows_the_optimizer_the_learner_builds():
     assert optimizer_step_bytes(s, 1, 1024, 10_000, "foreach") == 40_000
     assert optimizer_step_bytes(s, 1, 1024, 10_000, "fused") == 0
     assert optimizer_step_bytes(s, 2, 1024, 10_000, "per_tensor") == 4 * 64 * 512   # the head's TP shard
+
+
+def test_bench_verify_cost_fits_the_step_cost_replay_drafts_takes():
+    """The GPU tool's fit over its (batch, q) grid recovers a known linear step cost, in the units
+    tools/replay_drafts.py --step-cost takes (ms a step, a request, a draft token)."""
+    import importlib.util
+
+    import pytest
+    spec = importlib.util.spec_from_file_location("bench_verify_cost", ROOT / "tools" / "bench_verify_cost.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    a, b, c = 6.0, 0.02, 0.003
+    rows = [{"batch": n, "ms": {q: a + b * n + c * n * (q - 1) for q in (1, 4, 8, 16)}} for n in (32, 128, 256)]
+    assert mod.fit_step_cost(rows) == pytest.approx((a, b, c), rel=1e-6)
+    with pytest.raises(ValueError, match="needs 10"):
+        mod.fit_step_cost(rows[:2])

@@ -99,3 +99,17 @@ def test_requests_running_per_step_counts_the_prefill_steps_requests():
                                max_k=4, max_model_len=256)
     # the one-token response ends in the prefill step: 2 requests there, 1 in each of the 19 others
     assert replay_drafts.running_per_step([one[1]]) == pytest.approx((2 + 19) / 20)
+
+
+def test_plain_decoding_of_the_same_responses_is_priced_a_step_a_token():
+    """--step-cost also prices plain decoding of the replayed responses: the longest sets the steps and
+    each interval counts the requests of the step that starts it (the prefill step's too), so the two
+    loops' ratio is the decode-loop speedup under that cost."""
+    short, long_ = list(range(1, 6)), list(range(1, 21))
+    out = replay_drafts.replay({1: _rows(1, [long_, short]), 2: _rows(2, [long_, short])}, window=0,
+                               own_draft=False, settings=SETTINGS, max_k=4, max_model_len=256)
+    assert out[2]["plain_steps"] == 20
+    assert out[2]["plain_cost_requests"] == 2 * 5 + 1 * 14          # both for steps 1-5, the long one to 19
+    assert replay_drafts.plain_loop_ms([out[2]], (2.0, 0.5, 9.0)) == 2.0 * 19 + 0.5 * 24   # no draft tokens
+    # drafts that cost nothing: the drafted loop (fewer steps) is cheaper than plain decoding
+    assert replay_drafts.loop_ms([out[2]], (2.0, 0.5, 0.0)) < replay_drafts.plain_loop_ms([out[2]], (2.0, 0.5, 0.0))

@@ -6,22 +6,29 @@ one (README, "Where the time goes"), which is what keeps the exact mode below 2.
 decode step is memory-bound (weights and KV read once per step), so q tokens should cost about what one
 does until the step turns compute-bound. This prints the ratio side by side for each batch size, so the
 decode-step counts measured on CPU (`bench-rollout`'s 'steps / rollout') can be turned into a GPU estimate.
+It also fits the measured steps as ms = a + b x requests + c x draft tokens, the form `bench-rollout` fits on
+CPU, and prints the `tools/replay_drafts.py --step-cost a,b,c` that prices a bench run's recorded steps
+(its dumps: the requests and draft tokens of every engine step) at this GPU's cost.
 
 HF transformers, random weights in the model's shape (no download), eager PyTorch with SDPA: no CUDA
 graphs and no vLLM scheduler or sampler, so the plain step's fixed launch cost is larger than vLLM's
 and its per-step Python is missing; the ratios are the model forward's alone.
 
     python tools/bench_verify_cost.py                       # Qwen2.5-7B shape, bf16, on the GPU
-    python tools/bench_verify_cost.py --shape tiny --batch 4,16 --context 64 --queries 1,4   # CPU smoke run
+    python tools/bench_verify_cost.py --shape tiny --batch 4,8,16,32 --context 64 --queries 1,2,4   # CPU smoke run
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the step-cost fit: megatron_specrl (numpy only)
 
 SHAPES = {
     # name: (hidden, layers, heads, kv_heads, ffn, vocab)
@@ -79,6 +86,22 @@ def step_ms(model, cache, batch: int, context: int, q: int, device, repeats: int
     return sorted(times)[len(times) // 2] * 1e3
 
 
+def fit_step_cost(rows: list[dict]) -> tuple[float, float, float]:
+    """(a, b, c) of ms = a + b r + c d over the measured (batch, q) grid, by the engines' own least squares
+    (tree_drafter.fit_step_cost): r = batch requests, d = batch x (q - 1) draft tokens (a drafted step
+    verifies q - 1 draft tokens and samples one more)."""
+    from megatron_specrl.engines.tree_drafter import add_step_cost
+    from megatron_specrl.engines.tree_drafter import fit_step_cost as fit_sums
+    sums: dict = {}
+    for row in rows:
+        for q, ms in row["ms"].items():
+            add_step_cost(sums, row["batch"], row["batch"] * (int(q) - 1), ms / 1e3)
+    fit = fit_sums(sums)
+    if fit is None:
+        raise ValueError(f"{sum(len(r['ms']) for r in rows)} (batch, q) points: the step-cost fit needs 10")
+    return fit
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen2.5-7b", choices=sorted(SHAPES))
@@ -88,6 +111,10 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    batches = [int(x) for x in args.batch.split(",")]
+    if len(batches) * len(args.queries.split(",")) < 10:
+        raise SystemExit(f"--batch {args.batch} x --queries {args.queries}: the step-cost fit needs 10 (batch, q) "
+                         "points; pass more values")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, cfg = build(args.shape, dtype, device)
@@ -96,7 +123,7 @@ def main() -> int:
     print(f"{args.shape} {str(dtype).removeprefix('torch.')} on {torch.cuda.get_device_name(0) if device.type == 'cuda' else 'cpu'}, "
           f"context {args.context}")
     print("batch  " + "  ".join(f"q={q}: ms (x q=1)" for q in qs))
-    for b in (int(x) for x in args.batch.split(",")):
+    for b in batches:
         cache = filled_cache(cfg, b, args.context, dtype, device)
         ms = {q: step_ms(model, cache, b, args.context, q, device, args.repeats) for q in qs}
         rows.append({"batch": b, "ms": ms, "ratio": {q: ms[q] / ms[qs[0]] for q in qs}})
@@ -104,9 +131,13 @@ def main() -> int:
         del cache
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    a, b, c = fit_step_cost(rows)
+    print(f"fit: ms / step = {a:.3f} + {b:.4f} r + {c:.5f} d (r requests, d draft tokens); price a bench run's steps "
+          f"with: python tools/replay_drafts.py <bench output>/rollouts --step-cost {a:.3f},{b:.4f},{c:.5f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"shape": args.shape, "dtype": str(dtype), "context": args.context, "rows": rows}, f, indent=1)
+            json.dump({"shape": args.shape, "dtype": str(dtype), "context": args.context, "rows": rows,
+                       "fit_ms": {"a": a, "b": b, "c": c}}, f, indent=1)
     return 0
 
 

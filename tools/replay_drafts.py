@@ -16,7 +16,11 @@ sample's previous response first (rollout.verify=decode), and the length setting
 setting, decode steps per rollout, tokens verified per step (draft tokens + running requests: what
 a step costs on a CPU), requests running per step, and draft acceptance. With `--step-cost A,B,C`
 (bench-rollout's fitted decode-step cost on the machine in question: A ms a step + B ms a request
-+ C ms a draft token) it also prints what the decode loop would take per rollout, so a drafting
++ C ms a draft token) it also prints what the decode loop would take per rollout, and what plain
+decoding of the same responses would take under the same cost (a GPU's fit from
+`tools/bench_verify_cost.py`, fitted over plain and drafted steps alike, turns a CPU run's steps into a
+GPU estimate; bench-rollout's fit covers drafted steps only, where requests and draft tokens rise
+together, so it prices plain steps badly), so a drafting
 policy (`--token-budget`, `--min-prob`, `--draft-tokens`) can be chosen for that machine. The first rollout of each
 prompt has no earlier responses; `--from-step` (default: the first step at which every prompt of
 the step has been seen before) sets where the summary starts. As in the engine, no draft runs past
@@ -89,8 +93,14 @@ def replay_step(drafter: TreeDrafter, rows: list[dict], tag: str, own: dict | No
             verified += len(d)
     drafter.begin_step(0)
     drafter.end_step()                       # every request has ended: its tokens stay in the trees
+    # plain decoding of the same responses: step k (the prefill is step 1) samples token k of every
+    # response at least k long; counted as above, each interval with the requests of the step starting it
+    lengths = [len(r["response_ids"]) for r in reqs.values()]
+    longest = max(lengths, default=0)
+    plain_requests = sum(sum(n >= k for n in lengths) for k in range(1, longest))
     return {"steps": steps, "request_steps": request_steps, "drafted": drafted, "accepted": accepted,
-            "verified": verified, "prefilled": prefilled, "cost_requests": cost_requests}
+            "verified": verified, "prefilled": prefilled, "cost_requests": cost_requests,
+            "plain_steps": longest, "plain_cost_requests": plain_requests}
 
 
 def infer_max_new_tokens(steps: dict[int, list[dict]]) -> int | None:
@@ -211,7 +221,9 @@ def main() -> None:
               f"{total('verified') / max(total('steps') - len(res), 1):6.0f}  requests running / step "
               f"{running_per_step(res):5.1f}  draft accepted "
               f"{total('accepted') / max(total('drafted'), 1):4.0%}"
-              + ("" if cost is None else f"  decode loop ~{loop_ms(res, cost):6.0f} ms / rollout"))
+              + ("" if cost is None else f"  decode loop ~{loop_ms(res, cost):6.0f} ms / rollout, plain decoding "
+                                         f"~{plain_loop_ms(res, cost):6.0f} ms "
+                                         f"({plain_loop_ms(res, cost) / loop_ms(res, cost):.2f}x)"))
 
 
 def running_per_step(results: list[dict]) -> float:
@@ -229,6 +241,15 @@ def loop_ms(results: list[dict], cost: tuple[float, float, float]) -> float:
     prefill step's requests - the last step's), ~7% of the default bench's loop."""
     a, b, c = cost
     return statistics.fmean(a * (r["steps"] - 1) + b * r["cost_requests"] + c * r["drafted"] for r in results)
+
+
+def plain_loop_ms(results: list[dict], cost: tuple[float, float, float]) -> float:
+    """The same rollouts' decode loop without drafts under the same cost model (a step a token, the
+    longest response setting the steps). Its ratio to loop_ms is the decode loops' speedup on the machine
+    the cost was fitted on; the prefill, request intake and outputs, the same in both, are left out, so
+    a whole rollout's speedup is lower."""
+    a, b, _ = cost
+    return statistics.fmean(a * (r["plain_steps"] - 1) + b * r["plain_cost_requests"] for r in results)
 
 
 if __name__ == "__main__":
