@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import torch
+from test_review_bench_tools_s19 import _tool     # loads a tools/ script as a module
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,10 +33,7 @@ def test_gpu_check_runs_its_learner_checks_on_cpu(tmp_path):
 def test_bench_verify_cost_runs_and_restores_the_cache():
     """tools/bench_verify_cost.py (prepared for a GPU lease): a forward over q new tokens per sequence
     on a filled KV cache, cropped back each time (the tool asserts the cache length), on the tiny shape."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("bench_verify_cost", ROOT / "tools" / "bench_verify_cost.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _tool("bench_verify_cost")
     dev = torch.device("cpu")
     model, cfg = mod.build("tiny", torch.float32, dev)
     assert next(model.parameters()).dtype == torch.float32 and torch.get_default_dtype() == torch.float32
@@ -50,25 +48,22 @@ def test_plan_matches_the_recorded_h200_peaks(tmp_path):
     docs/measurements_gpu/h200_s28_throughput.json; Megatron's local spec and torch's foreach AdamW, no
     TransformerEngine there). With full recompute the peak is the optimizer step's: torch's foreach AdamW
     holds an fp32 sqrt of every second moment, which the plan missed (10% low) until it counted it."""
-    import importlib.util
-
     from transformers import LlamaConfig
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _tool("gpu_check")
     rec = json.loads((ROOT / "docs" / "measurements_gpu" / "h200_s28_throughput.json").read_text())["throughput"]
     sh = rec["shape"]
     LlamaConfig(hidden_size=sh["hidden"], num_hidden_layers=sh["layers"], num_attention_heads=sh["heads"],
                 num_key_value_heads=sh["kv"], intermediate_size=sh["inter"], vocab_size=sh["vocab"],
                 max_position_embeddings=rec["T"]).save_pretrained(tmp_path)
     bf16 = {"precision": "bfloat16", "distributed_optimizer": True, "recompute_old_logprobs": True}
-    for tag, kw in (("fp32", {}), ("bf16", bf16), ("bf16_recompute_selective", {**bf16, "recompute": "selective"}),
-                    ("bf16_recompute_full", {**bf16, "recompute": "full"})):
-        plan = mod._plan_gib(tmp_path, rec["B"], rec["T"], kw)
+    plans = {tag: mod._plan_gib(tmp_path, rec["B"], rec["T"], kw) for tag, kw in (
+        ("fp32", {}), ("bf16", bf16), ("bf16_recompute_selective", {**bf16, "recompute": "selective"}),
+        ("bf16_recompute_full", {**bf16, "recompute": "full"}))}
+    for tag, plan in plans.items():
         measured = rec[tag]["peak_train_gib"]
         assert abs(plan["total"] / measured - 1) < 0.05, (tag, plan, measured)
     # the step's temporaries set the full-recompute peak: without them the plan is 10% low there
-    full = mod._plan_gib(tmp_path, rec["B"], rec["T"], {**bf16, "recompute": "full"})
+    full = plans["bf16_recompute_full"]
     assert full["optimizer_step"] > full["activations"]
     assert (full["static"] + full["activations"]) / rec["bf16_recompute_full"]["peak_train_gib"] < 0.92
 
@@ -93,12 +88,8 @@ def test_adam_kind_follows_the_optimizer_the_learner_builds():
 def test_bench_verify_cost_fits_the_step_cost_replay_drafts_takes():
     """The GPU tool's fit over its (batch, q) grid recovers a known linear step cost, in the units
     tools/replay_drafts.py --step-cost takes (ms a step, a request, a draft token)."""
-    import importlib.util
-
     import pytest
-    spec = importlib.util.spec_from_file_location("bench_verify_cost", ROOT / "tools" / "bench_verify_cost.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _tool("bench_verify_cost")
     a, b, c = 6.0, 0.02, 0.003
     rows = [{"batch": n, "ms": {q: a + b * n + c * n * (q - 1) for q in (1, 4, 8, 16)}} for n in (32, 128, 256)]
     assert mod.fit_step_cost(rows) == pytest.approx((a, b, c), rel=1e-6)

@@ -94,10 +94,11 @@ def replay_step(drafter: TreeDrafter, rows: list[dict], tag: str, own: dict | No
     drafter.begin_step(0)
     drafter.end_step()                       # every request has ended: its tokens stay in the trees
     # plain decoding of the same responses: step k (the prefill is step 1) samples token k of every
-    # response at least k long; counted as above, each interval with the requests of the step starting it
+    # response at least k long; counted as above, each interval with the requests of the step starting it,
+    # so a response of n tokens counts in steps 1..n, the last step (the longest response's) left out
     lengths = [len(r["response_ids"]) for r in reqs.values()]
     longest = max(lengths, default=0)
-    plain_requests = sum(sum(n >= k for n in lengths) for k in range(1, longest))
+    plain_requests = sum(min(n, longest - 1) for n in lengths)
     return {"steps": steps, "request_steps": request_steps, "drafted": drafted, "accepted": accepted,
             "verified": verified, "prefilled": prefilled, "cost_requests": cost_requests,
             "plain_steps": longest, "plain_cost_requests": plain_requests}
@@ -221,9 +222,13 @@ def main() -> None:
               f"{total('verified') / max(total('steps') - len(res), 1):6.0f}  requests running / step "
               f"{running_per_step(res):5.1f}  draft accepted "
               f"{total('accepted') / max(total('drafted'), 1):4.0%}"
-              + ("" if cost is None else f"  decode loop ~{loop_ms(res, cost):6.0f} ms / rollout, plain decoding "
-                                         f"~{plain_loop_ms(res, cost):6.0f} ms "
-                                         f"({plain_loop_ms(res, cost) / loop_ms(res, cost):.2f}x)"))
+              + ("" if cost is None else priced(res, cost)))
+
+
+def priced(results: list[dict], cost: tuple[float, float, float]) -> str:
+    """The decode loop's price per rollout, drafted and plain, and their ratio."""
+    drafted, plain = loop_ms(results, cost), plain_loop_ms(results, cost)
+    return f"  decode loop ~{drafted:6.0f} ms / rollout, plain decoding ~{plain:6.0f} ms ({plain / drafted:.2f}x)"
 
 
 def running_per_step(results: list[dict]) -> float:
