@@ -63,10 +63,10 @@ def _maxdiff(a: dict, b: dict) -> float:
 
 
 def _batch(hf_dir):
-    """make_batch's batch and the same completed with HF's log-probs (rollout / old / reference)."""
+    """make_batch's batch completed with HF's log-probs (rollout / old / reference)."""
     from test_learner_layouts import complete_batch, hf_reference, loss_config, make_batch
     batch = make_batch(hf_dir)
-    return batch, complete_batch(batch, hf_reference(hf_dir, batch, loss_config())[1])
+    return complete_batch(batch, hf_reference(hf_dir, batch, loss_config())[1])
 
 
 def check_learner_fp32(hf_dir):
@@ -93,7 +93,7 @@ def check_learner_fp32(hf_dir):
 def check_recompute(hf_dir):
     if not CUDA:
         return {"skipped": "learner.recompute needs CUDA"}
-    _, full = _batch(hf_dir)
+    full = _batch(hf_dir)
     out, ref = {}, None
     for mode in ("none", "selective", "full"):
         w = _worker(_settings(recompute=mode), hf_dir)
@@ -125,7 +125,7 @@ def _train(settings, hf_dir, full, steps=3, save_at=None, ckpt=None):
 
 
 def check_optimizers(hf_dir):
-    _, full = _batch(hf_dir)
+    full = _batch(hf_dir)
     m_adamw, w_adamw = _train(_settings(), hf_dir, full)
     m_dist, w_dist = _train(_settings(distributed_optimizer=True), hf_dir, full)
     d = _maxdiff(w_adamw, w_dist)
@@ -135,7 +135,7 @@ def check_optimizers(hf_dir):
 
 
 def check_checkpoint(hf_dir):
-    _, full = _batch(hf_dir)
+    full = _batch(hf_dir)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = f"{tmp}/ckpt"
         m, wts = _train(_settings(distributed_optimizer=True), hf_dir, full, steps=3, save_at=2, ckpt=ckpt)
@@ -153,7 +153,7 @@ def check_checkpoint(hf_dir):
 
 
 def check_bf16(hf_dir):
-    _, full = _batch(hf_dir)
+    full = _batch(hf_dir)
     m = full["attention_mask"].bool()
     w32 = _worker(_settings(), hf_dir)
     try:
