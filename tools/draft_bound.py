@@ -1,0 +1,198 @@
+"""How far the trees' drafts are from the best single-chain drafter, at fixed weights.
+
+vLLM 0.32 verifies one chain of draft tokens per request, and a point-mass draft token x is accepted with
+probability p(x). The chain that gains the most tokens, token by token, is the policy's own argmax
+continuation: its first token is accepted with probability max p. Replayed on tokens the policy really
+sampled, that drafter's token is accepted exactly where the sampled token is the argmax of the policy's
+distribution at that position (the policy's samples are what they are whatever was drafted; see
+tools/replay_drafts.py). So one teacher-forced forward over each sampled response gives the decode steps
+a rollout would take with drafts that were the policy's own greedy continuation: a bound on what any
+draft source (trees, a draft model, EAGLE / MTP heads) can gain with single-chain verification.
+
+It samples `--rounds` earlier rollouts of 16 prompts x 8 samples (the trees' history, as in a run that has
+seen every prompt that often) and one more, all at the same weights, with HF transformers (no engine:
+only the tokens matter), and replays the last rollout three ways under the engine's draft-length rule
+(`TreeDrafter.draft_len`: about `--token-budget` tokens verified a step):
+
+- `plain`:  one token a step;
+- `tree`:   the TreeDrafter the engines run, its prompt and shared trees holding the earlier rounds;
+- `argmax`: the policy's greedy continuation as the draft.
+
+It prints decode steps per rollout, request-steps, draft tokens accepted per request-step, and how often
+the sampled token was the argmax (the argmax drafter's per-token acceptance) or the trees' first proposal.
+
+    python tools/draft_bound.py --model ~/.cache/megatron_specrl/warmup/warmup-<hash> [--rounds 5]
+        [--temperature 1.0] [--top-p 1.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def chain_steps(hits: Sequence[Sequence[bool]], draft_len: Callable[[int], int]) -> dict:
+    """Decode steps of one rollout whose requests draft chains accepted where `hits` says.
+
+    hits[i][t]: whether request i's draft token for response position t would be accepted (the drafter
+    proposes the sampled token there). As in the engine and in replay_drafts.replay_step: the prefill
+    step samples every request's first token; each later step verifies a chain of up to
+    draft_len(requests the last step ran) tokens per running request, keeps the accepted prefix and
+    samples one more token (bonus or recovered); the rollout runs until its longest request ends."""
+    pos = [1 if len(h) else 0 for h in hits]
+    running = [i for i, h in enumerate(hits) if len(h)]
+    steps, request_steps, accepted, drafted = 1 if running else 0, 0, 0, 0
+    while running:
+        k = draft_len(len(running))
+        running = [i for i in running if pos[i] < len(hits[i])]
+        if not running:
+            break
+        steps += 1
+        for i in running:
+            h, p = hits[i], pos[i]
+            rest = len(h) - p
+            a = 0
+            while a < min(k, rest) and h[p + a]:
+                a += 1
+            pos[i] += min(a + 1, rest)
+            request_steps += 1
+            accepted += a
+            drafted += min(k, rest)
+    return {"steps": steps, "request_steps": request_steps, "accepted": accepted, "drafted": drafted}
+
+
+def argmax_hits(model, rows: list[dict]) -> list[list[bool]]:
+    """Per response position: whether the sampled token is the argmax of the policy's logits there."""
+    import torch
+    out = []
+    with torch.no_grad():
+        for r in rows:
+            ids = torch.tensor([r["prompt_ids"] + r["response_ids"]])
+            n = len(r["prompt_ids"])
+            am = model(ids).logits[0, n - 1:-1].argmax(-1).tolist()
+            out.append([a == t for a, t in zip(am, r["response_ids"])])
+    return out
+
+
+def sample_round(model, prompts: list[list[int]], samples: int, max_new_tokens: int, temperature: float,
+                 top_p: float, eos: int) -> list[dict]:
+    """`samples` responses to each prompt (HF generate; temperature 0: greedy), cut after EOS."""
+    import torch
+    rows = []
+    for pi, p in enumerate(prompts):
+        x = torch.tensor([p] * samples)
+        kw = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(do_sample=False)
+        with torch.no_grad():
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                                 eos_token_id=eos, pad_token_id=eos, **kw)
+        for s in range(samples):
+            r = out[s, len(p):].tolist()
+            r = r[:r.index(eos) + 1] if eos in r else r
+            rows.append({"prompt_id": f"p{pi}", "sample_idx": s, "prompt_ids": p, "response_ids": r})
+    return rows
+
+
+def tree_first_token_rate(rows: list[dict], history: list[list[dict]]) -> float:
+    """How often the trees' first proposed token (the prompt's tree, then the shared one, min_prob 0)
+    is the sampled token, each position drafted from the response's own prefix."""
+    from megatron_specrl.rollout.draft_tree import DraftTrees
+    trees = DraftTrees()
+    for old in history:
+        for r in old:
+            trees.insert(r["prompt_id"], r["response_ids"])
+            trees.insert("shared", r["response_ids"])
+    hit = n = 0
+    for j, r in enumerate(rows):
+        resp = r["response_ids"]
+        for t in range(len(resp)):
+            n += 1
+            for key in (r["prompt_id"], "shared"):
+                rid = (j, t, key)
+                trees.start(rid, key, resp[:t])
+                proposal = trees.propose(rid, 1, 0.0)
+                trees.finish(rid)
+                if proposal:
+                    hit += proposal[0] == resp[t]
+                    break
+    return hit / max(n, 1)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="an HF checkpoint of the task (a warm-up checkpoint)")
+    ap.add_argument("--rounds", type=int, default=5, help="earlier rollouts of every prompt in the trees")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--draft-tokens", type=int, default=16)
+    ap.add_argument("--token-budget", type=int, default=2048)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", default=None, help="also write the numbers here")
+    args = ap.parse_args(argv)
+    model_dir = Path(args.model).expanduser()
+    if not (model_dir / "config.json").is_file():
+        raise SystemExit(f"--model {args.model}: not an HF checkpoint directory (no config.json)")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds}: the trees need at least one earlier rollout")
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_specrl.data.synthetic import make_problems
+    from megatron_specrl.engines.tree_drafter import TreeDrafter
+    from replay_drafts import replay_step   # this folder's replay of the engine's decode loop
+
+    torch.manual_seed(args.seed)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    info = model_dir / "warmup.json"
+    task = json.loads(info.read_text())["task"] if info.is_file() else {}
+    problems = make_problems(args.prompts, seed=args.seed, min_terms=task.get("min_terms", 3),
+                             max_terms=task.get("max_terms", 6), max_value=task.get("max_value", 9))
+    prompts = [tok(p.prompt, add_special_tokens=False)["input_ids"] for p in problems]
+    sample = lambda: sample_round(model, prompts, args.samples, args.max_new_tokens, args.temperature,  # noqa: E731
+                                  args.top_p, tok.eos_token_id)
+    history = [sample() for _ in range(args.rounds)]
+    rows = sample()
+
+    settings = {"token_budget": args.token_budget}
+    drafter = TreeDrafter(args.draft_tokens, 1 << 20, settings)
+    for k, old in enumerate(history):
+        replay_step(drafter, old, f"h{k}", None, args.max_new_tokens)
+    tree = replay_step(drafter, rows, "last", None, args.max_new_tokens)
+    hits = argmax_hits(model, rows)
+    argmax = chain_steps(hits, drafter.draft_len)
+    plain = chain_steps([[False] * len(r["response_ids"]) for r in rows], lambda running: 0)
+    result = {
+        "plain": plain, "tree": {k: tree[k] for k in ("steps", "request_steps", "accepted", "drafted")},
+        "argmax": argmax,
+        "argmax_token_rate": statistics.mean(h for hs in hits for h in hs),
+        "tree_first_token_rate": tree_first_token_rate(rows, history),
+        "mean_response_tokens": statistics.mean(len(r["response_ids"]) for r in rows),
+        "settings": vars(args),
+    }
+    print(f"{len(rows)} requests, {result['mean_response_tokens']:.1f} tokens a response, {args.rounds} earlier "
+          f"rollouts in the trees, temperature {args.temperature}, top-p {args.top_p}")
+    print(f"{'drafts':>8} {'decode steps':>13} {'request-steps':>14} {'accepted / request-step':>24}")
+    for name in ("plain", "tree", "argmax"):
+        r = result[name]
+        print(f"{name:>8} {r['steps']:>13} {r['request_steps']:>14} "
+              f"{r['accepted'] / max(r['request_steps'], 1):>24.2f}")
+    print(f"sampled token = the policy's argmax: {result['argmax_token_rate']:.3f} of positions; "
+          f"= the trees' first proposal: {result['tree_first_token_rate']:.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
