@@ -371,6 +371,7 @@ def time_table(spreads: dict[str, dict[str, float]], modes: list[str], n_seeds: 
 
 def bench_rollout_main(argv: list[str]) -> int:
     from megatron_specrl.config import load_config, resolve_recipe
+    from megatron_specrl.diagnostics.machine import describe, machine
 
     args = _parse(argv)
     modes = [m for m in args.modes.split(",") if m]
@@ -385,6 +386,8 @@ def bench_rollout_main(argv: list[str]) -> int:
     steps_per_epoch = args.prompts // args.prompts_per_step
     root = Path(args.output_dir or tempfile.mkdtemp(prefix="specrl-bench-"))
     console = Console(width=200)
+    host = machine()   # timings and, through the kernels, the sampled tokens depend on it
+    console.print(f"machine: {describe(host)}")
     runs = []
     for seed in range(base_seed, base_seed + args.seeds):
         results = {}
@@ -400,7 +403,7 @@ def bench_rollout_main(argv: list[str]) -> int:
     console.print(time_table(spreads, modes, len(runs)))
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({
-            "runs": runs, "spread": spreads,
+            "runs": runs, "spread": spreads, "machine": host,
             "config": {"recipe": args.recipe, "prompts": args.prompts, "epochs": args.epochs, "modes": modes,
                        "steps_per_epoch": steps_per_epoch, "seeds": [r["seed"] for r in runs],
                        "overrides": list(args.overrides)}}, indent=1))

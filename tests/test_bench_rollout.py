@@ -126,6 +126,7 @@ def test_bench_smoke_run_writes_json(tmp_path):
     data = json.loads(out.read_text())
     (run,) = data["runs"]
     assert set(run["epochs"]) == {"off", "tree"} and len(run["epochs"]["tree"]) == 3
+    assert data["machine"]["cores"] >= 1 and data["machine"]["vllm"] and data["machine"]["torch"]   # where it ran
     assert run["summary"]["reuse_ratio_off"] == run["summary"]["reuse_ratio_tree"] == 0.0   # no prefix reuse
     assert run["summary"]["speedup_tree"] > 0
     assert run["summary"]["tokens_per_step_off"] == 1.0

@@ -148,6 +148,7 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megatron_specrl.data.synthetic import make_problems
+    from megatron_specrl.diagnostics.machine import machine
     from megatron_specrl.engines.tree_drafter import TreeDrafter
     from replay_drafts import replay_step   # this folder's replay of the engine's decode loop
 
@@ -178,7 +179,7 @@ def main(argv=None) -> int:
         "argmax_token_rate": statistics.mean(h for hs in hits for h in hs),
         "tree_first_token_rate": tree_first_token_rate(rows, history),
         "mean_response_tokens": statistics.mean(len(r["response_ids"]) for r in rows),
-        "settings": vars(args),
+        "settings": vars(args), "machine": machine(),   # the sampled tokens depend on the CPU's kernels
     }
     print(f"{len(rows)} requests, {result['mean_response_tokens']:.1f} tokens a response, {args.rounds} earlier "
           f"rollouts in the trees, temperature {args.temperature}, top-p {args.top_p}")
