@@ -12,14 +12,14 @@ def test_chain_steps_follows_the_engines_step_rule():
     # a 20-token response whose drafts are always right: the prefill samples token 1, then each step
     # accepts a 4-token chain and samples one more: ceil(19 / 5) = 4 steps
     assert draft_bound.chain_steps([[True] * 20], lambda running: 4) == \
-        {"steps": 5, "request_steps": 4, "accepted": 16, "drafted": 16}
+        {"steps": 5, "request_steps": 4, "accepted": 16, "drafted": 16, "first_drafted": 4, "first_accepted": 4}
     # never right: one token a step, as plain decoding
     assert draft_bound.chain_steps([[False] * 20], lambda running: 4)["steps"] == 20
     # a miss at position 3 ends the first chain after tokens 1-2; the rest is drafted whole
     hits = [True] * 12
     hits[3] = False
     out = draft_bound.chain_steps([hits], lambda running: 16)
-    assert out["steps"] == 3 and out["accepted"] == 2 + 8
+    assert out["steps"] == 3 and out["accepted"] == 2 + 8 and out["first_accepted"] == out["first_drafted"] == 2
     # the longest request sets the steps; the draft length follows the requests the last step ran
     seen = []
     out = draft_bound.chain_steps([[False] * 3, [False] * 6, []], lambda running: seen.append(running) or 0)
@@ -38,8 +38,8 @@ def test_chain_steps_matches_the_tree_replay_on_the_same_hits():
     replay_drafts.replay_step(drafter, rows, "old", None, 16)
     tree = replay_drafts.replay_step(drafter, rows, "new", None, 16)
     chain = draft_bound.chain_steps([[True] * len(r) for r in responses], drafter.draft_len)
-    assert (tree["steps"], tree["request_steps"], tree["accepted"]) == \
-        (chain["steps"], chain["request_steps"], chain["accepted"])
+    keys = ("steps", "request_steps", "accepted", "first_drafted", "first_accepted")
+    assert [tree[k] for k in keys] == [chain[k] for k in keys]
 
 
 @pytest.mark.slow

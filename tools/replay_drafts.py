@@ -63,6 +63,7 @@ def replay_step(drafter: TreeDrafter, rows: list[dict], tag: str, own: dict | No
     running = [rid for rid, r in reqs.items() if r["response_ids"]]
     prefilled = len(running)                 # the requests that ran in the prefill step (steps' first)
     steps, request_steps, drafted, accepted, verified = 1, 0, 0, 0, 0
+    first_drafted = first_accepted = 0       # request-steps with a draft, and those whose first token was accepted
     # the step-cost fit's requests: the engine's drafter times each step from its call to the next one
     # and counts that interval against the requests of the step whose call starts it (tree_drafter:
     # add_step_cost(last step's requests, ...)): the prefill step's requests in, the last step's out
@@ -89,6 +90,9 @@ def replay_step(drafter: TreeDrafter, rows: list[dict], tag: str, own: dict | No
             pos[rid] += gained[rid]
             request_steps += 1
             drafted += len(d)
+            if d:
+                first_drafted += 1
+                first_accepted += match > 0
             accepted += match
             verified += len(d)
     drafter.begin_step(0)
@@ -100,6 +104,7 @@ def replay_step(drafter: TreeDrafter, rows: list[dict], tag: str, own: dict | No
     longest = max(lengths, default=0)
     plain_requests = sum(min(n, longest - 1) for n in lengths)
     return {"steps": steps, "request_steps": request_steps, "drafted": drafted, "accepted": accepted,
+            "first_drafted": first_drafted, "first_accepted": first_accepted,
             "verified": verified, "prefilled": prefilled, "cost_requests": cost_requests,
             "plain_steps": longest, "plain_cost_requests": plain_requests}
 
