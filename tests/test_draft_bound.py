@@ -12,7 +12,8 @@ def test_chain_steps_follows_the_engines_step_rule():
     # a 20-token response whose drafts are always right: the prefill samples token 1, then each step
     # accepts a 4-token chain and samples one more: ceil(19 / 5) = 4 steps
     assert draft_bound.chain_steps([[True] * 20], lambda running: 4) == \
-        {"steps": 5, "request_steps": 4, "accepted": 16, "drafted": 16, "first_drafted": 4, "first_accepted": 4}
+        {"steps": 5, "request_steps": 4, "accepted": 16, "drafted": 16, "first_drafted": 4, "first_accepted": 4,
+         "cost_requests": 4}
     # never right: one token a step, as plain decoding
     assert draft_bound.chain_steps([[False] * 20], lambda running: 4)["steps"] == 20
     # a miss at position 3 ends the first chain after tokens 1-2; the rest is drafted whole
@@ -38,7 +39,7 @@ def test_chain_steps_matches_the_tree_replay_on_the_same_hits():
     replay_drafts.replay_step(drafter, rows, "old", None, 16)
     tree = replay_drafts.replay_step(drafter, rows, "new", None, 16)
     chain = draft_bound.chain_steps([[True] * len(r) for r in responses], drafter.draft_len)
-    keys = ("steps", "request_steps", "accepted", "first_drafted", "first_accepted")
+    keys = ("steps", "request_steps", "accepted", "first_drafted", "first_accepted", "cost_requests")
     assert [tree[k] for k in keys] == [chain[k] for k in keys]
 
 
@@ -50,7 +51,8 @@ def test_greedy_sampling_is_its_own_argmax_and_drafts_whole(tiny_llama, tmp_path
 
     out = tmp_path / "bound.json"
     assert draft_bound.main(["--model", str(tiny_llama), "--rounds", "1", "--prompts", "2", "--samples", "2",
-                             "--max-new-tokens", "12", "--temperature", "0", "--json", str(out)]) == 0
+                             "--max-new-tokens", "12", "--temperature", "0", "--step-cost", "5,0.1,0.01",
+                             "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["argmax_token_rate"] == 1.0
     longest = r["plain"]["steps"]                    # plain decoding: one step a token of the longest response
@@ -58,6 +60,15 @@ def test_greedy_sampling_is_its_own_argmax_and_drafts_whole(tiny_llama, tmp_path
     assert r["argmax"]["steps"] == min(longest, 2)   # prefill + one step drafting the rest (K = 16 > 11)
     assert r["argmax"]["accepted"] == r["argmax"]["drafted"]          # every draft token accepted
     assert r["tree"]["steps"] >= r["argmax"]["steps"]
+    # priced: the argmax loop is the chain's steps, requests and draft tokens at the given cost
+    a = r["argmax"]
+    assert r["loop_ms"]["argmax"] == pytest.approx(5 * (a["steps"] - 1) + 0.1 * a["cost_requests"] + 0.01 * a["drafted"])
+    assert r["loop_ms"]["plain"] >= r["loop_ms"]["argmax"]
+
+
+def test_a_bad_step_cost_is_one_line(tmp_path):
+    with pytest.raises(SystemExit, match="--step-cost 1,2: expected three non-negative numbers"):
+        draft_bound.main(["--model", str(tmp_path), "--step-cost", "1,2"])
 
 
 def test_a_bad_model_dir_is_one_line(tmp_path):

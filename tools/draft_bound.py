@@ -23,7 +23,7 @@ request-steps had a draft and how often its first token was accepted, and how of
 was the argmax (the argmax drafter's per-token acceptance).
 
     python tools/draft_bound.py --model ~/.cache/megatron_specrl/warmup/warmup-<hash> [--rounds 5]
-        [--temperature 1.0] [--top-p 1.0]
+        [--temperature 1.0] [--top-p 1.0] [--step-cost A,B,C]   # and the decode loops priced at that cost
 """
 
 from __future__ import annotations
@@ -50,13 +50,15 @@ def chain_steps(hits: Sequence[Sequence[bool]], draft_len: Callable[[int], int])
     pos = [1 if len(h) else 0 for h in hits]
     running = [i for i, h in enumerate(hits) if len(h)]
     steps, request_steps, accepted, drafted = 1 if running else 0, 0, 0, 0
-    first_drafted = first_accepted = 0
+    first_drafted = first_accepted = cost_requests = 0
     while running:
-        k = draft_len(len(running))
+        n_running = len(running)
+        k = draft_len(n_running)
         running = [i for i in running if pos[i] < len(hits[i])]
         if not running:
             break
         steps += 1
+        cost_requests += n_running   # as replay_step counts them for the step-cost price
         for i in running:
             h, p = hits[i], pos[i]
             rest = len(h) - p
@@ -71,7 +73,7 @@ def chain_steps(hits: Sequence[Sequence[bool]], draft_len: Callable[[int], int])
                 first_drafted += 1
                 first_accepted += a > 0
     return {"steps": steps, "request_steps": request_steps, "accepted": accepted, "drafted": drafted,
-            "first_drafted": first_drafted, "first_accepted": first_accepted}
+            "first_drafted": first_drafted, "first_accepted": first_accepted, "cost_requests": cost_requests}
 
 
 def argmax_hits(model, rows: list[dict]) -> list[list[bool]]:
@@ -117,8 +119,19 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-tokens", type=int, default=16)
     ap.add_argument("--token-budget", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--step-cost", default=None, metavar="A,B,C",
+                    help="price each decode loop at A ms a step + B ms a request + C ms a draft token "
+                         "(tools/bench_verify_cost.py prints a GPU's; bench-rollout a CPU's)")
     ap.add_argument("--json", default=None, help="also write the numbers here")
     args = ap.parse_args(argv)
+    cost = None
+    if args.step_cost is not None:
+        try:
+            cost = tuple(float(x) for x in args.step_cost.split(","))
+        except ValueError:
+            cost = ()
+        if len(cost) != 3 or min(cost) < 0:
+            raise SystemExit(f"--step-cost {args.step_cost}: expected three non-negative numbers A,B,C")
     model_dir = Path(args.model).expanduser()
     if not (model_dir / "config.json").is_file():
         raise SystemExit(f"--model {args.model}: not an HF checkpoint directory (no config.json)")
@@ -131,7 +144,7 @@ def main(argv=None) -> int:
     from megatron_specrl.data.synthetic import make_problems
     from megatron_specrl.diagnostics.machine import machine
     from megatron_specrl.engines.tree_drafter import TreeDrafter
-    from replay_drafts import replay_step   # this folder's replay of the engine's decode loop
+    from replay_drafts import loop_ms, plain_loop_ms, replay_step   # this folder's replay of the engine's loop
 
     torch.manual_seed(args.seed)
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -156,7 +169,8 @@ def main(argv=None) -> int:
     plain = chain_steps([[False] * len(r["response_ids"]) for r in rows], lambda running: 0)
     result = {
         "plain": plain, "argmax": argmax,
-        "tree": {k: tree[k] for k in ("steps", "request_steps", "accepted", "drafted", "first_drafted", "first_accepted")},
+        "tree": {k: tree[k] for k in ("steps", "request_steps", "accepted", "drafted", "first_drafted",
+                                      "first_accepted", "cost_requests")},
         "argmax_token_rate": statistics.mean(h for hs in hits for h in hs),
         "mean_response_tokens": statistics.mean(len(r["response_ids"]) for r in rows),
         "settings": vars(args), "machine": machine(),   # the sampled tokens depend on the CPU's kernels
@@ -171,6 +185,11 @@ def main(argv=None) -> int:
         print(f"{name:>8} {r['steps']:>13} {r['request_steps']:>14} {r['accepted'] / n:>24.2f} "
               f"{r['first_drafted'] / n:>23.0%} {r['first_accepted'] / max(r['first_drafted'], 1):>27.3f}")
     print(f"sampled token = the policy's argmax at {result['argmax_token_rate']:.3f} of positions")
+    if cost:
+        plain_ms = plain_loop_ms([tree], cost)   # replay_step prices plain decoding of the same responses
+        result["loop_ms"] = {"plain": plain_ms, "tree": loop_ms([tree], cost), "argmax": loop_ms([argmax], cost)}
+        print("decode loop at " + args.step_cost + ": " + ", ".join(
+            f"{name} {ms:.0f} ms ({plain_ms / ms:.2f}x)" for name, ms in result["loop_ms"].items()))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
