@@ -124,14 +124,9 @@ def main(argv=None) -> int:
                          "(tools/bench_verify_cost.py prints a GPU's; bench-rollout a CPU's)")
     ap.add_argument("--json", default=None, help="also write the numbers here")
     args = ap.parse_args(argv)
-    cost = None
-    if args.step_cost is not None:
-        try:
-            cost = tuple(float(x) for x in args.step_cost.split(","))
-        except ValueError:
-            cost = ()
-        if len(cost) != 3 or min(cost) < 0:
-            raise SystemExit(f"--step-cost {args.step_cost}: expected three non-negative numbers A,B,C")
+    from replay_drafts import loop_ms, parse_step_cost, plain_loop_ms, replay_step   # the engine loop's replay
+
+    cost = parse_step_cost(args.step_cost)
     model_dir = Path(args.model).expanduser()
     if not (model_dir / "config.json").is_file():
         raise SystemExit(f"--model {args.model}: not an HF checkpoint directory (no config.json)")
@@ -144,7 +139,6 @@ def main(argv=None) -> int:
     from megatron_specrl.data.synthetic import make_problems
     from megatron_specrl.diagnostics.machine import machine
     from megatron_specrl.engines.tree_drafter import TreeDrafter
-    from replay_drafts import loop_ms, plain_loop_ms, replay_step   # this folder's replay of the engine's loop
 
     torch.manual_seed(args.seed)
     tok = AutoTokenizer.from_pretrained(model_dir)

@@ -143,6 +143,20 @@ def replay(steps: dict[int, list[dict]], window: int, own_draft: bool, settings:
 
 
 
+def parse_step_cost(text: str | None) -> tuple[float, float, float] | None:
+    """--step-cost A,B,C (ms per step, per request, per draft token), or exit with one line naming it."""
+    if text is None:
+        return None
+    try:
+        cost = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        cost = ()
+    if len(cost) != 3 or min(cost) < 0:
+        raise SystemExit(f"--step-cost {text!r}: expected three numbers A,B,C >= 0 (ms per step, per request, "
+                         "per draft token)")
+    return cost
+
+
 def _counts(flag: str, text: str, form: str) -> list[int]:
     """A comma-separated list of non-negative integers, or exit with one line naming the flag."""
     try:
@@ -172,15 +186,7 @@ def main() -> None:
     ap.add_argument("--step-cost", default=None, metavar="A,B,C",
                     help="ms per decode step, per request in it, per draft token (bench-rollout's step cost fit)")
     args = ap.parse_args()
-    cost = None
-    if args.step_cost is not None:
-        try:
-            cost = tuple(float(x) for x in args.step_cost.split(","))
-        except ValueError:
-            cost = ()
-        if len(cost) != 3:
-            raise SystemExit(f"--step-cost {args.step_cost!r}: expected three numbers A,B,C (ms per step, per "
-                             "request, per draft token)")
+    cost = parse_step_cost(args.step_cost)
 
     windows = _counts("--window", args.window, "W[,W...] (the last W rollouts per prompt; 0: all)")
     for flag, value, low in (("--draft-tokens", args.draft_tokens, 1), ("--token-budget", args.token_budget, 1),
