@@ -61,6 +61,11 @@ def test_a_bad_step_cost_is_refused_before_any_work(tmp_path):
     assert out.returncode != 0 and "--step-cost '8.4,0.18': expected three numbers" in out.stderr
 
 
+def test_a_fitted_step_cost_with_a_slightly_negative_term_is_taken_as_printed():
+    # bench_verify_cost prints a least-squares fit; a term near zero can come out below it
+    assert replay_drafts.parse_step_cost("8.42,-0.003,0.0103") == (8.42, -0.003, 0.0103)
+
+
 def test_the_shared_tree_drafts_a_response_another_prompt_wrote():
     resp = list(range(1, 21))
     steps = {1: _rows(1, [resp], prompt_id="p"), 2: _rows(2, [resp], prompt_id="q")}

@@ -62,14 +62,15 @@ def chain_steps(hits: Sequence[Sequence[bool]], draft_len: Callable[[int], int])
         for i in running:
             h, p = hits[i], pos[i]
             rest = len(h) - p
+            chain = min(k, rest)
             a = 0
-            while a < min(k, rest) and h[p + a]:
+            while a < chain and h[p + a]:
                 a += 1
             pos[i] += min(a + 1, rest)
             request_steps += 1
             accepted += a
-            drafted += min(k, rest)
-            if min(k, rest):
+            drafted += chain
+            if chain:
                 first_drafted += 1
                 first_accepted += a > 0
     return {"steps": steps, "request_steps": request_steps, "accepted": accepted, "drafted": drafted,

@@ -144,15 +144,18 @@ def replay(steps: dict[int, list[dict]], window: int, own_draft: bool, settings:
 
 
 def parse_step_cost(text: str | None) -> tuple[float, float, float] | None:
-    """--step-cost A,B,C (ms per step, per request, per draft token), or exit with one line naming it."""
+    """--step-cost A,B,C (ms per step, per request, per draft token), or exit with one line naming it.
+
+    A term may be slightly negative: tools/bench_verify_cost.py prints a least-squares fit, and its
+    command line must be taken as printed."""
     if text is None:
         return None
     try:
         cost = tuple(float(x) for x in text.split(","))
     except ValueError:
         cost = ()
-    if len(cost) != 3 or min(cost) < 0:
-        raise SystemExit(f"--step-cost {text!r}: expected three numbers A,B,C >= 0 (ms per step, per request, "
+    if len(cost) != 3:
+        raise SystemExit(f"--step-cost {text!r}: expected three numbers A,B,C (ms per step, per request, "
                          "per draft token)")
     return cost
 
