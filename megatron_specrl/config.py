@@ -208,8 +208,16 @@ class RolloutConfig(_Strict):
     # Speculative decoding during generation with drafts from per-prompt trees of earlier responses
     # (SRT): every sample of a prompt, past epochs and this step's in-flight tokens. vLLM's rejection
     # sampler keeps every token an exact sample of the policy; composes with any spec_mode.
-    draft: Literal["none", "tree"] = "none"
-    draft_tokens: int = Field(16, ge=1, le=64)           # most draft tokens per request per engine step
+    # `model`: a smaller model that shares the policy's tokenizer drafts instead (vLLM's draft_model
+    # method, its argmax chain, verified by the same rejection sampler): it models the policy where no
+    # earlier response holds the text, which the trees cannot. Its weights stay those of `draft_model`
+    # (resync updates the policy only), so its acceptance falls as the policy moves: watch
+    # draft_model/accept_rate. vLLM engines only; on a CPU it does not pay (docs/measurements.md).
+    draft: Literal["none", "tree", "model"] = "none"
+    draft_model: str | None = None                      # HF directory of the draft model (rollout.draft=model)
+    # Most draft tokens per request per engine step. Unset: 16 from trees (a draft costs only its
+    # verification), 4 from a draft model (each costs a forward of the draft model).
+    draft_tokens: int | None = Field(None, ge=1, le=64)
     draft_min_prob: float = Field(0.1, ge=0, le=1)       # stop a draft where its path frequency drops below
     draft_token_budget: int = Field(2048, ge=1)          # about how many tokens one engine step verifies
     draft_max_nodes: int = Field(4_000_000, ge=1000)     # tree memory bound (least recently used prompts go first)
@@ -510,6 +518,17 @@ class RunConfig(_Strict):
         if r.draft_shared_nodes >= r.draft_max_nodes:
             raise ValueError(f"rollout.draft_shared_nodes={r.draft_shared_nodes} must be below rollout.draft_max_nodes="
                              f"{r.draft_max_nodes}: the shared tree lives within the trees' memory bound")
+        if r.draft == "model" and not r.draft_model:
+            raise ValueError("rollout.draft=model needs rollout.draft_model: the HF directory of a smaller model with "
+                             "the policy's tokenizer")
+        if r.draft_model and r.draft != "model":
+            raise ValueError(f"rollout.draft_model={r.draft_model!r} with rollout.draft={r.draft}: the draft model "
+                             "drafts only with rollout.draft=model")
+        if r.draft == "model" and r.engine != "vllm":
+            raise ValueError(f"rollout.draft=model with rollout.engine={r.engine}: draft-model speculative decoding is "
+                             "wired for vLLM engines only; use rollout.engine=vllm or rollout.draft=tree")
+        if r.draft_tokens is None:
+            r.draft_tokens = 4 if r.draft == "model" else 16
         if r.runahead and r.draft != "tree":
             raise ValueError(f"rollout.runahead={r.runahead} with rollout.draft={r.draft}: run-ahead tokens only "
                              "feed draft trees; set rollout.draft=tree or rollout.runahead=0")

@@ -340,7 +340,7 @@ def engine_max_model_len(cfg: RunConfig, s: ModelShape) -> int:
     if r.engine != "vllm":
         return r.max_model_len
     from megatron_specrl.engines.vllm_engine import drafting_max_model_len
-    return drafting_max_model_len(r.max_model_len, r.draft_tokens if r.draft == "tree" else 0, s.max_positions)
+    return drafting_max_model_len(r.max_model_len, r.draft_tokens if r.draft != "none" else 0, s.max_positions)
 
 
 # --------------------------------------------------------------------------- arithmetic

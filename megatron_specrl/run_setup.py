@@ -23,7 +23,8 @@ from megatron_specrl.metrics import MetricsLogger, plot_metrics
 from megatron_specrl.placement import Placement, cluster_gpus, plan_placement
 from megatron_specrl.resync.choose import resolve_transport
 from megatron_specrl.resync.routes import Route, make_route
-from megatron_specrl.models.resolve import read_hf_config, resolve_model, shape_of, tokenizer_fingerprint
+from megatron_specrl.models.resolve import (read_hf_config, resolve_draft_model, resolve_model, shape_of,
+                                           tokenizer_fingerprint)
 from megatron_specrl.rollout.draft_tree import DraftTrees
 from megatron_specrl.rollout.dump import set_aside_later_dumps
 from megatron_specrl.rollout.speculative import SpeculativeRollout, stable_seed
@@ -127,6 +128,10 @@ def build_run(cfg: RunConfig) -> Run:
     hf_config = read_hf_config(model_dir)
     check_model_divisibility(cfg, *shape_of(hf_config), intermediate_size=hf_config.get("intermediate_size"),
                              max_positions=hf_config.get("max_position_embeddings"))
+    rollout_cfg = cfg.rollout
+    if cfg.rollout.draft == "model":   # checked before Ray and the engines start; engines get its directory
+        draft_dir = resolve_draft_model(cfg.model, cfg.rollout.draft_model, model_dir, tuple(cfg.data.synthetic_terms))
+        rollout_cfg = cfg.rollout.model_copy(update={"draft_model": str(draft_dir)})
     tokenizer = load_tokenizer(cfg.model.path, model_dir, hf_config)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     d = cfg.data
@@ -173,7 +178,7 @@ def build_run(cfg: RunConfig) -> Run:
     placement = plan_placement(cfg, cluster_gpus())
     transport = resolve_transport(cfg.trainer.resync_transport, placement, cfg.rollout.num_engines,
                                   cfg.rollout.engine)
-    actors = build_actors(model_dir, cfg.learner, cfg.rollout, seed=cfg.trainer.seed, log_dir=out / "engine_logs",
+    actors = build_actors(model_dir, cfg.learner, rollout_cfg, seed=cfg.trainer.seed, log_dir=out / "engine_logs",
                           critic_lr=cfg.algorithm.critic_lr if cfg.algorithm.name == "ppo" else None,
                           critic_lr_warmup_steps=cfg.algorithm.critic_lr_warmup_steps,
                           critic_weight_decay=cfg.algorithm.critic_weight_decay,

@@ -37,7 +37,7 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, log_dir: str | Path, inde
         return VLLMEngine, dict(common, kv_cache_gb=cfg.kv_cache_gb, logprobs_mode=mode,
                                 max_num_batched_tokens=cfg.max_num_batched_tokens,
                                 seed_requests=cfg.seed_requests, draft_fresh_prompts=cfg.draft_fresh_prompts,
-                                **sleep, **draft)
+                                draft_model=cfg.draft_model, **sleep, **draft)
     from megatron_specrl.engines.sglang_engine import SGLangEngine
     # SGLang's counterpart of sleep mode: without it release_memory_occupation frees nothing
     # (it also needs the torch_memory_saver package on the GPU nodes)

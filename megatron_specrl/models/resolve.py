@@ -62,6 +62,41 @@ def read_hf_config(model_dir: Path) -> dict:
     return json.loads((Path(model_dir) / "config.json").read_text())
 
 
+def resolve_draft_model(model_cfg: ModelConfig, draft_model: str | None, policy_dir: Path,
+                        task_terms: tuple[int, int] | None = None) -> Path:
+    """rollout.draft_model's directory, checked against the policy's (check_draft_model). A tiny
+    model's name gives that model as model.path would (its warm-up included): a frozen copy of the
+    starting policy when the policy is that tiny model, which shows on a laptop how a fixed draft
+    model's acceptance falls as the policy trains."""
+    if draft_model in TINY:
+        draft_dir = resolve_model(model_cfg.model_copy(update={"path": draft_model}), seed=0, task_terms=task_terms)
+    else:
+        draft_dir = Path(draft_model) if draft_model else None
+    check_draft_model(draft_dir, policy_dir)
+    return draft_dir
+
+
+def check_draft_model(draft_dir: str | Path | None, policy_dir: str | Path) -> None:
+    """rollout.draft=model's draft model, before any engine starts: an HF directory whose vocabulary is
+    the policy's. vLLM verifies draft tokens by id; a draft with another vocabulary would fail inside
+    the engine's worker (or, with the same size but other tokens, draft nothing that is accepted)."""
+    if not draft_dir:
+        raise ConfigError("rollout.draft=model needs rollout.draft_model: the HF directory of a smaller model with "
+                         "the policy's tokenizer")
+    cfg_file = Path(draft_dir) / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(f"rollout.draft_model={str(draft_dir)!r}: no config.json there (expected an HF model "
+                         "directory)")
+    try:
+        draft = json.loads(cfg_file.read_text())
+    except ValueError as e:
+        raise ConfigError(f"rollout.draft_model={str(draft_dir)!r}: config.json is not JSON ({e})") from None
+    policy = read_hf_config(Path(policy_dir))
+    if draft.get("vocab_size") != policy.get("vocab_size"):
+        raise ConfigError(f"rollout.draft_model={str(draft_dir)!r}: vocab_size {draft.get('vocab_size')} is not the "
+                         f"policy's {policy.get('vocab_size')}; the draft model must share the policy's tokenizer")
+
+
 def model_shape(model_cfg: ModelConfig) -> tuple[int, int, int]:
     """(attention heads, kv heads, layers) known before any model is built, for config validation."""
     if model_cfg.path in TINY:

@@ -24,11 +24,14 @@ RolloutRound = Callable[[int], tuple[list[RolloutSample], torch.Tensor, torch.Te
 ADDITIVE_SUFFIXES = ("_tokens", "_s", "spec/drafts", "spec/nonfinite_logprobs", "spec/coupled_refreshed",
                      "spec/samples", "spec/full_reuses", "spec/lenient_excess", "spec/redraws",
                      "runahead/requests", "spec/decode_steps", "tree/engine_steps", "tree/engine_steps_longest",
-                     "tree/request_steps", "tree/requests")
+                     "tree/request_steps", "tree/requests", "draft_model/drafts", "draft_model/engine_steps",
+                     "draft_model/engine_steps_longest")
 ADDITIVE_PREFIXES = ("tree_cost/", "tree_calib/")     # the step-cost fit's and the calibration's sums
 # ratios of counters: recomputed from the step's sums (an average over rounds would weigh a small
 # round like a full one); numerator and denominator as rollout/speculative.py and tree_metrics define them
 RATIOS = {"tree/accept_rate": ("tree/accepted_tokens", "tree/draft_tokens"),
+          "draft_model/accept_rate": ("draft_model/accepted_tokens", "draft_model/draft_tokens"),
+          "draft_model/mean_accept_len": ("draft_model/accepted_tokens", "draft_model/drafts"),
           "tree/tokens_per_step": ("tree/generated_tokens", "tree/request_steps"),
           "tree/steps_per_request": ("tree/request_steps", "tree/requests"),
           "tree/calibration_prompt": ("tree_calib/prompt_hits", "tree_calib/prompt_expected"),

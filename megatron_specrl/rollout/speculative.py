@@ -103,6 +103,8 @@ def tree_metrics(engine) -> dict[str, float]:
     stats = engine.draft_stats() if hasattr(engine, "draft_stats") else {}
     if not stats:
         return {}
+    if "nodes" not in stats:   # a draft model's (rollout.draft=model): vLLM's counters, no trees
+        return draft_model_metrics(stats)
     drafted, accepted = stats["draft_tokens"], stats["accepted_tokens"]
     return {"tree/nodes": stats["nodes"], "tree/memory_mb": stats["memory_mb"],
             "tree/draft_tokens": drafted, "tree/accepted_tokens": accepted,
@@ -132,6 +134,20 @@ def tree_metrics(engine) -> dict[str, float]:
                if stats.get(f"calib_{src}_expected", 0.0) > 0},
             **{f"tree_calib/{k.removeprefix('calib_')}": v for k, v in stats.items() if k.startswith("calib_")},
             **{f"tree_cost/{k.removeprefix('cost_')}": v for k, v in stats.items() if k.startswith("cost_")}}
+
+
+def draft_model_metrics(stats: dict[str, float]) -> dict[str, float]:
+    """`draft_model/*` metrics of a rollout drafted by a draft model (rollout.draft=model), from vLLM's
+    spec-decode counters (engines/vllm_engine.draft_model_counters). Its weights stay fixed while the
+    policy trains, so accept_rate falling over the run is the draft model going stale."""
+    drafted, accepted = stats.get("draft_tokens", 0.0), stats.get("accepted_tokens", 0.0)
+    drafts = stats.get("drafts", 0.0)
+    return {"draft_model/draft_tokens": drafted, "draft_model/accepted_tokens": accepted,
+            "draft_model/drafts": drafts, "draft_model/accept_rate": accepted / max(drafted, 1.0),
+            # draft tokens a drafted request-step kept (it also samples one token of its own)
+            "draft_model/mean_accept_len": accepted / max(drafts, 1.0),
+            "draft_model/engine_steps": stats.get("engine_steps", 0.0),
+            "draft_model/engine_steps_longest": stats.get("engine_steps_longest", stats.get("engine_steps", 0.0))}
 
 
 def common_prefix(a, b) -> int:
