@@ -42,7 +42,7 @@ STEADY_FROM_EPOCH = 3
 RUNAHEAD_REQUESTS = 64   # the `+runahead` modes: run-ahead requests per rollout
 
 
-def mode_overrides(mode: str) -> list[str]:
+def mode_overrides(mode: str, draft_model: str | None = None) -> list[str]:
     """`exact+tree` -> spec_mode=exact, draft=tree; `tree` alone is plain generation with tree drafts;
     `exact+tree+decode` verifies last epoch's responses inside the decode loop (rollout.verify=decode)
     instead of in a prefill; `+runahead` (with tree drafting) adds RUNAHEAD_REQUESTS run-ahead requests
@@ -50,8 +50,18 @@ def mode_overrides(mode: str) -> list[str]:
     from each prompt's own tree only (rollout.draft_shared_nodes=0), which measures the shared tree's;
     `+pytrees` keeps the trees in pure Python (rollout.draft_impl=python: the same drafts, so the same
     tokens), which measures the compiled trees' gain; `+nocalib` drafts from the trees' raw frequencies
-    (rollout.draft_calibrate=false), which measures the calibration's. Not in the default list."""
+    (rollout.draft_calibrate=false), which measures the calibration's. `model` / `exact+model` draft
+    from a draft model (rollout.draft=model; its rollout.draft_model among the overrides). Not in the
+    default list."""
     spec, *extras = mode.split("+")
+    if spec == "model":
+        spec, extras = "off", ["model", *extras]
+    if extras == ["model"] and spec in ("off", "exact", "lenient", "coupled"):   # a draft model drafts
+        if not draft_model:
+            raise SystemExit(f"bench mode {mode!r} drafts from a draft model: pass --draft-model (an HF directory "
+                             "with the policy's tokenizer, or a tiny model's name for the frozen starting policy)")
+        return [f"rollout.spec_mode={spec}", "rollout.draft=model", "rollout.runahead=0", "rollout.verify=prefill",
+                f"rollout.draft_model={draft_model}"]
     if spec == "tree":
         spec, extras = "off", ["tree", *extras]
     decode = spec == "exact" and extras[:2] == ["tree", "decode"]
@@ -61,8 +71,9 @@ def mode_overrides(mode: str) -> list[str]:
         flags.append(rest.pop())
     known = spec in ("off", "exact", "lenient", "coupled") and rest in ([], ["tree"], ["tree", "runahead"])
     if not known:
-        raise SystemExit(f"unknown bench mode {mode!r}; modes: {', '.join(MODES)}, exact+tree+decode, and any "
-                         "+tree mode with +runahead, then any of +noshared, +pytrees, +nocalib")
+        raise SystemExit(f"unknown bench mode {mode!r}; modes: {', '.join(MODES)}, exact+tree+decode, any "
+                         "+tree mode with +runahead, then any of +noshared, +pytrees, +nocalib; `model` and "
+                         "exact/lenient/coupled+model (rollout.draft=model: pass rollout.draft_model=...)")
     runahead = RUNAHEAD_REQUESTS if "runahead" in rest else 0
     out = [f"rollout.spec_mode={spec}", f"rollout.draft={'tree' if rest else 'none'}", f"rollout.runahead={runahead}",
            f"rollout.verify={'decode' if decode else 'prefill'}"]
@@ -80,6 +91,9 @@ def _parse(argv):
     p.add_argument("--prompts", type=int, default=32, help="dataset size (prompts per epoch)")
     p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--draft-model", default=None,
+                   help="the `model` modes' rollout.draft_model: an HF directory with the policy's tokenizer, or a "
+                        "tiny model's name (its warm-up included: the frozen starting policy)")
     p.add_argument("--seeds", type=int, default=1, help="repeat over trainer.seed = base, base+1, ...")
     p.add_argument("--seed", type=int, default=None, help="base seed (default: the recipe's trainer.seed)")
     p.add_argument("--eval-prompts", type=int, default=128,
@@ -107,7 +121,11 @@ def per_epoch(rows: list[dict], steps_per_epoch: int, verify_in_decode: bool = F
         # the decode loop the engine samples it, so it is among the generated tokens already
         replaced = 0.0 if verify_in_decode else total("spec/replaced_tokens")
         # tokens per request per decode step: counted by the tree proposer; 1 without drafting
-        request_steps = total("tree/request_steps")
+        # (a draft model: vLLM counts request-steps that verified a draft, each giving its accepted
+        # draft tokens and one sampled token; every running request drafts, so nearly all of them)
+        request_steps = total("tree/request_steps") or total("draft_model/drafts")
+        drafted_tokens = (total("tree/generated_tokens")
+                          or total("draft_model/accepted_tokens") + total("draft_model/drafts"))
         epochs.append({
             "epoch": e + 1,
             "rollouts": len(chunk),
@@ -119,8 +137,8 @@ def per_epoch(rows: list[dict], steps_per_epoch: int, verify_in_decode: bool = F
             "generate_s": total("spec/extend_s"),     # the engine's generation call(s)
             "loop_s": total("tree/loop_s"),           # tree drafting: its decode loop, first to last step
             "draft_s": total("tree/draft_s"),         # tree drafting: the drafter's own time
-            "draft_tokens": total("tree/draft_tokens"),
-            "draft_accepted": total("tree/accepted_tokens"),
+            "draft_tokens": total("tree/draft_tokens") + total("draft_model/draft_tokens"),
+            "draft_accepted": total("tree/accepted_tokens") + total("draft_model/accepted_tokens"),
             # sums of the decode-step cost fit (tree drafting): ms = a + b requests + c draft tokens
             "step_cost_sums": {k: total(f"tree_cost/{k.removeprefix('cost_')}") for k in STEP_COST_SUMS},
             # requests running in a decode step, summed over steps (one token each without drafts)
@@ -131,7 +149,7 @@ def per_epoch(rows: list[dict], steps_per_epoch: int, verify_in_decode: bool = F
             "accepted_tokens": total("spec/accepted_tokens"),
             "replaced_tokens": replaced,
             "reuse_ratio": total("spec/accepted_tokens") / max(total("spec/accepted_tokens") + generated + replaced, 1),
-            "tokens_per_step": total("tree/generated_tokens") / request_steps if request_steps else 1.0,
+            "tokens_per_step": drafted_tokens / request_steps if request_steps else 1.0,
             "decode_steps": total("spec/decode_steps") / len(chunk),
             "reward": sum(r.get("reward/mean", 0.0) for r in chunk) / len(chunk),
             "mean_response_len": response_tokens / len(chunk),
@@ -274,7 +292,7 @@ def run_mode(args, mode: str, seed: int, root: Path, steps_per_epoch: int, conso
 
     out = root / f"seed{seed}" / mode.replace("+", "-")
     cfg = load_config(resolve_recipe(args.recipe), [
-        *args.overrides, *mode_overrides(mode), f"output_dir={out}", f"trainer.seed={seed}",
+        *args.overrides, *mode_overrides(mode, args.draft_model), f"output_dir={out}", f"trainer.seed={seed}",
         f"data.num_synthetic={args.prompts}", f"trainer.prompts_per_step={args.prompts_per_step}",
         f"trainer.total_steps={steps_per_epoch * args.epochs}", "trainer.resume=never",
         "trainer.checkpoint_every=0", f"trainer.eval_every={steps_per_epoch if args.eval_prompts else 0}",
@@ -376,7 +394,7 @@ def bench_rollout_main(argv: list[str]) -> int:
     args = _parse(argv)
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
-        mode_overrides(m)   # unknown modes fail before any work
+        mode_overrides(m, args.draft_model)   # unknown modes fail before any work
     if args.prompts % args.prompts_per_step:
         raise SystemExit("--prompts must be a multiple of --prompts-per-step")
     if args.seeds < 1:

@@ -58,6 +58,17 @@ def test_a_draft_model_without_the_policys_vocabulary_is_refused_before_start(tm
     check_draft_model(tiny_llama, tiny_llama)   # the policy's own checkpoint is a (useless but valid) draft
 
 
+def test_bench_modes_draft_from_the_draft_model_they_are_given():
+    from megatron_specrl.bench_rollout import mode_overrides
+    assert mode_overrides("exact+model", "/d") == ["rollout.spec_mode=exact", "rollout.draft=model", "rollout.runahead=0",
+                                                   "rollout.verify=prefill", "rollout.draft_model=/d"]
+    assert mode_overrides("model", "tiny-llama")[:2] == ["rollout.spec_mode=off", "rollout.draft=model"]
+    with pytest.raises(SystemExit, match="bench mode 'exact\\+model' drafts from a draft model: pass --draft-model"):
+        mode_overrides("exact+model")
+    with pytest.raises(SystemExit, match="unknown bench mode 'exact\\+model\\+tree'"):
+        mode_overrides("exact+model+tree", "/d")
+
+
 def test_engine_args_ask_vllm_for_point_mass_drafts_and_standard_rejection(tiny_llama):
     from megatron_specrl.engines.vllm_engine import llm_args
     kw = llm_args(str(tiny_llama), on_cpu=True, seed=0, max_model_len=256, kv_cache_gb=0.25,
@@ -128,7 +139,9 @@ def engines(tiny_llama, draft_dir, tmp_path_factory):
 
 
 def _requests(n, seed0, max_new=3):
-    return [GenerateRequest(list(PROMPT), max_new, seed=seed0 + i) for i in range(n)]
+    # draft keys mark a rollout's requests, whose batches the draft counters count
+    return [GenerateRequest(list(PROMPT), max_new, seed=seed0 + i, draft_key="p", response_start=len(PROMPT))
+            for i in range(n)]
 
 
 def _contingency_pvalue(a: list, b: list) -> float:
@@ -148,8 +161,10 @@ def test_greedy_with_a_draft_model_gives_the_plain_greedy_tokens(engines):
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 263) for _ in range(8)] for _ in range(6)]
     greedy = SamplingSettings(temperature=0.0, need_logprobs=False)
-    drafted.draft_stats()
-    got = drafted.generate([GenerateRequest(p, 40) for p in prompts], greedy, 0)
+    drafted.generate([GenerateRequest(p, 40) for p in prompts], greedy, 0)
+    assert drafted.draft_stats() == {}, "a batch without draft keys (held-out eval) is not counted"
+    got = drafted.generate([GenerateRequest(p, 40, draft_key=f"g{i}", response_start=len(p))
+                            for i, p in enumerate(prompts)], greedy, 0)
     stats = drafted.draft_stats()
     want = plain.generate([GenerateRequest(p, 40) for p in prompts], greedy, 0)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
@@ -181,7 +196,8 @@ def test_accepted_draft_tokens_carry_the_sampling_distributions_log_probs(engine
     _, drafted = engines
     sampling = SamplingSettings(temperature=0.7, top_p=0.9, top_k=3)
     rng = random.Random(3)
-    reqs = [GenerateRequest([rng.randrange(3, 263) for _ in range(8)], 6, seed=k) for k in range(32)]
+    reqs = [GenerateRequest([rng.randrange(3, 263) for _ in range(8)], 6, seed=k, draft_key=str(k), response_start=8)
+            for k in range(32)]
     drafted.draft_stats()
     out = drafted.generate(reqs, sampling, 0)
     assert drafted.draft_stats()["accepted_tokens"] > 10, "no draft was accepted: nothing checked"

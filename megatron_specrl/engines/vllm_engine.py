@@ -270,7 +270,7 @@ DRAFT_MODEL_COUNTERS = {"vllm:spec_decode_num_drafts": "drafts",   # request-ste
 def draft_model_counters(metrics) -> dict[str, float]:
     """A draft model's counters from `LLM.get_metrics()`: DRAFT_MODEL_COUNTERS and `engine_steps`, the
     engine's steps (one observation of vllm:iteration_tokens_total each). Cumulative since the engine
-    started, verification prefills included; draft_stats takes differences."""
+    started; generate() takes differences around a rollout's batch."""
     out = dict.fromkeys([*DRAFT_MODEL_COUNTERS.values(), "engine_steps"], 0.0)
     for m in metrics:
         if m.name in DRAFT_MODEL_COUNTERS:
@@ -357,6 +357,7 @@ class VLLMEngine:
             from megatron_specrl.models.resolve import check_draft_model
             check_draft_model(draft_model, model_path)
         self.draft = draft
+        self._draft_counts: dict[str, float] = {}   # draft=model: vLLM's counters over rollout batches
         self.draft_fresh_prompts = (not self._on_cpu) if draft_fresh_prompts is None else bool(draft_fresh_prompts)
         if draft == "tree":   # speculative decoding from per-prompt trees (engines/tree_proposer.py)
             os.environ[SETTINGS_ENV] = settings_env(**(draft_settings or {}))
@@ -440,11 +441,19 @@ class VLLMEngine:
             undrafted = self._fresh_prompt_requests(requests)
             params = [self._sampling_params(r, sampling, i in undrafted) for i, r in enumerate(requests)]
             prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
+            # a draft model's counters: a rollout's generation batches only (its requests carry draft keys;
+            # held-out evaluation's do not), as the tree proposer counts only steps its requests ran
+            counted = self.draft == "model" and any(r.draft_key is not None for r in requests)
+            before = draft_model_counters(self._run(self.llm.get_metrics)) if counted else None
             if any(r.runahead for r in requests):
                 outs = self._run(lambda: self._generate_with_runahead(
                     prompts, params, [r.runahead for r in requests]))
             else:
                 outs = self._run(lambda: self.llm.generate(prompts, params, use_tqdm=False))
+            if counted:
+                after = draft_model_counters(self._run(self.llm.get_metrics))
+                for k, v in after.items():
+                    self._draft_counts[k] = self._draft_counts.get(k, 0.0) + v - before[k]
             if undrafted:   # their responses feed the trees now, as they would have in flight
                 pairs = [(str(requests[i].draft_key), [int(t) for t in requests[i].prompt_ids[requests[i].response_start:]]
                           + [int(t) for t in outs[i].outputs[0].token_ids]) for i in sorted(undrafted)]
@@ -683,12 +692,12 @@ class VLLMEngine:
     def draft_stats(self) -> dict[str, float]:
         """The tree proposer's counters since the last call (draft / accepted / generated tokens,
         request-steps, engine steps) and the trees' size; with a draft model vLLM's own spec-decode
-        counters since the last call (draft_model_counters); {} without drafting."""
+        counters over the rollout batches (requests with draft keys) since the last call
+        (draft_model_counters; engine steps include each batch's prefill); {} without drafting."""
         if self.draft == "model":
             with self._lock:
-                now = draft_model_counters(self._run(self.llm.get_metrics))
-            base, self._draft_base = getattr(self, "_draft_base", {}), now
-            return {k: v - base.get(k, 0.0) for k, v in now.items()}
+                counts, self._draft_counts = self._draft_counts, {}
+            return counts
         if self.draft != "tree":
             return {}
         with self._lock:

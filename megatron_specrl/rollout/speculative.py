@@ -385,6 +385,8 @@ class SpeculativeRollout:
         # longest engine's, as the longest continuation sets them without drafts), otherwise one a token
         # of the longest continuation
         # (a batch whose requests all ran undrafted, rollout.draft_fresh_prompts, counts as one without drafts)
+        # (a draft model's: vLLM's engine steps over the batch, its prefill included)
         metrics["spec/decode_steps"] = (metrics.get("tree/engine_steps_longest")
+                                        or metrics.get("draft_model/engine_steps_longest")
                                         or float(max((len(r.token_ids) for r in results), default=0)))
         return samples, metrics
