@@ -317,11 +317,14 @@ class EngineMemory:
         return self.budget - self.weights
 
 
-def engine_memory(cfg: RunConfig, s: ModelShape, gpu_bytes: int) -> EngineMemory:
+def engine_memory(cfg: RunConfig, s: ModelShape, gpu_bytes: int, draft: ModelShape | None = None) -> EngineMemory:
+    """`draft`: rollout.draft=model's draft model, which vLLM holds beside the policy in every engine,
+    its weights split as the policy's (draft TP = engine TP) and its layers' KV in the same cache."""
     r = cfg.rollout
     dtype = ENGINE_BYTES[r.engine_dtype]
-    weights = full_parameters(s) * dtype // r.engine_tp
-    kv_per_token = 2 * s.layers * max(1, s.kv_heads // r.engine_tp) * s.head_dim * dtype
+    weights = sum(full_parameters(m) for m in (s, draft) if m is not None) * dtype // r.engine_tp
+    kv_per_token = sum(2 * m.layers * max(1, m.kv_heads // r.engine_tp) * m.head_dim * dtype
+                       for m in (s, draft) if m is not None)
     seqs = math.ceil(cfg.trainer.gen_prompts_per_step * r.n_samples / r.num_engines)   # a rollout round's
     seq = cfg.data.max_prompt_len + r.max_new_tokens
     budget = int(r.gpu_memory_utilization * gpu_bytes)
@@ -329,6 +332,22 @@ def engine_memory(cfg: RunConfig, s: ModelShape, gpu_bytes: int) -> EngineMemory
     concurrent = max(0, space // (seq * kv_per_token))
     return EngineMemory(weights, budget, kv_per_token, seqs * seq * kv_per_token, seqs, int(concurrent),
                         engine_max_model_len(cfg, s))
+
+
+def draft_model_shape(cfg: RunConfig, s: ModelShape) -> tuple[ModelShape | None, list[str]]:
+    """rollout.draft=model's draft model shape (None otherwise) and what is wrong with it: no readable
+    config, or a vocabulary that is not the policy's (vLLM verifies draft tokens by id)."""
+    r = cfg.rollout
+    if r.draft != "model":
+        return None, []
+    try:
+        draft = ModelShape.from_hf(load_hf_config(r.draft_model))
+    except PlanError as e:
+        return None, [line.replace("model.path=", "rollout.draft_model=", 1) for line in e.failures]
+    if draft.vocab != s.vocab:
+        return draft, [f"rollout.draft_model={r.draft_model!r}: vocab_size {draft.vocab} is not the policy's {s.vocab}; "
+                       "the draft model must share the policy's tokenizer"]
+    return draft, []
 
 
 def engine_max_model_len(cfg: RunConfig, s: ModelShape) -> int:
@@ -584,9 +603,11 @@ class Plan:
         r = self.cfg.rollout
         if self.cfg.cluster.gpus_per_node == 0:
             return [("engine memory", f"CPU run: rollout.kv_cache_gb={r.kv_cache_gb:g} GB of KV cache per engine, "
-                                      f"weights {gb(self.engine.weights)} ({r.engine_dtype})")]
+                                      f"weights {gb(self.engine.weights)} ({r.engine_dtype}"
+                                      + (", with the draft model's" if r.draft == "model" else "") + ")")]
         return [
-            ("engine memory / GPU", f"weights {gb(self.engine.weights)} ({r.engine_dtype}) of vLLM's "
+            ("engine memory / GPU", f"weights {gb(self.engine.weights)} ({r.engine_dtype}"
+                                    + (", with the draft model's" if r.draft == "model" else "") + ") of vLLM's "
                                     f"{gb(self.engine.budget)}; KV {self.engine.kv_per_token / 1024:.0f} KiB/token"),
             ("engine KV for the batch", f"{self.engine.sequences_per_engine} sequences need "
                                         f"{gb(self.engine.kv_batch)}; {gb(max(0, self.engine.kv_space))} holds "
@@ -612,8 +633,10 @@ def build_plan(cfg: RunConfig, check_data: bool = True) -> Plan:
     flash = flash_attention(cfg)   # bf16 on GPUs; fp32: TransformerEngine's flash / fused take fp16 / bf16 only
     gpu_bytes = int(cfg.cluster.gpu_memory_gb * GB)
     lm = learner_memory(cfg, s, padded, flash)
-    em = engine_memory(cfg, s, gpu_bytes)
-    failures = _hf_support(cfg, hf) + _divisibility(cfg, s) + _layout(cfg) + _transport(cfg) + _memory(cfg, lm, em)
+    draft, draft_failures = draft_model_shape(cfg, s)
+    em = engine_memory(cfg, s, gpu_bytes, draft)
+    failures = (_hf_support(cfg, hf) + _divisibility(cfg, s) + _layout(cfg) + _transport(cfg) + draft_failures
+                + _memory(cfg, lm, em))
     if check_data:
         failures += _data(cfg)
     if failures:

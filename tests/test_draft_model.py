@@ -248,3 +248,21 @@ def test_exact_rollouts_drafted_by_the_frozen_starting_policy_train_and_log_its_
     assert steps[-1]["spec/reuse_ratio"] > 0           # exact prefix reuse still verifies last epoch's samples
     started = (tmp_path / "run" / "engine_logs" / "vllm-0.log").read_text()
     assert "'method': 'draft_model'" in started and "'num_speculative_tokens': 4" in started
+
+
+def test_the_plan_counts_the_draft_models_weights_and_kv_and_refuses_a_bad_one(tmp_path):
+    import json
+
+    from megatron_specrl.plan import PlanError, build_plan
+    base = ["cluster.gpus_per_node=1", "cluster.gpu_memory_gb=80", "rollout.spec_mode=exact"]
+    plain = build_plan(_cfg(*base), check_data=False).engine
+    drafted = build_plan(_cfg(*base, "rollout.draft=model", "rollout.draft_model=tiny-llama"), check_data=False).engine
+    # the tiny policy drafted by a tiny model of its own shape: twice the weights and the KV per token
+    assert drafted.weights == 2 * plain.weights and drafted.kv_per_token == 2 * plain.kv_per_token
+    with pytest.raises(PlanError, match="rollout.draft_model='/nowhere': no config.json there"):
+        build_plan(_cfg(*base, "rollout.draft=model", "rollout.draft_model=/nowhere"), check_data=False)
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 32000, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 512}))
+    with pytest.raises(PlanError, match="vocab_size 32000 is not the policy's 264"):
+        build_plan(_cfg(*base, "rollout.draft=model", f"rollout.draft_model={tmp_path}"), check_data=False)
