@@ -223,9 +223,10 @@ def _train(tmp_path, *overrides, cache=None):
 def test_a_missing_draft_model_is_one_line_before_anything_starts(tmp_path):
     proc = _train(tmp_path, "rollout.draft=model", f"rollout.draft_model={tmp_path / 'nowhere'}")
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1] == (f"megatron-specrl: config error: rollout.draft_model="
-                                                    f"'{tmp_path / 'nowhere'}': no config.json there (expected an HF "
-                                                    "model directory)")
+    # the plan that runs before every start (as `--dry-run` and `launch` do) names it
+    assert proc.stderr.strip().splitlines() == [
+        f"megatron-specrl: plan error: rollout.draft_model='{tmp_path / 'nowhere'}': no config.json there (a local HF "
+        "checkpoint directory, or one of ['tiny-llama', 'tiny-qwen2'])"]
     assert not (tmp_path / "run").exists() and "Ray" not in proc.stderr
 
 
@@ -266,3 +267,25 @@ def test_the_plan_counts_the_draft_models_weights_and_kv_and_refuses_a_bad_one(t
         "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 512}))
     with pytest.raises(PlanError, match="vocab_size 32000 is not the policy's 264"):
         build_plan(_cfg(*base, "rollout.draft=model", f"rollout.draft_model={tmp_path}"), check_data=False)
+
+
+@pytest.mark.slow
+def test_coupled_draws_are_the_plain_engines_whatever_the_draft_model_proposes(engines):
+    """spec_mode=coupled with a draft model: the coupled-sampling patch overrides the rejection sampler's
+    rows of coupled requests, so each token is the position-keyed draw plain coupled decoding makes."""
+    plain, drafted = engines
+    sampling = SamplingSettings(temperature=0.7, top_p=0.9)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 263) for _ in range(8)] for _ in range(6)]
+
+    def requests():
+        return [GenerateRequest(p, 40, coupled_seed=700 + i, response_start=len(p), draft_key=f"c{i}")
+                for i, p in enumerate(prompts)]
+    drafted.draft_stats()
+    got = drafted.generate(requests(), sampling, 0)
+    stats = drafted.draft_stats()
+    want = plain.generate(requests(), sampling, 0)
+    assert 0 < stats["accepted_tokens"] < stats["draft_tokens"], stats
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    np.testing.assert_allclose(np.concatenate([r.logprobs for r in got]), np.concatenate([r.logprobs for r in want]),
+                               atol=1e-5)

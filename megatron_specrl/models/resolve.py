@@ -82,11 +82,11 @@ def check_draft_model(draft_dir: str | Path | None, policy_dir: str | Path) -> N
     the engine's worker (or, with the same size but other tokens, draft nothing that is accepted)."""
     if not draft_dir:
         raise ConfigError("rollout.draft=model needs rollout.draft_model: the HF directory of a smaller model with "
-                         "the policy's tokenizer")
+                          "the policy's tokenizer")
     cfg_file = Path(draft_dir) / "config.json"
     if not cfg_file.is_file():
         raise ConfigError(f"rollout.draft_model={str(draft_dir)!r}: no config.json there (expected an HF model "
-                         "directory)")
+                          "directory)")
     try:
         draft = json.loads(cfg_file.read_text())
     except ValueError as e:
@@ -94,7 +94,7 @@ def check_draft_model(draft_dir: str | Path | None, policy_dir: str | Path) -> N
     policy = read_hf_config(Path(policy_dir))
     if draft.get("vocab_size") != policy.get("vocab_size"):
         raise ConfigError(f"rollout.draft_model={str(draft_dir)!r}: vocab_size {draft.get('vocab_size')} is not the "
-                         f"policy's {policy.get('vocab_size')}; the draft model must share the policy's tokenizer")
+                          f"policy's {policy.get('vocab_size')}; the draft model must share the policy's tokenizer")
 
 
 def model_shape(model_cfg: ModelConfig) -> tuple[int, int, int]:
