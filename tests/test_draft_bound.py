@@ -74,3 +74,28 @@ def test_a_bad_step_cost_is_one_line(tmp_path):
 def test_a_bad_model_dir_is_one_line(tmp_path):
     with pytest.raises(SystemExit, match="not an HF checkpoint directory"):
         draft_bound.main(["--model", str(tmp_path)])
+
+
+@pytest.mark.slow
+def test_a_draft_model_replays_as_its_own_greedy_chain(tiny_llama, tmp_path):
+    """--draft-model: the policy as its own draft model is the argmax chain of the same length, step for
+    step; an unrelated model's drafts are accepted less often (greedy samples: every own draft token is)."""
+    import json
+
+    from megatron_specrl.models.tiny import build_tiny_model
+    other = build_tiny_model(tmp_path / "other", arch="llama", seed=7, num_layers=1)
+    out = tmp_path / "bound.json"
+    assert draft_bound.main(["--model", str(tiny_llama), "--rounds", "1", "--prompts", "2", "--samples", "4",
+                             "--max-new-tokens", "16", "--temperature", "0", "--draft-model", str(tiny_llama),
+                             "--draft-model", str(other), "--draft-model-tokens", "3", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    own, unrelated = r[f"model:{tiny_llama.name}"], r["model:other"]
+    assert own == r["argmax@3"] and own["accepted"] == own["drafted"] > 0
+    assert own["accepted"] > unrelated["accepted"] and unrelated["steps"] >= own["steps"]
+    assert max(own["drafted"], unrelated["drafted"]) <= 3 * max(own["request_steps"], unrelated["request_steps"])
+
+
+def test_a_draft_model_with_another_vocabulary_is_one_line(tiny_llama, tmp_path):
+    (tmp_path / "config.json").write_text('{"vocab_size": 32000}')
+    with pytest.raises(SystemExit, match=f"--draft-model {tmp_path}: vocab_size 32000 is not the policy's 264"):
+        draft_bound.main(["--model", str(tiny_llama), "--draft-model", str(tmp_path)])

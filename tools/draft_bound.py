@@ -18,12 +18,20 @@ only the tokens matter), and replays the last rollout three ways under the engin
 - `tree`:   the TreeDrafter the engines run, its prompt and shared trees holding the earlier rounds;
 - `argmax`: the policy's greedy continuation as the draft.
 
+With `--draft-model DIR` (repeatable) it also replays draft models as vLLM's `draft_model` method runs them
+(rollout.draft=model): each proposes its own greedy chain of `--draft-model-tokens` tokens, accepted up to
+the first position where it differs from the sampled token (teacher-forced on the sampled tokens: the
+chain's accepted prefix is exactly those tokens), beside `argmax@K`, the policy's own chain of the same
+length. So a candidate draft model can be judged on the policy's samples without running it in an engine;
+the draft model's own forwards are not priced.
+
 It prints decode steps per rollout, request-steps, draft tokens accepted per request-step, how many
 request-steps had a draft and how often its first token was accepted, and how often the sampled token
 was the argmax (the argmax drafter's per-token acceptance).
 
     python tools/draft_bound.py --model ~/.cache/megatron_specrl/warmup/warmup-<hash> [--rounds 5]
         [--temperature 1.0] [--top-p 1.0] [--step-cost A,B,C]   # and the decode loops priced at that cost
+        [--draft-model DIR [--draft-model DIR ...] --draft-model-tokens 4]
 """
 
 from __future__ import annotations
@@ -78,7 +86,8 @@ def chain_steps(hits: Sequence[Sequence[bool]], draft_len: Callable[[int], int])
 
 
 def argmax_hits(model, rows: list[dict]) -> list[list[bool]]:
-    """Per response position: whether the sampled token is the argmax of the policy's logits there."""
+    """Per response position: whether the sampled token is the argmax of `model`'s logits there (the
+    policy's: its own greedy draft; a draft model's: its draft, while the chain so far was accepted)."""
     import torch
     out = []
     with torch.no_grad():
@@ -123,6 +132,9 @@ def main(argv=None) -> int:
     ap.add_argument("--step-cost", default=None, metavar="A,B,C",
                     help="price each decode loop at A ms a step + B ms a request + C ms a draft token "
                          "(tools/bench_verify_cost.py prints a GPU's; bench-rollout a CPU's)")
+    ap.add_argument("--draft-model", action="append", default=[], metavar="DIR",
+                    help="an HF draft model with the policy's vocabulary, replayed as rollout.draft=model drafts")
+    ap.add_argument("--draft-model-tokens", type=int, default=4, help="the draft models' chain length (draft_tokens)")
     ap.add_argument("--json", default=None, help="also write the numbers here")
     args = ap.parse_args(argv)
     from replay_drafts import loop_ms, parse_step_cost, plain_loop_ms, replay_step   # the engine loop's replay
@@ -133,6 +145,15 @@ def main(argv=None) -> int:
         raise SystemExit(f"--model {args.model}: not an HF checkpoint directory (no config.json)")
     if args.rounds < 1:
         raise SystemExit(f"--rounds {args.rounds}: the trees need at least one earlier rollout")
+    if args.draft_model_tokens < 1:
+        raise SystemExit(f"--draft-model-tokens {args.draft_model_tokens}: a draft model drafts at least one token")
+    from megatron_specrl.config import ConfigError
+    from megatron_specrl.models.resolve import check_draft_model
+    for d in args.draft_model:
+        try:
+            check_draft_model(Path(d).expanduser(), model_dir)
+        except ConfigError as e:
+            raise SystemExit(f"--draft-model {d}: {str(e).split(': ', 1)[1]}") from None
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -162,8 +183,14 @@ def main(argv=None) -> int:
     hits = argmax_hits(model, rows)
     argmax = chain_steps(hits, drafter.draft_len)
     plain = chain_steps([[False] * len(r["response_ids"]) for r in rows], lambda running: 0)
+    k_model = args.draft_model_tokens
+    drafts = {f"argmax@{k_model}": chain_steps(hits, lambda running: k_model)}
+    for d in args.draft_model:
+        draft = AutoModelForCausalLM.from_pretrained(Path(d).expanduser()).eval()
+        drafts[f"model:{Path(d).name}"] = chain_steps(argmax_hits(draft, rows), lambda running: k_model)
+    drafts = drafts if args.draft_model else {}
     result = {
-        "plain": plain, "argmax": argmax,
+        "plain": plain, "argmax": argmax, **drafts,
         "tree": {k: tree[k] for k in ("steps", "request_steps", "accepted", "drafted", "first_drafted",
                                       "first_accepted", "cost_requests")},
         "argmax_token_rate": statistics.mean(h for hs in hits for h in hs),
@@ -172,17 +199,20 @@ def main(argv=None) -> int:
     }
     print(f"{len(rows)} requests, {result['mean_response_tokens']:.1f} tokens a response, {args.rounds} earlier "
           f"rollouts in the trees, temperature {args.temperature}, top-p {args.top_p}")
-    print(f"{'drafts':>8} {'decode steps':>13} {'request-steps':>14} {'accepted / request-step':>24} "
+    names = ("plain", "tree", "argmax", *drafts)
+    w = max(map(len, names))
+    print(f"{'drafts':>{w}} {'decode steps':>13} {'request-steps':>14} {'accepted / request-step':>24} "
           f"{'drafted / request-step':>23} {'first draft token accepted':>27}")
-    for name in ("plain", "tree", "argmax"):
+    for name in names:
         r = result[name]
         n = max(r["request_steps"], 1)
-        print(f"{name:>8} {r['steps']:>13} {r['request_steps']:>14} {r['accepted'] / n:>24.2f} "
+        print(f"{name:>{w}} {r['steps']:>13} {r['request_steps']:>14} {r['accepted'] / n:>24.2f} "
               f"{r['first_drafted'] / n:>23.0%} {r['first_accepted'] / max(r['first_drafted'], 1):>27.3f}")
     print(f"sampled token = the policy's argmax at {result['argmax_token_rate']:.3f} of positions")
     if cost:
         plain_ms = plain_loop_ms([tree], cost)   # replay_step prices plain decoding of the same responses
-        result["loop_ms"] = {"plain": plain_ms, "tree": loop_ms([tree], cost), "argmax": loop_ms([argmax], cost)}
+        result["loop_ms"] = {"plain": plain_ms, "tree": loop_ms([tree], cost), "argmax": loop_ms([argmax], cost),
+                             **{name: loop_ms([r], cost) for name, r in drafts.items()}}   # drafting unpriced
         print("decode loop at " + args.step_cost + ": " + ", ".join(
             f"{name} {ms:.0f} ms ({plain_ms / ms:.2f}x)" for name, ms in result["loop_ms"].items()))
     if args.json:
