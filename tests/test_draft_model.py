@@ -9,7 +9,6 @@ test_tree_drafting: top-k keeps at most k tokens per position over 3-token respo
 
 import os
 import random
-from collections import Counter
 from types import SimpleNamespace
 
 import numpy as np
@@ -19,6 +18,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from megatron_specrl.config import ConfigError, load_config  # noqa: E402
 from megatron_specrl.engines.protocol import GenerateRequest, SamplingSettings  # noqa: E402
+from test_tree_drafting import _contingency_pvalue  # noqa: E402   # the same chi-square over responses
 
 PROMPT = [17, 42, 99, 5, 61, 7]
 N = 2400
@@ -142,17 +142,6 @@ def _requests(n, seed0, max_new=3):
     # draft keys mark a rollout's requests, whose batches the draft counters count
     return [GenerateRequest(list(PROMPT), max_new, seed=seed0 + i, draft_key="p", response_start=len(PROMPT))
             for i in range(n)]
-
-
-def _contingency_pvalue(a: list, b: list) -> float:
-    from scipy.stats import chi2_contingency
-    ca, cb = Counter(a), Counter(b)
-    keys = [k for k in set(ca) | set(cb) if ca[k] + cb[k] >= 10]
-    rare = (sum(ca[k] for k in ca if k not in keys), sum(cb[k] for k in cb if k not in keys))
-    table = np.array([[ca[k] for k in keys], [cb[k] for k in keys]], dtype=float)
-    if min(rare) > 0:
-        table = np.column_stack([table, rare])
-    return chi2_contingency(table).pvalue
 
 
 @pytest.mark.slow
