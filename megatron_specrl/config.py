@@ -255,6 +255,14 @@ class RolloutConfig(_Strict):
         """YAML 1.1 reads a bare `off` as False; the user meant the mode."""
         return "off" if v is False else v
 
+    @model_validator(mode="after")
+    def _draft_tokens_for_the_drafter(self) -> "RolloutConfig":
+        """Unset draft_tokens becomes the drafter's default here, so every RolloutConfig (a recipe's, or
+        one built directly, as check-resync does) hands the engines a number."""
+        if self.draft_tokens is None:
+            self.draft_tokens = 4 if self.draft == "model" else 16
+        return self
+
 
 class LossConfig(_Strict):
     """Policy / critic loss settings. Names and defaults follow verl's actor config where one exists
@@ -527,8 +535,6 @@ class RunConfig(_Strict):
         if r.draft == "model" and r.engine != "vllm":
             raise ValueError(f"rollout.draft=model with rollout.engine={r.engine}: draft-model speculative decoding is "
                              "wired for vLLM engines only; use rollout.engine=vllm or rollout.draft=tree")
-        if r.draft_tokens is None:
-            r.draft_tokens = 4 if r.draft == "model" else 16
         if r.runahead and r.draft != "tree":
             raise ValueError(f"rollout.runahead={r.runahead} with rollout.draft={r.draft}: run-ahead tokens only "
                              "feed draft trees; set rollout.draft=tree or rollout.runahead=0")

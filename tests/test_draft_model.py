@@ -46,6 +46,9 @@ def test_draft_tokens_default_to_what_each_drafter_pays_for():
     model = _cfg("rollout.draft=model", "rollout.draft_model=/x", "rollout.spec_mode=exact")
     assert model.rollout.draft_tokens == 4 and model.rollout.verify == "prefill"
     assert _cfg("rollout.draft=model", "rollout.draft_model=/x", "rollout.draft_tokens=7").rollout.draft_tokens == 7
+    # a RolloutConfig built directly (check-resync, bench_resync) hands the engines a number too
+    from megatron_specrl.config import RolloutConfig
+    assert RolloutConfig(draft="tree").draft_tokens == 16 and RolloutConfig().draft_tokens == 16
 
 
 def test_a_draft_model_without_the_policys_vocabulary_is_refused_before_start(tmp_path, tiny_llama):
