@@ -184,11 +184,12 @@ def main(argv=None) -> int:
     argmax = chain_steps(hits, drafter.draft_len)
     plain = chain_steps([[False] * len(r["response_ids"]) for r in rows], lambda running: 0)
     k_model = args.draft_model_tokens
-    drafts = {f"argmax@{k_model}": chain_steps(hits, lambda running: k_model)}
+    drafts = {}   # with --draft-model: the policy's own chain of the same length beside each draft model's
+    if args.draft_model:
+        drafts[f"argmax@{k_model}"] = chain_steps(hits, lambda running: k_model)
     for d in args.draft_model:
         draft = AutoModelForCausalLM.from_pretrained(Path(d).expanduser()).eval()
         drafts[f"model:{Path(d).name}"] = chain_steps(argmax_hits(draft, rows), lambda running: k_model)
-    drafts = drafts if args.draft_model else {}
     result = {
         "plain": plain, "argmax": argmax, **drafts,
         "tree": {k: tree[k] for k in ("steps", "request_steps", "accepted", "drafted", "first_drafted",
