@@ -96,26 +96,37 @@ def test_ray_engines_launched_together_build_at_the_same_time_and_a_failed_start
     from megatron_specrl.engines.ray_engine import RayEngine
 
     class _SlowEngine:   # defined here: Ray pickles it by value (the workers cannot import this module)
-        def __init__(self, name="", fail=False, **kw):
-            self.started = time.time()
-            time.sleep(1.0)
-            if fail:
-                raise RuntimeError("engine could not start")
-            self.built = time.time()
+        """Each engine marks that it is building, then waits (up to 60 s) for every other engine to mark too:
+        a rendezvous, not a timing comparison, so a slow worker start on a loaded machine cannot fail it;
+        engines built one after the other would never meet (the first would give up waiting)."""
 
-        def span(self):
-            return self.started, self.built
+        def __init__(self, name="", fail=False, meet_dir="", count=1, **kw):
+            import pathlib
+            if fail:
+                time.sleep(1.0)
+                raise RuntimeError("engine could not start")
+            meet = pathlib.Path(meet_dir)
+            (meet / name).touch()
+            deadline = time.time() + 60
+            while len(list(meet.iterdir())) < count and time.time() < deadline:
+                time.sleep(0.05)
+            self.met = len(list(meet.iterdir()))
+
+        def others_met(self):
+            return self.met
 
     assert init_ray(RayConfig(num_cpus=2))
     try:
-        engines = [RayEngine(_SlowEngine, {}, name=f"e{i}", log_dir=tmp_path, start_timeout_s=120, wait=False)
+        meet = tmp_path / "meet"
+        meet.mkdir()
+        engines = [RayEngine(_SlowEngine, {"meet_dir": str(meet), "count": 2}, name=f"e{i}", log_dir=tmp_path,
+                             start_timeout_s=120, wait=False)
                    for i in range(2)]
         assert all(e.pid is None for e in engines)
         for e in engines:
             e.wait_started()
         assert all(isinstance(e.pid, int) for e in engines)
-        (s0, b0), (s1, b1) = (ray.get(e.actor.call.remote("span")) for e in engines)
-        assert s1 < b0 and s0 < b1        # both engines were building at once
+        assert [ray.get(e.actor.call.remote("others_met")) for e in engines] == [2, 2]   # both were building at once
         for e in engines:
             e.kill()                      # their CPUs, for the next one
         bad = RayEngine(_SlowEngine, {"fail": True}, name="bad", log_dir=tmp_path, start_timeout_s=120, wait=False)
