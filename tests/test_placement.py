@@ -112,8 +112,9 @@ def test_ranks_get_a_gpu_each_tp_groups_stay_together_and_colocated_engines_shar
 
     ray.init(address="local", num_cpus=16, num_gpus=8, include_dashboard=False, logging_level="ERROR")
     try:
-        learner = LearnerConfig(tp=4, dp=2 if colocate else 1)
-        rollout = RolloutConfig(num_engines=8 if colocate else 1, engine_tp=1 if colocate else 4, colocate=colocate)
+        # colocated: 2 TP groups of 2 ranks (half a GPU each) and 4 engines, 8 Ray workers on a 2-core machine
+        learner = LearnerConfig(tp=2 if colocate else 4, dp=2 if colocate else 1)
+        rollout = RolloutConfig(num_engines=4 if colocate else 1, engine_tp=1 if colocate else 4, colocate=colocate)
         per_rank, per_engine = (0.5, 0.5) if colocate else (1.0, 4.0)
         ranks, engine_bundles, groups, share = learner_bundles(learner, rollout, per_rank, timeout_s=60)
         assert share == per_rank
