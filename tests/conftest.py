@@ -18,3 +18,15 @@ def tiny_llama(tmp_path_factory):
 def tiny_qwen2(tmp_path_factory):
     from megatron_specrl.models.tiny import build_tiny_model
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2", seed=0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_ray_left_to_the_next_module():
+    """A test module that leaves Ray initialised in this process (a trainer built in-process, an engine
+    test that fails before its own shutdown) would hand the next module its cluster: under pytest-xdist
+    each worker runs its own sequence of modules, so the order is not fixed. Shut it down between modules."""
+    yield
+    import sys
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
