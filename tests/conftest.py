@@ -30,3 +30,11 @@ def _no_ray_left_to_the_next_module():
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         ray.shutdown()
+
+
+def pytest_collection_modifyitems(items):
+    """Files with end-to-end (`slow`) tests first, each file's own order kept: pytest-xdist hands a worker
+    the next file as it finishes one, so a long file started last would run alone while the other worker
+    has nothing left."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
