@@ -234,9 +234,15 @@ def test_cuda_ipc_bucket_is_kept_until_every_engine_returned(ray_session, tmp_pa
         def __init__(self, fail, marker):
             self.engine = IpcEngine(fail, marker)
 
+        def ready(self):
+            return True
+
     marker = tmp_path / "slow-engine-done"
     actors = [ray.remote(num_cpus=0)(Holder).remote(True, str(marker)),
               ray.remote(num_cpus=0)(Holder).remote(False, str(marker))]
+    # started before the 20 s sync begins, as a run's engines are: on a loaded machine (the suite on two
+    # workers) starting two actor processes alone took longer than that
+    ray.get([a.ready.remote() for a in actors], timeout=120)
     released = []
 
     def buckets(*_):
