@@ -11,12 +11,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def model_cache(tmp_path_factory):
-    """One warmed-up tiny model for all recipes (DAPO needs groups that are neither all right nor all wrong)."""
-    return tmp_path_factory.mktemp("model-cache")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe, extra", [
     ("tiny-cpu-dapo", ["trainer.gen_prompts_per_step=12"]),   # verl's gen_batch_size: rounds of 12 prompts
@@ -26,14 +20,16 @@ def model_cache(tmp_path_factory):
                        # verl's engine keys reach vLLM, which accepts them (32 requests, 16 at a time)
                        "rollout.max_num_seqs=16", "rollout.engine_kwargs.vllm.max_logprobs=20"]),
 ])
-def test_recipe_runs(recipe, extra, tmp_path, model_cache):
+def test_recipe_runs(recipe, extra, tmp_path):
+    """The recipes warm their tiny model up as a user's run does, in the default model cache, which the
+    other end-to-end tests share (DAPO needs groups that are neither all right nor all wrong)."""
     out = tmp_path / "run"
     args = [recipe, f"output_dir={out}", "trainer.total_steps=3", "data.num_synthetic=16",
             "trainer.prompts_per_step=8", "rollout.n_samples=4", "trainer.eval_every=3", "data.num_eval=16",
             "logging.wandb=false", *extra]
     if "trainer.checkpoint_every=3" not in extra:
         args.append("trainer.checkpoint_every=0")
-    env = dict(os.environ, MEGATRON_SPECRL_CACHE=str(model_cache))
+    env = dict(os.environ)
     if recipe == "tiny-cpu-ppo":
         env["SPECRL_KILL_ENGINE_AT"] = "2"   # the engine dies; the trainer restarts it and retries
     proc = subprocess.run([sys.executable, "-m", "megatron_specrl.cli", "train", *args], env=env, cwd=ROOT,

@@ -2,30 +2,50 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
+
+
+@contextmanager
+def _building_in(parent: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the cache directory `parent` (flock on the directory itself, so no lock
+    file is left in it). Two jobs or test workers that need the same warm-up at once then train it once:
+    the second waits and reuses the first's result instead of training the same model beside it."""
+    fd = os.open(parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)                                   # closing the descriptor releases the lock
 
 
 def build_once(final: Path, marker: str, build: Callable[[Path], None]) -> Path:
     """Run `build(tmp)` in a temporary directory beside `final` and rename it into place: a crash never
     leaves a half-written directory that a later run trusts. `marker` is the file `build` writes last;
-    a `final` without it (an interrupted build) is replaced, and when another process renamed its own
-    result into place first, that result is kept."""
+    a `final` without it (an interrupted build) is replaced. Builds into one cache directory take turns
+    (a lock on the directory), and a `final` another process completed meanwhile is returned as it is;
+    where the lock is not honoured (some network filesystems), a result another process renamed into
+    place first is kept."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        build(tmp)
-        if final.exists() and not (final / marker).is_file():
-            shutil.rmtree(final)
+    with _building_in(final.parent):
+        if (final / marker).is_file():
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
         try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / marker).is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+            build(tmp)
+            if final.exists() and not (final / marker).is_file():
+                shutil.rmtree(final)
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                if not (final / marker).is_file():
+                    raise
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     return final
