@@ -104,3 +104,21 @@ def test_two_processes_needing_one_cached_model_build_it_once(tmp_path):
     assert [out.split() for out, _ in results] == [[str(tmp_path / "cache" / "warmup-x"), "weights"]] * 2
     assert len((tmp_path / "builds.log").read_text().splitlines()) == 1        # built once, reused once
     assert [p.name for p in (tmp_path / "cache").iterdir()] == ["warmup-x"]    # no temp dir, no lock file
+
+
+def test_a_cache_on_a_filesystem_without_flock_still_builds(tmp_path, monkeypatch):
+    """Lustre mounted without `flock` answers flock with ENOSYS: the cached model is built without the lock
+    rather than failing every run that resolves a model there."""
+    import errno
+    import fcntl
+
+    from megatron_specrl.models.cache import build_once
+
+    def refuse(fd, op):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+    monkeypatch.setattr(fcntl, "flock", refuse)
+
+    def build(tmp):
+        (tmp / "done").write_text("")
+    out = build_once(tmp_path / "cache" / "tiny-llama-seed0", "done", build)
+    assert (out / "done").is_file() and [p.name for p in out.parent.iterdir()] == ["tiny-llama-seed0"]

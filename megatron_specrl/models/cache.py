@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import shutil
 import tempfile
@@ -10,15 +11,23 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
+log = logging.getLogger(__name__)
+
 
 @contextmanager
 def _building_in(parent: Path) -> Iterator[None]:
     """Hold an exclusive lock on the cache directory `parent` (flock on the directory itself, so no lock
     file is left in it). Two jobs or test workers that need the same warm-up at once then train it once:
-    the second waits and reuses the first's result instead of training the same model beside it."""
+    the second waits and reuses the first's result instead of training the same model beside it. Where the
+    filesystem refuses flock (Lustre mounted without `flock`, some NFS setups: ENOLCK, EOPNOTSUPP, ENOSYS),
+    builds go ahead unlocked, as before the lock: each builds, and the first complete result renamed into
+    place is kept."""
     fd = os.open(parent, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            log.warning("cache directory %s refuses a lock (%s): building without one", parent, e)
         yield
     finally:
         os.close(fd)                                   # closing the descriptor releases the lock
