@@ -106,6 +106,31 @@ def test_two_processes_needing_one_cached_model_build_it_once(tmp_path):
     assert [p.name for p in (tmp_path / "cache").iterdir()] == ["warmup-x"]    # no temp dir, no lock file
 
 
+def test_a_run_waiting_for_another_runs_build_says_so(tmp_path, caplog):
+    """A run blocked on another run's warm-up (up to minutes) logs why it waits, naming the directory,
+    and goes on once the other releases it."""
+    import fcntl
+    import logging
+    import os
+    import threading
+
+    from megatron_specrl.models.cache import build_once
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    held = os.open(cache, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)                  # "another run" holds the directory
+    threading.Timer(1.0, os.close, args=(held,)).start()
+
+    def build(tmp):
+        (tmp / "done").write_text("")
+    with caplog.at_level(logging.WARNING, logger="megatron_specrl.models.cache"):
+        out = build_once(cache / "tiny-llama-seed0", "done", build)
+    assert (out / "done").is_file()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"another run is building in {cache}: waiting for it (its result is reused if it is what this run needs)"]
+
+
 def test_a_cache_on_a_filesystem_without_flock_still_builds(tmp_path, monkeypatch):
     """Lustre mounted without `flock` answers flock with ENOSYS: the cached model is built without the lock
     rather than failing every run that resolves a model there."""

@@ -25,7 +25,13 @@ def _building_in(parent: Path) -> Iterator[None]:
     fd = os.open(parent, os.O_RDONLY)
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                # Say why the run stops here: another run's warm-up can hold the directory for minutes.
+                log.warning("another run is building in %s: waiting for it (its result is reused if it is "
+                            "what this run needs)", parent)
+                fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError as e:
             log.warning("cache directory %s refuses a lock (%s): building without one", parent, e)
         yield
