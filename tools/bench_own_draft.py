@@ -69,6 +69,8 @@ def main() -> None:
     ap.add_argument("--profile-out", help="also write the profile here (pstats format) to sort it other ways")
     ap.add_argument("--temperature", type=float, default=1.0,
                     help="0: greedy, so `own` drafts its exact output (a perfect drafter's ceiling)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="the engine's dtype (rollout.engine_dtype); bfloat16 uses AMX where the CPU has it")
     args = ap.parse_args()
     model = Path(args.model).expanduser()
     if not (model / "warmup.json").is_file():
@@ -89,7 +91,7 @@ def main() -> None:
     L, n = args.max_new_tokens, args.samples
     with tempfile.TemporaryDirectory() as tmp:
         engine = VLLMEngine(str(model), name="bench-own", seed=0, max_model_len=256, kv_cache_gb=1.0, draft="tree",
-                            draft_tokens=16, log_dir=Path(tmp) / "logs")
+                            draft_tokens=16, dtype=args.dtype, log_dir=Path(tmp) / "logs")
 
         def requests(arm: str, seed0: int, old=None):
             return [GenerateRequest(p, L, seed=seed0 + i * n + k, draft_key=None if arm == "plain" else f"p{i}",
