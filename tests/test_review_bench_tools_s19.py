@@ -66,3 +66,34 @@ def test_bench_own_draft_counts_the_plain_arms_engine_steps():
     # a drafting arm keeps the drafter's own counts
     drafted = dict(zero, engine_steps=7.0, request_steps=20.0, generated_tokens=120.0, draft_tokens=300.0)
     assert bench_own_draft.arm_counts(drafted, results) == drafted
+
+
+class _Stepper:
+    """Stands in for a vLLM class whose method --phases times."""
+    calls = 0
+
+    def step(self, x, scale=1):
+        _Stepper.calls += 1
+        return x * scale
+
+
+def test_bench_own_draft_phases_name_vllms_methods_and_add_up_wall_time(monkeypatch):
+    """`--phases` wraps vLLM methods by name: each must exist in the installed vLLM (a rename would
+    otherwise fail only when someone runs the tool), and a wrapped method must return its result and
+    add its seconds to its label on every call."""
+    import importlib
+    import time
+
+    bench_own_draft = _tool("bench_own_draft")
+    for path, name, _ in bench_own_draft.PHASES:
+        module, cls = path.rsplit(".", 1)
+        assert callable(getattr(getattr(importlib.import_module(module), cls), name)), (path, name)
+
+    monkeypatch.setattr(bench_own_draft, "PHASES", ((f"{__name__}._Stepper", "step", "stepping"),))
+    monkeypatch.setattr(_Stepper, "step", _Stepper.step)       # restored after the test
+    totals = {}
+    bench_own_draft.time_phases(totals)
+    t = time.perf_counter()
+    assert _Stepper().step(3, scale=2) == 6 and _Stepper().step(1) == 1
+    elapsed = time.perf_counter() - t
+    assert _Stepper.calls == 2 and set(totals) == {"stepping"} and 0 < totals["stepping"] <= elapsed

@@ -58,6 +58,36 @@ def arm_counts(drafter_stats: dict, results) -> dict:
     return out
 
 
+# vLLM's phases of an engine step, timed with --phases (the engine runs in this process): (class path, method, label)
+PHASES = (
+    ("vllm.v1.worker.gpu_model_runner.GPUModelRunner", "execute_model", "model forward (execute_model)"),
+    ("vllm.v1.worker.gpu_model_runner.GPUModelRunner", "_sample", "sampling / rejection sampling"),
+    ("vllm.v1.worker.gpu_model_runner.GPUModelRunner", "propose_draft_token_ids", "drafter (propose_draft_token_ids)"),
+    ("vllm.v1.core.sched.scheduler.Scheduler", "schedule", "scheduler: schedule"),
+    ("vllm.v1.core.sched.scheduler.Scheduler", "update_from_output", "scheduler: update_from_output"),
+    ("vllm.v1.engine.output_processor.OutputProcessor", "process_outputs", "output processing"),
+)
+
+
+def time_phases(totals: dict) -> None:
+    """Wrap each PHASES method so that its wall-clock seconds add up in totals[label]. Wall clock, not
+    cProfile: a profiler inflates vLLM's many small Python calls and so misstates their share."""
+    import importlib
+
+    for path, name, label in PHASES:
+        module, cls_name = path.rsplit(".", 1)
+        cls = getattr(importlib.import_module(module), cls_name)
+        inner = getattr(cls, name)
+
+        def timed(*a, _inner=inner, _label=label, **k):
+            t = time.perf_counter()
+            try:
+                return _inner(*a, **k)
+            finally:
+                totals[_label] = totals.get(_label, 0.0) + time.perf_counter() - t
+        setattr(cls, name, timed)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="warm-up checkpoint dir (HF format, with warmup.json)")
@@ -75,6 +105,9 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=2048,
                     help="rollout.draft_token_budget: about how many draft tokens a step verifies")
     ap.add_argument("--min-prob", type=float, default=0.1, help="rollout.draft_min_prob")
+    ap.add_argument("--phases", action="store_true",
+                    help="also print each arm's wall-clock ms per generation in vLLM's step phases (forward, "
+                         "sampling, drafter, scheduler, output processing)")
     args = ap.parse_args()
     model = Path(args.model).expanduser()
     if not (model / "warmup.json").is_file():
@@ -108,10 +141,15 @@ def main() -> None:
         engine.generate(requests("tree", 500), sampling, 0)
         engine.draft_stats()
         profile = cProfile.Profile() if args.profile else None
+        phase_totals: dict[str, float] = {}
+        phases = {a: {} for a in ARMS}
+        if args.phases:
+            time_phases(phase_totals)
         times = {a: [] for a in ARMS}
         stats = {a: [] for a in ARMS}
         for r in range(args.rounds):
             for arm in (ARMS if r % 2 == 0 else ARMS[::-1]):
+                before = dict(phase_totals)
                 t = time.perf_counter()
                 if arm == args.profile:
                     profile.enable()
@@ -119,6 +157,8 @@ def main() -> None:
                 if arm == args.profile:
                     profile.disable()
                 times[arm].append(time.perf_counter() - t)
+                for label, total in phase_totals.items():
+                    phases[arm][label] = phases[arm].get(label, 0.0) + total - before.get(label, 0.0)
                 stats[arm].append(arm_counts(engine.draft_stats(), results))
         engine.shutdown()
 
@@ -142,6 +182,15 @@ def main() -> None:
         if fit is not None:
             print(f"         decode step cost (fit over its steps): {fit[0]:.1f} ms + {fit[1]:.3f} ms x requests + "
                   f"{fit[2]:.4f} ms x draft tokens")
+
+    if args.phases:
+        print(f"wall-clock ms per generation in vLLM's step phases (means of {args.rounds}; the rest of a generation "
+              "is request intake, prefill bookkeeping and LLM.generate's loop):")
+        for arm in ARMS:
+            mean_s = statistics.mean(times[arm])
+            parts = ", ".join(f"{label} {1000 * phases[arm].get(label, 0.0) / args.rounds:.1f}"
+                              for _, _, label in PHASES)
+            print(f"  {arm:6s} {1000 * mean_s:6.1f}: {parts}")
 
     if profile is not None:
         print(f"cProfile of `{args.profile}` ({args.rounds} generations), by own time:")
