@@ -129,7 +129,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         engine = VLLMEngine(str(model), name="bench-own", seed=0, max_model_len=256, kv_cache_gb=1.0, draft="tree",
                             draft_tokens=args.draft_tokens, dtype=args.dtype,
-                            draft_settings={"token_budget": args.token_budget, "min_prob": args.min_prob}, log_dir=Path(tmp) / "logs")
+                            draft_settings={"token_budget": args.token_budget, "min_prob": args.min_prob},
+                            log_dir=Path(tmp) / "logs")
 
         def requests(arm: str, seed0: int, old=None):
             return [GenerateRequest(p, L, seed=seed0 + i * n + k, draft_key=None if arm == "plain" else f"p{i}",
