@@ -91,6 +91,7 @@ def test_bench_own_draft_phases_name_vllms_methods_and_add_up_wall_time(monkeypa
 
     monkeypatch.setattr(bench_own_draft, "PHASES", ((f"{__name__}._Stepper", "step", "stepping"),))
     monkeypatch.setattr(_Stepper, "step", _Stepper.step)       # restored after the test
+    monkeypatch.setattr(_Stepper, "calls", 0)
     totals = {}
     bench_own_draft.time_phases(totals)
     t = time.perf_counter()

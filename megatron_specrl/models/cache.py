@@ -14,6 +14,17 @@ from typing import Callable, Iterator
 log = logging.getLogger(__name__)
 
 
+def _lock(fd: int, parent: Path) -> None:
+    """Take the exclusive lock on the cache directory, saying first when another run holds it: its warm-up
+    can hold the directory for minutes, and a run that blocks silently looks hung."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        log.warning("another run is building in %s: waiting for it (its result is reused if it is "
+                    "what this run needs)", parent)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+
+
 @contextmanager
 def _building_in(parent: Path) -> Iterator[None]:
     """Hold an exclusive lock on the cache directory `parent` (flock on the directory itself, so no lock
@@ -25,13 +36,7 @@ def _building_in(parent: Path) -> Iterator[None]:
     fd = os.open(parent, os.O_RDONLY)
     try:
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                # Say why the run stops here: another run's warm-up can hold the directory for minutes.
-                log.warning("another run is building in %s: waiting for it (its result is reused if it is "
-                            "what this run needs)", parent)
-                fcntl.flock(fd, fcntl.LOCK_EX)
+            _lock(fd, parent)
         except OSError as e:
             log.warning("cache directory %s refuses a lock (%s): building without one", parent, e)
         yield
