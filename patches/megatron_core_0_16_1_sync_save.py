@@ -25,7 +25,7 @@ VERSION = "0.16.1"
 
 @contextlib.contextmanager
 def in_process_results_queue():
-    from patches import megatron_version
+    from megatron_specrl.patches import megatron_version
     if megatron_version() != VERSION:
         yield
         return

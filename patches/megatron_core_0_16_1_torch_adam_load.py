@@ -40,7 +40,7 @@ def _skip_torch_adam_step(orig):
 @contextlib.contextmanager
 def torch_adam_step_held_out():
     """Scoped (restored on exit): the distributed optimizer's state copy skips torch Adam's "step"."""
-    from patches import megatron_version
+    from megatron_specrl.patches import megatron_version
     if megatron_version() != VERSION:
         yield
         return

@@ -63,7 +63,7 @@ import weakref
 import numpy as np
 
 from megatron_specrl.engines.tree_drafter import TreeDrafter, opts_from_params, read_settings
-from patches.pinned import PinnedPatch
+from megatron_specrl.patches.pinned import PinnedPatch
 
 VERSION = "0.5.23"
 SETTINGS_ENV = "SPECRL_SGLANG_TREE_PROPOSER"

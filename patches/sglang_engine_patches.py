@@ -17,7 +17,7 @@ ENV = "SPECRL_SGLANG_PATCHES"
 
 def apply_all() -> dict[str, bool]:
     """Apply every patch (each pinned to its SGLang version, gated and idempotent); name -> applied."""
-    from patches import sglang_0_5_23_tree_proposer
+    from megatron_specrl.patches import sglang_0_5_23_tree_proposer
     return {"tree_proposer": sglang_0_5_23_tree_proposer.apply()}
 
 

@@ -74,7 +74,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from patches.pinned import PinnedPatch
+from megatron_specrl.patches.pinned import PinnedPatch
 
 VERSION = "0.32.0"
 _MAX_SCORE_BYTES = 512 << 20           # fp32 scores of a chunk: the budget on CPU, the floor on CUDA

@@ -32,8 +32,8 @@ import numpy as np
 import torch
 
 from megatron_specrl.engines.tree_proposer import RESPONSE_START
-from patches.pinned import PinnedPatch
-from patches.vllm_0_32_0_batched_prompt_logprobs import COUPLED_KEY, tempered_and_processed
+from megatron_specrl.patches.pinned import PinnedPatch
+from megatron_specrl.patches.vllm_0_32_0_batched_prompt_logprobs import COUPLED_KEY, tempered_and_processed
 
 VERSION = "0.32.0"
 __all__ = ["COUPLED_KEY", "RESPONSE_START", "apply", "revert", "is_applied"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 
-from patches.pinned import PinnedPatch
+from megatron_specrl.patches.pinned import PinnedPatch
 
 VERSION = "0.32.0"
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from patches.pinned import PinnedPatch
+from megatron_specrl.patches.pinned import PinnedPatch
 
 VERSION = "0.32.0"
 

@@ -35,7 +35,7 @@ engines this project starts call `apply()` (VLLMEngine, before building its LLM)
 
 from __future__ import annotations
 
-from patches.pinned import PinnedPatch
+from megatron_specrl.patches.pinned import PinnedPatch
 
 VERSION = "0.32.0"
 

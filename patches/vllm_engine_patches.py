@@ -16,7 +16,7 @@ ENV = "SPECRL_VLLM_PATCHES"
 
 def apply_all() -> dict[str, bool]:
     """Apply every patch (each is pinned to its vLLM version and idempotent); name -> applied."""
-    from patches import (
+    from megatron_specrl.patches import (
         vllm_0_32_0_batched_prompt_logprobs, vllm_0_32_0_coupled_sampling, vllm_0_32_0_cpu_kernel_scan,
         vllm_0_32_0_cpu_spec_decode, vllm_0_32_0_tree_proposer,
     )

@@ -101,8 +101,8 @@ def tree_server_args(draft_tokens: int) -> dict:
 
 def tree_server_env(draft_settings: dict | None = None) -> dict[str, str]:
     """Environment SGLang's scheduler processes need for the tree patch (they inherit it)."""
-    from patches.sglang_0_5_23_tree_proposer import SETTINGS_ENV
-    from patches.sglang_engine_patches import ENV
+    from megatron_specrl.patches.sglang_0_5_23_tree_proposer import SETTINGS_ENV
+    from megatron_specrl.patches.sglang_engine_patches import ENV
     return {SETTINGS_ENV: settings_env(**(draft_settings or {})), ENV: "1"}
 
 
@@ -475,7 +475,7 @@ class SGLangEngine(_SGLangBase):
         return getattr(self.engine, f"{call}_memory_occupation")(tags=tags)
 
     def _tree_rpc(self, call, path):
-        from patches.sglang_0_5_23_tree_proposer import RPC_METHOD
+        from megatron_specrl.patches.sglang_0_5_23_tree_proposer import RPC_METHOD
         self.engine.collective_rpc(RPC_METHOD, call=call, path=path)
 
     def shutdown(self) -> None:

@@ -40,7 +40,7 @@ from megatron_specrl.engines.protocol import (
     DraftResponse, EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest,
     ScoreResult, WeightVersionMismatch, check_finite_logprobs, check_version, draft_response_pairs, untruncated_t1,
 )
-from patches.vllm_0_32_0_batched_prompt_logprobs import COUPLED_KEY, UNCOMPUTED, VERIFY_COLUMNS
+from megatron_specrl.patches.vllm_0_32_0_batched_prompt_logprobs import COUPLED_KEY, UNCOMPUTED, VERIFY_COLUMNS
 
 GiB = 1 << 30
 
@@ -328,7 +328,7 @@ class VLLMEngine:
         decoding (docs/measurements.md, session 27). `llm_kwargs`: tests' overrides, applied last."""
         from vllm import LLM
 
-        from patches.vllm_engine_patches import apply_all, mark_our_engine
+        from megatron_specrl.patches.vllm_engine_patches import apply_all, mark_our_engine
 
         self.name = name
         self.log_path = Path(log_dir or os.environ.get("SPECRL_ENGINE_LOG_DIR", "logs/engines")) / f"{name}.log"
@@ -424,7 +424,7 @@ class VLLMEngine:
 
     @staticmethod
     def _check_coupled(s: SamplingSettings) -> None:
-        from patches import vllm_0_32_0_coupled_sampling
+        from megatron_specrl.patches import vllm_0_32_0_coupled_sampling
         if s.temperature <= 0:
             raise ValueError(f"coupled sampling needs temperature > 0, got {s.temperature}")
         if not vllm_0_32_0_coupled_sampling.is_applied():
@@ -537,7 +537,7 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from patches import vllm_0_32_0_batched_prompt_logprobs as verify
+        from megatron_specrl.patches import vllm_0_32_0_batched_prompt_logprobs as verify
 
         if sampling.temperature <= 0:
             raise NotImplementedError(f"score() needs temperature > 0, got {sampling.temperature} "
@@ -584,7 +584,7 @@ class VLLMEngine:
         return results
 
     def _verify_args(self, req: ScoreRequest, sampling: SamplingSettings) -> dict:
-        from patches import vllm_0_32_0_batched_prompt_logprobs as verify
+        from megatron_specrl.patches import vllm_0_32_0_batched_prompt_logprobs as verify
         args = {verify.VERIFY_KEY: len(req.prompt_ids), verify.SEED_KEY: req.seed}
         if req.coupled_seed is not None:
             self._check_coupled(sampling)

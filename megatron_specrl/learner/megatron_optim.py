@@ -39,7 +39,7 @@ def on_cpu():
         return contextlib.nullcontext()
     from megatron_specrl.learner.parallel import apply_cpu_patches
     apply_cpu_patches()
-    import patches
+    from megatron_specrl import patches
     return patches.megatron_optimizer_on_cpu()
 
 
@@ -167,7 +167,7 @@ def load_state_dict(optimizer, state_dict) -> None:
     the bias correction of every step after a resume would be wrong (tests/test_distributed_optimizer.py
     catches it as a resumed step that differs from the uninterrupted one). The loader's copy itself
     needs torch Adam's step held out (patches/megatron_core_0_16_1_torch_adam_load.py), on GPUs too."""
-    from patches.megatron_core_0_16_1_torch_adam_load import torch_adam_step_held_out
+    from megatron_specrl.patches.megatron_core_0_16_1_torch_adam_load import torch_adam_step_held_out
     with torch_adam_step_held_out():
         optimizer.load_state_dict(state_dict)
     for opt in inner_optimizers(optimizer):

@@ -10,16 +10,11 @@ import torch.distributed as dist
 
 
 def apply_cpu_patches() -> bool:
-    """Install patches/ (repo-root package) when CUDA is absent; no-op on GPUs."""
+    """Install the CPU shims of megatron_specrl.patches (the repository's patches/) when CUDA is
+    absent; no-op on GPUs."""
     if torch.cuda.is_available():
         return False
-    try:
-        import patches
-    except ImportError:  # editable installs made before "patches" joined setup.py's packages
-        import sys
-        from pathlib import Path
-        sys.path.append(str(Path(__file__).resolve().parents[2]))
-        import patches
+    from megatron_specrl import patches
     return patches.apply()
 
 
@@ -29,7 +24,7 @@ def cuda_to_cpu():
         import contextlib
         return contextlib.nullcontext()
     apply_cpu_patches()
-    import patches
+    from megatron_specrl import patches
     return patches.cuda_to_cpu()
 
 

@@ -716,7 +716,7 @@ class LearnerWorker:
         """Megatron dist checkpoint (model + AdamW state + RNG), synchronous writer."""
         from megatron.core import dist_checkpointing
 
-        from patches.megatron_core_0_16_1_sync_save import in_process_results_queue
+        from megatron_specrl.patches.megatron_core_0_16_1_sync_save import in_process_results_queue
         self._require_trainable("save_checkpoint")
         path = Path(path)
         if self.rank == 0:
