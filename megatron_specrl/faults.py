@@ -42,7 +42,7 @@ class KillAt(PhaseHooks):
     def before(self, phase: str, step: int) -> None:
         if (phase, step) == (self.engine_phase, self.engine_step):
             engines = self.engines()
-            if engines and getattr(engines[0], "pid", None):
+            if engines and engines[0].pid:   # Ray engine handles (protocol.InActor); None: not started
                 os.kill(engines[0].pid, signal.SIGKILL)
         if (phase, step) == (self.phase, self.step):
             os.kill(os.getpid(), signal.SIGKILL)

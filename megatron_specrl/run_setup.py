@@ -18,7 +18,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from megatron_specrl import checkpoint as ckpt
 from megatron_specrl.algorithms.kl_reward import RewardKLController
 from megatron_specrl.config import ConfigError, RunConfig, check_model_divisibility, to_yaml
-from megatron_specrl.engines.protocol import GenerateRequest, RolloutEngine, SamplingSettings
+from megatron_specrl.engines.protocol import (DraftsFromTrees, GenerateRequest, RolloutEngine, RoutesToEngines,
+                                              SamplingSettings)
 from megatron_specrl.metrics import MetricsLogger, plot_metrics
 from megatron_specrl.placement import Placement, cluster_gpus, plan_placement
 from megatron_specrl.resync.choose import resolve_transport
@@ -316,7 +317,7 @@ def drafts_with_trees(run: Run) -> bool:
 def save_draft_trees(engine, directory: Path) -> None:
     """The engines' per-prompt draft trees (rollout.draft=tree), one directory per engine, so a
     resumed run drafts as well as before the crash."""
-    state = engine.draft_state() if hasattr(engine, "draft_state") else None
+    state = engine.draft_state() if isinstance(engine, DraftsFromTrees) else None
     if state is None:
         return
     for i, s in enumerate(state["engines"] if "engines" in state else [state]):
@@ -327,7 +328,7 @@ def save_draft_trees(engine, directory: Path) -> None:
 def restore_draft_trees(engine, directory: Path) -> None:
     """Load what save_draft_trees wrote into the same engines; a checkpoint without trees (drafting
     was off, or an older checkpoint) leaves them empty."""
-    if not directory.is_dir() or not hasattr(engine, "load_draft_state"):
+    if not directory.is_dir() or not isinstance(engine, DraftsFromTrees):
         return
     dirs, i = [], 0
     while (directory / ENGINE_TREES.format(i)).is_dir():
@@ -336,7 +337,7 @@ def restore_draft_trees(engine, directory: Path) -> None:
     if not dirs:
         return
     states = [DraftTrees.load_state(d) for d in dirs]
-    if hasattr(engine, "engines"):   # a router: one state per engine, in order
+    if isinstance(engine, RoutesToEngines):   # a router: one state per engine, in order
         engine.load_draft_state({"engines": states})
     else:
         engine.load_draft_state(states[0])

@@ -29,7 +29,7 @@ import torch
 from megatron_specrl.diagnostics.readout import (
     WeightRow, compare_weights, merge_tp_shards, read_weights_in_worker,
 )
-from megatron_specrl.engines.protocol import GenerateRequest, SamplingSettings, ScoreRequest
+from megatron_specrl.engines.protocol import GenerateRequest, InActor, RunsInWorkers, SamplingSettings, ScoreRequest
 from megatron_specrl.resync.lifecycle import engines_of, sync_weights
 from megatron_specrl.rollout.batch import build_batch
 from megatron_specrl.rollout.speculative import RolloutSample
@@ -135,7 +135,7 @@ def set_skip_cache_reset(engine, flag: bool) -> None:
     """Toggle the engines' debug flag (in Ray actors without restarting them)."""
     import ray
     for e in engines_of(engine):
-        if getattr(e, "actor", None) is not None:
+        if isinstance(e, InActor) and e.actor is not None:
             ray.get(e.actor.__ray_call__.remote(_set_skip_cache_reset, flag))
         else:
             e.skip_cache_reset = flag
@@ -162,9 +162,9 @@ def read_engine_weights(engine) -> dict[str, dict[str, torch.Tensor]]:
     # worker holds a shard, merged back into full tensors with the layouts the workers report
     kwargs = {"as_bytes": True, "with_layout": True}
     for e in engines_of(engine):
-        if hasattr(e, "submit"):   # a Ray engine: the call runs in its actor
+        if isinstance(e, InActor):   # a Ray engine: the call runs in its actor
             results = e.wait(e.submit("run_in_workers", read_weights_in_worker, kwargs), "read_weights")
-        elif hasattr(e, "run_in_workers"):
+        elif isinstance(e, RunsInWorkers):
             results = e.run_in_workers(read_weights_in_worker, kwargs)
         else:
             raise NotImplementedError(f"engine {e.name} ({type(e).__name__}) has no weight readout")

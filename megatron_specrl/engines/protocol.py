@@ -15,8 +15,9 @@ Log-prob conventions (README, "Speculative rollouts"):
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Iterable, Protocol, runtime_checkable
 
 if TYPE_CHECKING:   # annotations only: the CLI imports EngineError without loading torch
     import torch
@@ -163,9 +164,10 @@ class DraftResponse:
     (rollout.draft=tree). Engines that draft from trees take them with
     `add_to_draft_trees(responses: list[DraftResponse]) -> None`: each enters its prompt's tree and the
     shared tree once, as a response the engine generated for a request with this draft_key would (the
-    engine's counters of generated and drafted tokens are left alone: it generated none of them). An
-    optional method, as draft_stats: engines without tree drafting ignore the call or lack it; a
-    router sends each response to the engine that gets its prompt's requests."""
+    engine's counters of generated and drafted tokens are left alone: it generated none of them). A
+    method of the DraftsFromTrees capability: an engine of that class built without tree drafting
+    ignores the call, and the rollout sends none to engines without it; a router sends each response
+    to the engine that gets its prompt's requests."""
 
     draft_key: str
     token_ids: list[int]
@@ -181,6 +183,97 @@ class EngineHealth:
     alive: bool
     weight_version: int
     detail: dict = field(default_factory=dict)
+
+
+# -- capabilities: declared by an engine's class (its bases), never probed ------------------------
+# Callers test them with isinstance (or the flag helpers below); an engine that does not declare one
+# lacks it, whatever methods it happens to have.
+class EngineCapabilities:
+    """Flags of what `score` / `generate` honour, as class attributes (an instance may set its own).
+    An engine that does not derive from this class has neither."""
+
+    # score() verifies under the sampler's processed distribution (any temperature, top-k, top-p) and
+    # returns replacements for the exact rule; False: temperature 1 without top-k / top-p only
+    verifies_processed_distribution: bool = False
+    # generate() and score() honour coupled_seed (position-keyed noise, rollout.spec_mode=coupled)
+    samples_coupled: bool = False
+
+
+class DraftsFromTrees(ABC):
+    """Capability: the engine drafts from per-prompt draft trees (rollout.draft=tree). An engine of
+    such a class built without trees answers with nothing: {} / None / a no-op (load_draft_state
+    raises, a checkpoint's trees cannot be loaded into it)."""
+
+    @abstractmethod
+    def draft_stats(self) -> dict[str, float]:
+        """Counters since the last call (speculative.tree_metrics reads them); {} without drafting."""
+
+    @abstractmethod
+    def draft_state(self) -> dict | None:
+        """The trees, for checkpoints (rollout.draft_tree.DraftTrees.state_dict); None without trees."""
+
+    @abstractmethod
+    def load_draft_state(self, state: dict) -> None:
+        """Load what draft_state returned."""
+
+    @abstractmethod
+    def add_to_draft_trees(self, responses: list[DraftResponse]) -> None:
+        """Responses the rollout took without generating them (DraftResponse)."""
+
+
+class SleepsWhileTraining(ABC):
+    """Capability: colocated on GPUs, the engine hands its memory to the learner for a train step
+    (resync.lifecycle.release_engine_memory) and takes it back around the next weight load."""
+
+    @abstractmethod
+    def release_memory(self) -> None: ...
+
+    @abstractmethod
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """tags=["weights"] before loading new weights, then ["kv_cache"]."""
+
+
+class RunsInWorkers(ABC):
+    """Capability: fn(worker, **kwargs) in each of the engine's workers, one result per worker
+    (diagnostics read the loaded weights back this way)."""
+
+    @abstractmethod
+    def run_in_workers(self, fn, kwargs: dict | None = None) -> list: ...
+
+
+class InActor(ABC):
+    """Capability: the engine runs in a Ray actor (engines.ray_engine.RayEngine): calls can be started
+    without waiting (`submit`) and waited on later (`wait`), functions run inside the actor
+    (`submit_actor`), and the process can be killed and restarted."""
+
+    actor: Any       # the Ray actor handle; None while it is not running
+    pid: int | None  # the actor's process, once started
+
+    @abstractmethod
+    def submit(self, method: str, *args) -> Any:
+        """Start an engine method in the actor; returns the Ray ref."""
+
+    @abstractmethod
+    def wait(self, ref, what: str, expected_version: int | None = None, deadline: float | None = None) -> Any:
+        """The result of a submitted call, the actor's failures turned into EngineError."""
+
+    @abstractmethod
+    def submit_actor(self, method: str, *args) -> Any:
+        """Start an EngineActor method (or Ray's `__ray_call__`) without waiting."""
+
+    @abstractmethod
+    def restart(self) -> None: ...
+
+
+class RoutesToEngines(ABC):
+    """Capability: the engine spreads its work over `engines` (engines.router.EngineRouter)."""
+
+    engines: list
+
+
+def engines_behind(engine) -> list:
+    """The engines a router spreads over, or the engine itself."""
+    return list(engine.engines) if isinstance(engine, RoutesToEngines) else [engine]
 
 
 @runtime_checkable
@@ -225,16 +318,21 @@ def untruncated_t1(s: SamplingSettings) -> bool:
     return s.temperature == 1.0 and s.top_p >= 1.0 and s.top_k in (-1, 0)
 
 
+def _declares(engine) -> bool:
+    """Whether `engine` (an engine, or an engine class) derives from EngineCapabilities."""
+    return issubclass(engine if isinstance(engine, type) else type(engine), EngineCapabilities)
+
+
 def verifies_processed_distribution(engine) -> bool:
     """Whether `engine.score` verifies under any temperature / top-k / top-p (and returns
-    replacements). A class attribute on engines; wrappers (Ray, router) forward it."""
-    return bool(getattr(engine, "verifies_processed_distribution", False))
+    replacements). Declared on EngineCapabilities; wrappers (Ray, router) forward it."""
+    return _declares(engine) and bool(engine.verifies_processed_distribution)
 
 
 def samples_coupled(engine) -> bool:
     """Whether the engine honours GenerateRequest.coupled_seed and ScoreRequest.coupled_seed
-    (position-keyed noise). A class attribute on engines; wrappers (Ray, router) forward it."""
-    return bool(getattr(engine, "samples_coupled", False))
+    (position-keyed noise). Declared on EngineCapabilities; wrappers (Ray, router) forward it."""
+    return _declares(engine) and bool(engine.samples_coupled)
 
 
 def check_count(engine_name: str, what: str, results: list, expected: int) -> None:

@@ -18,8 +18,9 @@ from typing import Any, Iterable
 import torch
 
 from megatron_specrl.engines.protocol import (
-    DraftResponse, EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest,
-    ScoreResult, WeightVersionMismatch, check_count, samples_coupled, verifies_processed_distribution,
+    DraftResponse, DraftsFromTrees, EngineCapabilities, EngineError, EngineHealth, GenerateRequest, GenerateResult,
+    InActor, RunsInWorkers, SamplingSettings, ScoreRequest, ScoreResult, SleepsWhileTraining, WeightVersionMismatch,
+    check_count, samples_coupled, verifies_processed_distribution,
 )
 from megatron_specrl.engines.logs import tail_lines
 
@@ -46,8 +47,11 @@ class EngineActor:
 
 
 
-class RayEngine:
-    """Driver-side handle implementing RolloutEngine over an EngineActor."""
+class RayEngine(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, RunsInWorkers, InActor):
+    """Driver-side handle implementing RolloutEngine over an EngineActor. Its capabilities are its
+    engine class's: the flags are read from the class, the draft trees' and workers' calls forwarded
+    to an engine class that declares them (the draft trees' answer nothing for one that does not),
+    memory released and resumed in the engine."""
 
     def __init__(self, engine_cls, engine_kwargs: dict, name: str, log_dir: str | Path,
                  num_cpus: float = 1, num_gpus: float = 0, timeout_s: float = 600.0,
@@ -194,19 +198,30 @@ class RayEngine:
     def resume_memory(self, tags: list[str] | None = None) -> None:
         self._get(self.submit("resume_memory", tags), self.timeout_s, "resume_memory")
 
+    def _drafts(self) -> bool:
+        return issubclass(self.engine_cls, DraftsFromTrees)
+
     def draft_stats(self) -> dict[str, float]:
-        return self._get(self.submit("draft_stats"), self.timeout_s, "draft_stats")
+        return self._get(self.submit("draft_stats"), self.timeout_s, "draft_stats") if self._drafts() else {}
 
     def draft_state(self) -> dict | None:
-        return self._get(self.submit("draft_state"), self.timeout_s, "draft_state")
+        return self._get(self.submit("draft_state"), self.timeout_s, "draft_state") if self._drafts() else None
 
     def add_to_draft_trees(self, responses: list[DraftResponse]) -> None:
         # an engine without tree drafting ignores them: not worth a round trip with the step's tokens
-        if responses and self.engine_kwargs.get("draft") == "tree":
+        if responses and self._drafts() and self.engine_kwargs.get("draft") == "tree":
             self._get(self.submit("add_to_draft_trees", responses), self.timeout_s, "add_to_draft_trees")
 
     def load_draft_state(self, state: dict) -> None:
+        if not self._drafts():
+            raise ValueError(f"engine {self.name} ({self.engine_cls.__name__}) does not draft from trees")
         self._get(self.submit("load_draft_state", state), self.timeout_s, "load_draft_state")
+
+    def run_in_workers(self, fn, kwargs: dict | None = None) -> list:
+        """fn(worker, **kwargs) in each of the engine's workers, in its actor."""
+        if not issubclass(self.engine_cls, RunsInWorkers):
+            raise NotImplementedError(f"engine {self.name} ({self.engine_cls.__name__}) runs nothing in workers")
+        return self.wait(self.submit("run_in_workers", fn, kwargs), "run_in_workers")
 
     def health(self) -> EngineHealth:
         try:

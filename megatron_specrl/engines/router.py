@@ -18,8 +18,9 @@ from typing import Iterable, Sequence
 import torch
 
 from megatron_specrl.engines.protocol import (
-    DraftResponse, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest, ScoreResult,
-    WeightVersionMismatch, check_count, samples_coupled, verifies_processed_distribution,
+    DraftResponse, DraftsFromTrees, EngineCapabilities, EngineHealth, GenerateRequest, GenerateResult, InActor,
+    RoutesToEngines, SamplingSettings, ScoreRequest, ScoreResult, WeightVersionMismatch, check_count, samples_coupled,
+    verifies_processed_distribution,
 )
 
 
@@ -44,7 +45,10 @@ def shard_by_key(keys: Sequence[str | None], n: int) -> list[list[int]]:
     return shards
 
 
-class EngineRouter:
+class EngineRouter(EngineCapabilities, DraftsFromTrees, RoutesToEngines):
+    """Its capabilities are its engines': the flags where every engine has them, the draft trees'
+    calls forwarded to the engines that draft from trees (nothing for the others)."""
+
     def __init__(self, engines: list, name: str = "router"):
         if not engines:
             raise ValueError("EngineRouter needs at least one engine")
@@ -70,7 +74,7 @@ class EngineRouter:
                  shards: list[list[int]] | None = None):
         shards = shards or balance(costs, len(self.engines))
         work = [(e, idx) for e, idx in zip(self.engines, shards) if idx]
-        if all(hasattr(e, "submit") for e, _ in work):   # Ray engines: submit all, then wait on all
+        if all(isinstance(e, InActor) for e, _ in work):   # Ray engines: submit all, then wait on all
             from megatron_specrl.engines.ray_engine import wait_engines
             outs = wait_engines([(e, e.submit(method, [requests[i] for i in idx], sampling, weight_version))
                                  for e, idx in work], method, weight_version)
@@ -133,7 +137,7 @@ class EngineRouter:
         engine steps one engine took, the rollout's decode steps (engines step side by side)."""
         total: dict[str, float] = {}
         longest = None
-        for e in self.engines:
+        for e in self._drafting():
             stats = e.draft_stats()
             for k, v in stats.items():
                 total[k] = total.get(k, 0.0) + v
@@ -147,11 +151,14 @@ class EngineRouter:
         """Each response to the engine that gets its prompt's requests (shard_by_key), whose trees
         hold the prompt's other samples."""
         for e, idx in zip(self.engines, shard_by_key([r.draft_key for r in responses], len(self.engines))):
-            if idx and hasattr(e, "add_to_draft_trees"):
+            if idx and isinstance(e, DraftsFromTrees):
                 e.add_to_draft_trees([responses[i] for i in idx])
 
+    def _drafting(self) -> list[DraftsFromTrees]:
+        return [e for e in self.engines if isinstance(e, DraftsFromTrees)]
+
     def draft_state(self) -> dict | None:
-        states = [e.draft_state() for e in self.engines]
+        states = [e.draft_state() if isinstance(e, DraftsFromTrees) else None for e in self.engines]
         return None if all(s is None for s in states) else {"engines": states}
 
     def load_draft_state(self, state: dict) -> None:
@@ -161,6 +168,8 @@ class EngineRouter:
                              f"{len(states) if states is not None else 1} engines, not {len(self.engines)}")
         for e, s in zip(self.engines, states):
             if s is not None:
+                if not isinstance(e, DraftsFromTrees):
+                    raise ValueError(f"{self.name}: engine {e.name} does not draft from trees")
                 e.load_draft_state(s)
 
     def health(self) -> EngineHealth:

@@ -46,6 +46,9 @@ from megatron_specrl.engines.protocol import (
     DraftResponse, EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest,
     ScoreResult, WeightVersionMismatch, check_finite_logprobs, check_version, draft_response_pairs,
 )
+from megatron_specrl.engines.protocol import (   # capabilities these engines declare
+    DraftsFromTrees, EngineCapabilities, SleepsWhileTraining,
+)
 from megatron_specrl.engines.logs import attach_log_file, detach_log_file, tail_lines
 from megatron_specrl.engines.tree_drafter import DRAFT_KEY, OWN_DRAFT, RESPONSE_START, settings_env
 
@@ -233,7 +236,7 @@ def _ok(ret) -> bool:
 
 
 # -- engines --------------------------------------------------------------------------
-class _SGLangBase:
+class _SGLangBase(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining):
     """Version bookkeeping + the update order shared by the Engine and HTTP variants."""
 
     verifies_processed_distribution = False   # score(): temperature 1, no top-k / top-p, no replacements

@@ -40,6 +40,9 @@ from megatron_specrl.engines.protocol import (
     DraftResponse, EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest,
     ScoreResult, WeightVersionMismatch, check_finite_logprobs, check_version, draft_response_pairs, untruncated_t1,
 )
+from megatron_specrl.engines.protocol import (   # capabilities this engine declares
+    DraftsFromTrees, EngineCapabilities, RunsInWorkers, SleepsWhileTraining,
+)
 from megatron_specrl.patches.vllm_0_32_0_batched_prompt_logprobs import COUPLED_KEY, UNCOMPUTED, VERIFY_COLUMNS
 
 GiB = 1 << 30
@@ -288,7 +291,7 @@ def _max_positions(model_path: str) -> int | None:
         return None
 
 
-class VLLMEngine:
+class VLLMEngine(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, RunsInWorkers):
     """One vLLM engine. Synchronous: a call returns when its whole batch is done."""
 
     # score() verifies under the sampler's processed distribution (any temperature, top-k, top-p)

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import time
 
+from megatron_specrl.engines.protocol import engines_behind
 from megatron_specrl.resync.routes import ObjectStoreRoute
 
 
 def engines_of(engine) -> list:
     """The Ray engine handles behind a router (or the engine itself)."""
-    return list(getattr(engine, "engines", [engine]))
+    return engines_behind(engine)
 
 
 def release_engine_memory(engine) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from megatron_specrl.engines.protocol import InActor
 from megatron_specrl.engines.ray_engine import wait_engines
 from megatron_specrl.resync import engine_actor
 from megatron_specrl.resync.group import ResyncTransportError, first_line
@@ -59,7 +60,7 @@ def wait_all(waits: dict, timeout_s: float, what: str) -> dict:
 
 
 def _ray_engines(targets: list, transport: str) -> list:
-    plain = [getattr(e, "name", type(e).__name__) for e in targets if not hasattr(e, "submit_actor")]
+    plain = [getattr(e, "name", type(e).__name__) for e in targets if not isinstance(e, InActor)]
     if plain:
         raise ResyncTransportError(f"resync transport {transport} needs engines in Ray actors; "
                                    f"{', '.join(plain)} run in this process (use transport ray)")

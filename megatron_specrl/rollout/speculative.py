@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatron_specrl.engines.protocol import (
-    DraftResponse, GenerateRequest, RolloutEngine, SamplingSettings, ScoreRequest, samples_coupled,
+    DraftResponse, DraftsFromTrees, GenerateRequest, RolloutEngine, SamplingSettings, ScoreRequest, samples_coupled,
     untruncated_t1, verifies_processed_distribution,
 )
 from megatron_specrl.rollout.acceptance import MODES, coupled_prefix, decide
@@ -100,7 +100,7 @@ def tree_metrics(engine) -> dict[str, float]:
     tokens drafted and accepted, generated tokens per request per engine step (1 without drafts),
     engine steps, the decode loop's and the drafter's seconds, the trees' size, and `tree_cost/*`: the
     sums of the decode-step cost fit (engines/tree_drafter.fit_step_cost; they add across steps)."""
-    stats = engine.draft_stats() if hasattr(engine, "draft_stats") else {}
+    stats = engine.draft_stats() if isinstance(engine, DraftsFromTrees) else {}
     if not stats:
         return {}
     if "nodes" not in stats:   # a draft model's (rollout.draft=model): vLLM's counters, no trees
@@ -305,7 +305,7 @@ class SpeculativeRollout:
         # verified. An engine without tree drafting ignores them.
         taken = [DraftResponse(p.prompt_id, list(p.prefix_ids)) for p in plans
                  if not p.needs_generation and p.prefix_ids]
-        if taken and hasattr(self.engine, "add_to_draft_trees"):
+        if taken and isinstance(self.engine, DraftsFromTrees):
             self.engine.add_to_draft_trees(taken)
         requests = [
             GenerateRequest(prompt_ids=p.prompt_ids + p.prefix_ids,

@@ -1,0 +1,149 @@
+"""Engines say what they can do: capabilities are declared by an engine's class (engines/protocol.py),
+and the package tests them with isinstance, never by probing for a method."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from megatron_specrl.engines.protocol import (
+    DraftsFromTrees, EngineCapabilities, InActor, RoutesToEngines, RunsInWorkers, SleepsWhileTraining,
+    engines_behind, samples_coupled, verifies_processed_distribution,
+)
+
+PACKAGE = Path(__file__).resolve().parents[3] / "megatron_specrl"
+
+# the methods of the declared capabilities (and the flags): probing for any of them is asking an engine
+# what it can do behind the protocol's back
+CAPABILITY_NAMES = (
+    "draft_stats", "draft_state", "load_draft_state", "add_to_draft_trees",     # DraftsFromTrees
+    "release_memory", "resume_memory",                                          # SleepsWhileTraining
+    "run_in_workers",                                                           # RunsInWorkers
+    "submit", "submit_actor", "actor", "pid",                                   # InActor
+    "engines",                                                                  # RoutesToEngines
+    "verifies_processed_distribution", "samples_coupled",                       # EngineCapabilities
+)
+
+
+def _probes() -> list[str]:
+    names = "|".join(CAPABILITY_NAMES)
+    probe = re.compile(rf"""\b(?:hasattr|getattr)\(\s*[^,()]+(?:\([^()]*\))?\s*,\s*["'](?:{names})["']""")
+    return [f"{path.relative_to(PACKAGE.parent)}:{i}: {line.strip()}"
+            for path in sorted(PACKAGE.rglob("*.py"))
+            for i, line in enumerate(path.read_text().splitlines(), 1) if probe.search(line)]
+
+
+def test_no_capability_probes_in_the_package():
+    assert _probes() == []
+
+
+def test_the_probe_pattern_finds_probes(tmp_path):
+    """The grep above must see the shapes the probes had."""
+    names = "|".join(CAPABILITY_NAMES)
+    probe = re.compile(rf"""\b(?:hasattr|getattr)\(\s*[^,()]+(?:\([^()]*\))?\s*,\s*["'](?:{names})["']""")
+    for line in ('state = engine.draft_state() if hasattr(engine, "draft_state") else None',
+                 'if taken and hasattr(self.engine, "add_to_draft_trees"):',
+                 'return bool(getattr(engine, "verifies_processed_distribution", False))',
+                 "if getattr(e, 'actor', None) is not None:",
+                 'if engines and getattr(engines[0], "pid", None):',
+                 'return list(getattr(engine, "engines", [engine]))'):
+        assert probe.search(line), line
+    assert not probe.search('return getattr(self.engine, method)(*args, **kwargs)')
+
+
+def _declares(cls, *caps) -> None:
+    for cap in caps:
+        assert issubclass(cls, cap), f"{cls.__name__} does not declare {cap.__name__}"
+
+
+def test_vllm_engine_declares_what_it_implements():
+    vllm_engine = pytest.importorskip("megatron_specrl.engines.vllm_engine")
+    cls = vllm_engine.VLLMEngine
+    _declares(cls, EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, RunsInWorkers)
+    assert not issubclass(cls, InActor) and not issubclass(cls, RoutesToEngines)
+    assert verifies_processed_distribution(cls) and samples_coupled(cls)
+
+
+def test_sglang_engines_declare_what_they_implement():
+    from megatron_specrl.engines.sglang_engine import SGLangEngine, SGLangHTTPEngine
+    for cls in (SGLangEngine, SGLangHTTPEngine):
+        _declares(cls, EngineCapabilities, DraftsFromTrees, SleepsWhileTraining)
+        assert not issubclass(cls, RunsInWorkers) and not issubclass(cls, InActor)
+        # score() at temperature 1 without top-k / top-p only, no position-keyed noise
+        assert not verifies_processed_distribution(cls) and not samples_coupled(cls)
+
+
+class _Plain(EngineCapabilities):
+    name = "plain"
+
+
+class _Scoring(EngineCapabilities):
+    name = "scoring"
+    verifies_processed_distribution = True
+    samples_coupled = True
+
+
+def test_ray_engine_forwards_its_engine_class_capabilities():
+    from megatron_specrl.engines.ray_engine import RayEngine
+    _declares(RayEngine, EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, RunsInWorkers, InActor)
+    handle = object.__new__(RayEngine)            # no actor: only the class-level answers
+    handle.engine_cls, handle.engine_kwargs, handle.name = _Plain, {"draft": "tree"}, "p"
+    assert not handle.verifies_processed_distribution and not handle.samples_coupled
+    assert handle.draft_stats() == {} and handle.draft_state() is None
+    handle.add_to_draft_trees([object()])         # nothing to forward to: no round trip
+    with pytest.raises(ValueError, match="does not draft from trees"):
+        handle.load_draft_state({})
+    with pytest.raises(NotImplementedError, match="runs nothing in workers"):
+        handle.run_in_workers(print)
+    handle.engine_cls = _Scoring
+    assert verifies_processed_distribution(handle) and samples_coupled(handle)
+
+
+def test_router_declares_and_forwards():
+    from megatron_specrl.engines.router import EngineRouter
+    _declares(EngineRouter, EngineCapabilities, DraftsFromTrees, RoutesToEngines)
+
+    class Drafting(_Scoring, DraftsFromTrees):
+        def __init__(self, name):
+            self.name, self.added = name, []
+
+        def draft_stats(self):
+            return {"draft_tokens": 2.0, "engine_steps": 3.0}
+
+        def draft_state(self):
+            return {"of": self.name}
+
+        def load_draft_state(self, state):
+            self.loaded = state
+
+        def add_to_draft_trees(self, responses):
+            self.added += responses
+
+    a, b = Drafting("a"), _Plain()
+    router = EngineRouter([a, b])
+    assert engines_behind(router) == [a, b] and engines_behind(a) == [a]
+    assert not router.verifies_processed_distribution    # every engine must have it
+    assert EngineRouter([a, Drafting("c")]).samples_coupled
+    assert router.draft_stats() == {"draft_tokens": 2.0, "engine_steps": 3.0, "engine_steps_longest": 3.0}
+    assert router.draft_state() == {"engines": [{"of": "a"}, None]}
+    router.load_draft_state({"engines": [{"x": 1}, None]})
+    assert a.loaded == {"x": 1}
+    with pytest.raises(ValueError, match="does not draft from trees"):
+        router.load_draft_state({"engines": [None, {"x": 1}]})
+
+
+def test_an_engine_that_does_not_declare_has_no_capability():
+    """Methods alone are not a declaration: the flags and the drafting calls go by the class."""
+    class Undeclared:
+        verifies_processed_distribution = True
+        samples_coupled = True
+
+        def draft_stats(self):
+            return {"nodes": 1.0}
+
+    from megatron_specrl.rollout.speculative import tree_metrics
+    assert not verifies_processed_distribution(Undeclared()) and not samples_coupled(Undeclared)
+    assert not isinstance(Undeclared(), DraftsFromTrees)
+    assert tree_metrics(Undeclared()) == {}
