@@ -204,6 +204,13 @@ class DraftsFromTrees(ABC):
     such a class built without trees answers with nothing: {} / None / a no-op (load_draft_state
     raises, a checkpoint's trees cannot be loaded into it)."""
 
+    @property
+    def tree_drafting(self) -> bool:
+        """Whether this engine was built with tree drafting (rollout.draft=tree): it takes run-ahead
+        requests and own drafts (rollout.verify=decode). A class that always drafts from trees keeps
+        this default."""
+        return True
+
     @abstractmethod
     def draft_stats(self) -> dict[str, float]:
         """Counters since the last call (speculative.tree_metrics reads them); {} without drafting."""

@@ -201,6 +201,11 @@ class RayEngine(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, RunsIn
     def _drafts(self) -> bool:
         return issubclass(self.engine_cls, DraftsFromTrees)
 
+    @property
+    def tree_drafting(self) -> bool:
+        """The engine's class drafts from trees and was asked to (its `draft` argument)."""
+        return self._drafts() and self.engine_kwargs.get("draft") == "tree"
+
     def draft_stats(self) -> dict[str, float]:
         return self._get(self.submit("draft_stats"), self.timeout_s, "draft_stats") if self._drafts() else {}
 
@@ -209,7 +214,7 @@ class RayEngine(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, RunsIn
 
     def add_to_draft_trees(self, responses: list[DraftResponse]) -> None:
         # an engine without tree drafting ignores them: not worth a round trip with the step's tokens
-        if responses and self._drafts() and self.engine_kwargs.get("draft") == "tree":
+        if responses and self.tree_drafting:
             self._get(self.submit("add_to_draft_trees", responses), self.timeout_s, "add_to_draft_trees")
 
     def load_draft_state(self, state: dict) -> None:

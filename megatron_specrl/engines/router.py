@@ -154,6 +154,10 @@ class EngineRouter(EngineCapabilities, DraftsFromTrees, RoutesToEngines):
             if idx and isinstance(e, DraftsFromTrees):
                 e.add_to_draft_trees([responses[i] for i in idx])
 
+    @property
+    def tree_drafting(self) -> bool:
+        return all(isinstance(e, DraftsFromTrees) and e.tree_drafting for e in self.engines)
+
     def _drafting(self) -> list[DraftsFromTrees]:
         return [e for e in self.engines if isinstance(e, DraftsFromTrees)]
 

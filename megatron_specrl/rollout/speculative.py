@@ -50,8 +50,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatron_specrl.engines.protocol import (
-    DraftResponse, DraftsFromTrees, GenerateRequest, RolloutEngine, SamplingSettings, ScoreRequest, samples_coupled,
-    untruncated_t1, verifies_processed_distribution,
+    DraftResponse, DraftsFromTrees, GenerateRequest, GenerateResult, RolloutEngine, SamplingSettings, ScoreRequest,
+    ScoreResult, samples_coupled, untruncated_t1, verifies_processed_distribution,
 )
 from megatron_specrl.rollout.acceptance import MODES, coupled_prefix, decide
 from megatron_specrl.rollout.store import Trajectory, TrajectoryStore
@@ -159,36 +159,96 @@ def common_prefix(a, b) -> int:
     return n
 
 
+def resolve_verify(mode: str, tree_drafting: bool) -> str:
+    """rollout.verify=auto: `decode` exactly where it can run (the exact rule, on engines drafting from
+    trees), else `prefill` (RolloutConfig resolves `auto` by the same rule, with rollout.draft)."""
+    return "decode" if mode == "exact" and tree_drafting else "prefill"
+
+
+def _tree_drafting(engine) -> bool:
+    return isinstance(engine, DraftsFromTrees) and engine.tree_drafting
+
+
+def _name(engine) -> str:
+    return getattr(engine, "name", str(engine))
+
+
+@dataclass
+class _Round:
+    """One run(): its plans and what each phase made of them (the metrics read it all)."""
+
+    plans: list[_Plan]
+    drafted: list[_Plan] = field(default_factory=list)      # plans with a draft, before verification cut any
+    verified: list[tuple[_Plan, ScoreResult]] = field(default_factory=list)
+    extended: list[tuple[_Plan, GenerateResult]] = field(default_factory=list)
+    runahead: int = 0
+    replaced: int = 0          # first new tokens drawn by the verification (decode: by the sampler)
+    nonfinite: int = 0
+    lenient_excess: float = 0.0
+    lenient_accepted: int = 0
+    verify_s: float = 0.0
+    extend_s: float = 0.0
+
+
 class SpeculativeRollout:
     def __init__(self, engine: RolloutEngine, store: TrajectoryStore, *, mode: str, lenience: float,
                  sampling: SamplingSettings, max_new_tokens: int, seed: int, coupled_refresh: float = 0.0,
-                 runahead: int = 0, verify: str = "prefill"):
+                 runahead: int = 0, verify: str | None = None):
+        """`verify`: None resolves as rollout.verify=auto does (resolve_verify). Settings the engine
+        cannot serve are refused here, before the first run()."""
+        self.engine, self.store = engine, store
+        self.mode, self.lenience = mode, lenience
+        self.sampling, self.max_new_tokens, self.seed = sampling, max_new_tokens, seed
+        self.coupled_refresh = coupled_refresh
+        self.runahead = runahead   # most run-ahead requests per rollout (0: off)
+        self._check_sampling()
+        self.verify = resolve_verify(mode, _tree_drafting(engine)) if verify is None else verify
+        self._check_verify()
+
+    @classmethod
+    def from_config(cls, engine: RolloutEngine, store: TrajectoryStore, rollout, seed: int) -> "SpeculativeRollout":
+        """From a RolloutConfig (its verify resolved by the config, `auto` by resolve_verify)."""
+        return cls(engine, store, mode=rollout.spec_mode, lenience=rollout.lenience,
+                   sampling=SamplingSettings(rollout.temperature, rollout.top_p, rollout.top_k),
+                   max_new_tokens=rollout.max_new_tokens, seed=seed, coupled_refresh=rollout.coupled_refresh,
+                   runahead=rollout.runahead, verify=None if rollout.verify == "auto" else rollout.verify)
+
+    # What the engine can do with the settings goes by its declared capabilities (config._cross_checks
+    # refuses a run's settings by engine name, before Ray starts).
+    def _check_sampling(self) -> None:
+        mode, sampling, engine = self.mode, self.sampling, self.engine
         if mode not in MODES:
             raise ValueError(f"rollout.spec_mode={mode!r} is not one of {MODES}")
         if mode == "coupled" and not samples_coupled(engine):
-            raise NotImplementedError(f"rollout.spec_mode=coupled: engine {getattr(engine, 'name', engine)} has no "
+            raise NotImplementedError(f"rollout.spec_mode=coupled: engine {_name(engine)} has no "
                                       "position-keyed sampling (vLLM engines only)")
         if mode == "coupled" and sampling.temperature <= 0:
             raise ValueError(f"rollout.spec_mode=coupled needs temperature > 0, got {sampling.temperature}")
-        if not 0.0 <= coupled_refresh <= 1.0:
-            raise ValueError(f"rollout.coupled_refresh={coupled_refresh} is not a fraction in [0, 1]")
+        if not 0.0 <= self.coupled_refresh <= 1.0:
+            raise ValueError(f"rollout.coupled_refresh={self.coupled_refresh} is not a fraction in [0, 1]")
         if mode != "off" and not untruncated_t1(sampling) and not verifies_processed_distribution(engine):
             raise NotImplementedError(
                 f"rollout.spec_mode={mode} with temperature={sampling.temperature}, top_p={sampling.top_p}, "
-                f"top_k={sampling.top_k}: engine {getattr(engine, 'name', engine)} cannot verify drafts under that "
+                f"top_k={sampling.top_k}: engine {_name(engine)} cannot verify drafts under that "
                 "distribution (it scores at temperature 1 without top-k / top-p only); use the vLLM engine or "
                 "spec_mode=off")
+
+    def _check_verify(self) -> None:
+        mode, verify, sampling, engine = self.mode, self.verify, self.sampling, self.engine
         if verify not in ("prefill", "decode"):
             raise ValueError(f"rollout.verify={verify!r} is not one of ('prefill', 'decode')")
         if verify == "decode" and mode != "exact":
             raise ValueError(f"rollout.verify=decode with rollout.spec_mode={mode}: only the exact rule is the engine "
                              "rejection sampler's; use rollout.verify=prefill")
-        self.engine, self.store = engine, store
-        self.verify = verify
-        self.mode, self.lenience = mode, lenience
-        self.sampling, self.max_new_tokens, self.seed = sampling, max_new_tokens, seed
-        self.coupled_refresh = coupled_refresh
-        self.runahead = runahead   # most run-ahead requests per rollout (0: off)
+        if mode != "off" and verify == "prefill" and sampling.temperature <= 0:
+            raise NotImplementedError(f"rollout.spec_mode={mode} with temperature={sampling.temperature}: greedy "
+                                      "decoding has no distribution to verify drafts under; use spec_mode=off")
+        if verify == "decode" and not _tree_drafting(engine):
+            raise ValueError(f"rollout.verify=decode: engine {_name(engine)} does not draft from trees, and its "
+                             "proposer is what drafts the own draft in the decode loop; use rollout.verify=prefill")
+        if self.runahead and not _tree_drafting(engine):
+            raise ValueError(f"rollout.runahead={self.runahead}: engine {_name(engine)} does not draft from trees, "
+                             "which run-ahead requests only feed; use rollout.runahead=0")
 
     def _noise_seed(self, prompt_id: str, k: int, draft: Trajectory | None, step,
                     redraw: bool = False) -> tuple[int, bool]:
@@ -216,6 +276,26 @@ class SpeculativeRollout:
                                            seed=stable_seed(self.seed, step, "runahead", pid, k), runahead=True))
         return out
 
+    @property
+    def _in_decode(self) -> bool:
+        return self.verify == "decode"
+
+    def run(self, prompts: list[tuple[str, list[int]]], n_samples: int, weight_version: int,
+            step: int | str, next_prompts: list[tuple[str, list[int]]] = ()) -> tuple[list[RolloutSample], dict[str, float]]:
+        """`step` only seeds the randomness (acceptance uniforms, sampling seeds), so a resumed
+        run makes the same draws. `next_prompts` (the next step's, when known) get up to
+        `runahead` run-ahead requests: sampled in the tail of this step's generation only to feed
+        their draft trees (GenerateRequest.runahead), never part of the samples or the store."""
+        t0 = time.perf_counter()
+        r = _Round([self._plan(pid, k, ids, step, weight_version) for pid, ids in prompts for k in range(n_samples)])
+        self._verify(r, step, weight_version)                 # 2. every draft in one prefill (decode: in 4.)
+        self._accept(r, step)                                 # 3. accepted prefix (+ the first new token)
+        self._feed_trees(r)                                   #    samples the engine will not see
+        self._extend(r, n_samples, step, weight_version, next_prompts)   # 4. one generation batch
+        samples = self._assemble(r, weight_version)           # 5. samples, and next epoch's drafts
+        return samples, self._metrics(r, samples, t0)
+
+    # 1. plan --------------------------------------------------------------------------------
     def _plan(self, prompt_id: str, k: int, prompt_ids: list[int], step, weight_version: int) -> _Plan:
         draft = self.store.get(prompt_id, k) if self.mode != "off" else None
         # a draft of the current weights is a sample an earlier round of this step stored (the version
@@ -232,114 +312,122 @@ class SpeculativeRollout:
             plan.draft_finish_reason = "stop" if ended_by_eos else "length"
         return plan
 
-    def run(self, prompts: list[tuple[str, list[int]]], n_samples: int, weight_version: int,
-            step: int | str, next_prompts: list[tuple[str, list[int]]] = ()) -> tuple[list[RolloutSample], dict[str, float]]:
-        """`step` only seeds the randomness (acceptance uniforms, sampling seeds), so a resumed
-        run makes the same draws. `next_prompts` (the next step's, when known) get up to
-        `runahead` run-ahead requests: sampled in the tail of this step's generation only to feed
-        their draft trees (GenerateRequest.runahead), never part of the samples or the store."""
-        t0 = time.perf_counter()
-        plans = [self._plan(pid, k, ids, step, weight_version) for pid, ids in prompts for k in range(n_samples)]
-
-        # 2. verify every draft in one batch (rollout.verify=decode: in the engine's decode loop, in 4.)
-        in_decode = self.verify == "decode"
-        drafted = [p for p in plans if p.draft_ids]
-        to_verify = [] if in_decode else drafted
-        t_verify = time.perf_counter()
-        scores = []
+    # 2. verify ------------------------------------------------------------------------------
+    def _verify(self, r: _Round, step, weight_version: int) -> None:
+        """Score every draft in one batch (rollout.verify=decode: none here, the engine's decode loop
+        verifies them in 4.)."""
+        r.drafted = [p for p in r.plans if p.draft_ids]
+        to_verify = [] if self._in_decode else r.drafted
+        t = time.perf_counter()
         if to_verify:
             scores = self.engine.score(
                 [ScoreRequest(p.prompt_ids, p.draft_ids, seed=stable_seed(self.seed, step, "verify", p.prompt_id,
                                                                           p.sample_idx), coupled_seed=p.noise_seed,
-                             draft_key=p.prompt_id)
+                              draft_key=p.prompt_id)
                  for p in to_verify],
                 self.sampling, weight_version)
-            for p, s in zip(to_verify, scores):
+            r.verified = list(zip(to_verify, scores))
+            for p, s in r.verified:
                 p.p_logprobs = list(s.acceptance_logprobs)
                 if len(p.p_logprobs) < len(p.draft_ids):
                     # the engine verified a prefix only (a response reaching its last position,
                     # protocol.score): the rest is a draft no more, and the extension samples it
                     p.draft_ids, p.draft_finish_reason = p.draft_ids[:len(p.p_logprobs)], "length"
-        verify_s = time.perf_counter() - t_verify
+        r.verify_s = time.perf_counter() - t
 
-        # 3. accept
-        excess, n_excess, replaced, nonfinite = 0.0, 0, 0, 0
-        L = self.max_new_tokens
-        for p, s in zip(to_verify, scores):
+    # 3. accept ------------------------------------------------------------------------------
+    def _accept(self, r: _Round, step) -> None:
+        for p, s in r.verified:
             rng = np.random.default_rng(stable_seed(self.seed, step, "accept", p.prompt_id, p.sample_idx))
             q = p.draft.logprobs[: len(p.draft_ids)]
             if self.mode == "coupled":
                 acc = coupled_prefix(p.draft_ids, s.replacements, p.p_logprobs)
             else:
                 acc = decide(p.draft_ids, p.p_logprobs, q, rng.random(len(p.draft_ids)), self.mode, self.lenience)
-            n = p.accepted = acc.num_accepted
-            excess += acc.lenient_excess
-            nonfinite += acc.nonfinite
-            n_excess += n
-            p.prefix_ids, p.prefix_logprobs = p.draft_ids[:n], p.p_logprobs[:n]
-            if n == len(p.draft_ids):
-                # a fully accepted draft needs nothing more if it ended at EOS or filled all L tokens
-                p.finish_reason = p.draft_finish_reason
-                p.needs_generation = not (p.draft_finish_reason == "stop" or n == L)
-            elif self.mode == "exact" and s.replacements is None:
-                p.ban = acc.ban_token     # the extension's first token excludes y_n (temperature 1 only)
-            elif self.mode in ("exact", "coupled") and s.replacements[n] >= 0:
-                # the first new token is the verification's draw: exact's from p without y_n (exact by
-                # construction), coupled's with the noise of position n (what generation would draw)
-                replaced += 1
-                p.prefix_ids = p.prefix_ids + [s.replacements[n]]
-                p.prefix_logprobs = p.prefix_logprobs + [s.replacement_sample_logprobs[n]]
-                p.finish_reason = "stop" if s.replacement_stops[n] else "length"
-                p.needs_generation = not (s.replacement_stops[n] or n + 1 == L)
-            # else lenient, or exact where p is a point mass on y_n (rejected by rounding only), or a
-            # row with non-finite log-probs (no replacement; the extension's generate() refuses NaN):
-            # position n is sampled by the extension from the full distribution
+            r.lenient_excess += acc.lenient_excess
+            r.nonfinite += acc.nonfinite
+            r.lenient_accepted += acc.num_accepted
+            r.replaced += self._take_prefix(p, s, acc)
 
-        # 4. extend (plain generation for plans without a draft; verify=decode: every plan, with its
-        #    draft as the own draft) in one batch
-        to_extend = [p for p in plans if p.needs_generation]
-        # the samples the engine will not see (a draft accepted whole, or ended by the verification's
-        # replacement) enter their prompts' draft trees first, once each, as an extension's accepted
-        # prefix enters when its request starts: verify=decode runs every sample in the engine, and
-        # the trees' counts (and the batch's drafts from them) must not depend on where a sample was
-        # verified. An engine without tree drafting ignores them.
-        taken = [DraftResponse(p.prompt_id, list(p.prefix_ids)) for p in plans
+    def _take_prefix(self, p: _Plan, s: ScoreResult, acc) -> bool:
+        """The plan's response prefix after acceptance: the accepted draft, and where the rule gives it
+        the first new token; whether the verification's replacement is that token."""
+        n = p.accepted = acc.num_accepted
+        p.prefix_ids, p.prefix_logprobs = p.draft_ids[:n], p.p_logprobs[:n]
+        if n == len(p.draft_ids):
+            # a fully accepted draft needs nothing more if it ended at EOS or filled all L tokens
+            p.finish_reason = p.draft_finish_reason
+            p.needs_generation = not (p.draft_finish_reason == "stop" or n == self.max_new_tokens)
+        elif self.mode == "exact" and s.replacements is None:
+            p.ban = acc.ban_token     # the extension's first token excludes y_n (temperature 1 only)
+        elif self.mode in ("exact", "coupled") and s.replacements[n] >= 0:
+            # the first new token is the verification's draw: exact's from p without y_n (exact by
+            # construction), coupled's with the noise of position n (what generation would draw)
+            p.prefix_ids = p.prefix_ids + [s.replacements[n]]
+            p.prefix_logprobs = p.prefix_logprobs + [s.replacement_sample_logprobs[n]]
+            p.finish_reason = "stop" if s.replacement_stops[n] else "length"
+            p.needs_generation = not (s.replacement_stops[n] or n + 1 == self.max_new_tokens)
+            return True
+        # else lenient, or exact where p is a point mass on y_n (rejected by rounding only), or a
+        # row with non-finite log-probs (no replacement; the extension's generate() refuses NaN):
+        # position n is sampled by the extension from the full distribution
+        return False
+
+    def _feed_trees(self, r: _Round) -> None:
+        """The samples the engine will not see (a draft accepted whole, or ended by the verification's
+        replacement) enter their prompts' draft trees first, once each, as an extension's accepted
+        prefix enters when its request starts: verify=decode runs every sample in the engine, and the
+        trees' counts (and the batch's drafts from them) must not depend on where a sample was
+        verified. An engine of a tree-drafting class built without trees ignores them."""
+        taken = [DraftResponse(p.prompt_id, list(p.prefix_ids)) for p in r.plans
                  if not p.needs_generation and p.prefix_ids]
         if taken and isinstance(self.engine, DraftsFromTrees):
             self.engine.add_to_draft_trees(taken)
+
+    # 4. extend ------------------------------------------------------------------------------
+    def _extend(self, r: _Round, n_samples: int, step, weight_version: int, next_prompts) -> None:
+        """Plain generation for plans without a draft, the rest from the accepted prefix (verify=decode:
+        every plan, from the prompt, its draft as the own draft) in one batch, run-ahead requests in
+        its tail."""
+        to_extend = [p for p in r.plans if p.needs_generation]
         requests = [
             GenerateRequest(prompt_ids=p.prompt_ids + p.prefix_ids,
                             max_new_tokens=self.max_new_tokens - len(p.prefix_ids),
                             seed=stable_seed(self.seed, step, "gen", p.prompt_id, p.sample_idx),
                             ban_first_token=p.ban,
                             draft_key=p.prompt_id, response_start=len(p.prompt_ids), coupled_seed=p.noise_seed,
-                            own_draft=p.draft_ids if in_decode and p.draft_ids else None)
+                            own_draft=p.draft_ids if self._in_decode and p.draft_ids else None)
             for p in to_extend
         ]
         ahead = self._runahead_requests(next_prompts, n_samples, step) if requests else []
-        t_extend = time.perf_counter()
+        t = time.perf_counter()
         results = self.engine.generate(requests + ahead, self.sampling, weight_version) if requests else []
-        results = results[:len(requests)]
-        extend_s = time.perf_counter() - t_extend
-        by_plan = {id(p): r for p, r in zip(to_extend, results)}
+        r.extend_s = time.perf_counter() - t
+        r.extended, r.runahead = list(zip(to_extend, results[:len(requests)])), len(ahead)
 
-        # 5. assemble and store
+    # 5. assemble ----------------------------------------------------------------------------
+    def _assemble(self, r: _Round, weight_version: int) -> list[RolloutSample]:
+        by_plan = {id(p): g for p, g in r.extended}
         samples = []
-        for p in plans:
-            r = by_plan.get(id(p))
-            if r is None:
+        for p in r.plans:
+            g = by_plan.get(id(p))
+            if g is None:
                 response, logprobs, finish = p.prefix_ids, p.prefix_logprobs, p.finish_reason
             else:
-                response, logprobs, finish = (p.prefix_ids + list(r.token_ids), p.prefix_logprobs + list(r.logprobs),
-                                              r.finish_reason)
-            if in_decode and p.draft_ids:
+                response, logprobs, finish = (p.prefix_ids + list(g.token_ids), p.prefix_logprobs + list(g.logprobs),
+                                              g.finish_reason)
+            if self._in_decode and p.draft_ids:
                 p.accepted = common_prefix(p.draft_ids, response)
-                replaced += p.accepted < min(len(p.draft_ids), len(response))   # the sampler's draw without y_n
+                r.replaced += p.accepted < min(len(p.draft_ids), len(response))   # the sampler's draw without y_n
             samples.append(RolloutSample(p.prompt_id, p.sample_idx, p.prompt_ids, response, logprobs,
                                          finish, p.accepted, weight_version))
             self.store.put(p.prompt_id, p.sample_idx,
                            Trajectory(response, logprobs, finish, weight_version, p.noise_seed))
+        return samples
 
+    def _metrics(self, r: _Round, samples: list[RolloutSample], t0: float) -> dict[str, float]:
+        in_decode, plans = self._in_decode, r.plans
+        results = [g for _, g in r.extended]
         response_tokens = sum(len(s.response_ids) for s in samples)
         accepted = sum(p.accepted for p in plans)
         # samples that are their whole draft (not those a replacement ended: its token is new); decode:
@@ -350,11 +438,11 @@ class SpeculativeRollout:
         metrics = {
             "spec/accepted_tokens": float(accepted),
             # tokens sampled past the reused prefix (decode: the results also hold the accepted prefix)
-            "spec/generated_tokens": float(sum(len(r.token_ids) for r in results)
+            "spec/generated_tokens": float(sum(len(g.token_ids) for g in results)
                                            - (accepted if in_decode else 0)),
-            "runahead/requests": float(len(ahead)),
-            "spec/replaced_tokens": float(replaced),   # exact: first new tokens drawn by the verification
-            "spec/nonfinite_logprobs": float(nonfinite),   # NaN / +inf from the engine (never accepted)
+            "runahead/requests": float(r.runahead),
+            "spec/replaced_tokens": float(r.replaced),   # exact: first new tokens drawn by the verification
+            "spec/nonfinite_logprobs": float(r.nonfinite),   # NaN / +inf from the engine (never accepted)
             # the ratios' counts are logged too: DAPO's rounds merge the ratios from the summed counts
             # (rollout/dynamic.RATIOS)
             "spec/reuse_ratio": accepted / max(response_tokens, 1),
@@ -363,24 +451,26 @@ class SpeculativeRollout:
             "spec/full_reuses": float(full_reuses),
             "spec/samples": float(len(plans)),
             "spec/redraws": float(sum(p.redraw for p in plans)),   # drawn again this step, without the draft
-            "spec/mean_accept_len": accepted / max(len(drafted), 1),
-            "spec/drafts": float(len(drafted)),
-            "spec/cached_prompt_tokens": float(sum(r.num_cached_tokens for r in results)),
-            "spec/verify_cached_tokens": float(sum(s.num_cached_tokens for s in scores)),   # prompts read, not re-prefilled
-            "spec/verify_s": verify_s,
-            "spec/extend_s": extend_s,
+            "spec/mean_accept_len": accepted / max(len(r.drafted), 1),
+            "spec/drafts": float(len(r.drafted)),
+            "spec/cached_prompt_tokens": float(sum(g.num_cached_tokens for g in results)),
+            # prompts read, not re-prefilled
+            "spec/verify_cached_tokens": float(sum(s.num_cached_tokens for _, s in r.verified)),
+            "spec/verify_s": r.verify_s,
+            "spec/extend_s": r.extend_s,
             "spec/rollout_s": time.perf_counter() - t0,
         }
         if self.mode == "lenient":
-            metrics["spec/lenient_bias"] = excess / max(n_excess, 1)
-            metrics["spec/lenient_excess"], metrics["spec/lenient_accepted_tokens"] = excess, float(n_excess)
+            metrics["spec/lenient_bias"] = r.lenient_excess / max(r.lenient_accepted, 1)
+            metrics["spec/lenient_excess"] = r.lenient_excess
+            metrics["spec/lenient_accepted_tokens"] = float(r.lenient_accepted)
         if self.mode == "coupled":
             metrics["spec/coupled_refreshed"] = float(sum(p.refreshed for p in plans))
         metrics.update(tree_metrics(self.engine))
         # draft tokens verified: all of every draft in the prefill; in the decode loop, the own-draft
         # tokens the engine's steps verified (K a step, not all of y)
         metrics["spec/verified_tokens"] = (metrics.get("tree/own_draft_tokens", 0.0) if in_decode
-                                           else float(sum(len(p.draft_ids) for p in to_verify)))
+                                           else float(sum(len(p.draft_ids) for p, _ in r.verified)))
         # engine decode steps of the generation batch: counted by the tree proposer when it drafts (the
         # longest engine's, as the longest continuation sets them without drafts), otherwise one a token
         # of the longest continuation
@@ -388,5 +478,5 @@ class SpeculativeRollout:
         # (a draft model's: vLLM's engine steps over the batch, its prefill included)
         metrics["spec/decode_steps"] = (metrics.get("tree/engine_steps_longest")
                                         or metrics.get("draft_model/engine_steps_longest")
-                                        or float(max((len(r.token_ids) for r in results), default=0)))
-        return samples, metrics
+                                        or float(max((len(g.token_ids) for g in results), default=0)))
+        return metrics

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -61,15 +62,26 @@ class TrajectoryStore:
     def __len__(self) -> int:
         return len(self._items)
 
+    def items(self) -> Iterator[tuple[tuple[str, int], Trajectory]]:
+        """((prompt id, sample index), trajectory) of every entry, in the order they were first put."""
+        return iter(list(self._items.items()))
+
+    def copy(self) -> "TrajectoryStore":
+        """A store with the same entries (trajectories are replaced by put, never changed, so they are
+        shared); outside any step: undo_step of the copy restores nothing."""
+        out = type(self)()
+        out._items = dict(self._items)
+        return out
+
     def num_tokens(self) -> int:
-        return sum(len(t.token_ids) for t in self._items.values())
+        return sum(len(t.token_ids) for _, t in self.items())
 
     # -- persistence -------------------------------------------------------
     def save(self, directory: str | Path) -> None:
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        keys = list(self._items)
-        trajs = [self._items[k] for k in keys]
+        entries = list(self.items())
+        keys, trajs = [k for k, _ in entries], [t for _, t in entries]
         lengths = np.array([len(t.token_ids) for t in trajs], dtype=np.int64)
         token_ids = np.array([i for t in trajs for i in t.token_ids], dtype=np.int64)
         if not len(token_ids) or (token_ids.min() >= np.iinfo(np.int32).min and token_ids.max() <= np.iinfo(np.int32).max):
