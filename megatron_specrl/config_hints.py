@@ -81,6 +81,19 @@ VERL_NAMES: dict[str, str] = {
 }
 _VERL_PREFIX = "actor_rollout_ref."
 
+# Our own keys that were renamed: refused with the new name (one spelling per setting)
+RENAMED: dict[str, str] = {
+    f"rollout.draft_{old}": f"rollout.drafter.{new}" for old, new in (
+        ("tokens", "tokens"), ("min_prob", "min_prob"), ("token_budget", "token_budget"),
+        ("max_nodes", "max_nodes"), ("shared_nodes", "shared_nodes"), ("calibrate", "calibrate"),
+        ("fresh_prompts", "fresh_prompts"), ("impl", "impl"))
+}
+
+
+def renamed(key: str) -> str:
+    """'<key> was renamed: use <new key>' for one of our renamed keys, else ''."""
+    return f"{key} was renamed: use {RENAMED[key]}" if key in RENAMED else ""
+
 
 def schema_keys(model) -> list[str]:
     """Every dotted key of a pydantic model: nested models are walked, any other field is a leaf."""

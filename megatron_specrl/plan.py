@@ -50,7 +50,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_specrl.config import ConfigError, RunConfig
+from megatron_specrl.config import ConfigError, RunConfig, divisibility_failures
 
 GB = 1024 ** 3
 FP32 = 4
@@ -359,7 +359,8 @@ def engine_max_model_len(cfg: RunConfig, s: ModelShape) -> int:
     if r.engine != "vllm":
         return r.max_model_len
     from megatron_specrl.engines.vllm_engine import drafting_max_model_len
-    return drafting_max_model_len(r.max_model_len, r.draft_tokens if r.draft != "none" else 0, s.max_positions)
+    return drafting_max_model_len(r.max_model_len, r.drafter.tokens if r.draft != "none" else 0,
+                                  s.max_positions)
 
 
 # --------------------------------------------------------------------------- arithmetic
@@ -386,19 +387,12 @@ def gpus_needed(cfg: RunConfig) -> tuple[int, int]:
 # --------------------------------------------------------------------------- checks
 
 def _divisibility(cfg: RunConfig, s: ModelShape) -> list[str]:
-    le, r, out = cfg.learner, cfg.rollout, []
-    for key, size in (("learner.tp", le.tp), ("rollout.engine_tp", r.engine_tp)):
-        # Megatron splits the KV heads (query groups) over TP; vLLM / SGLang replicate them when the
-        # engine's TP is a multiple of their count (QKVParallelLinear: num_kv_head_replicas)
-        bad = [f"{name}={n}" for name, n in (("num_attention_heads", s.heads), ("num_key_value_heads", s.kv_heads))
-               if n % size and not (key == "rollout.engine_tp" and name == "num_key_value_heads" and size % n == 0)]
-        if s.ffn % size:   # the MLP's column-parallel split (Megatron's and vLLM's divide() assert it)
-            bad.append(f"intermediate_size={s.ffn}")
-        if bad:
-            out.append(f"{key}={size} does not divide {' and '.join(bad)} of model.path={cfg.model.path!r}")
-    if s.layers % le.pp:
-        out.append(f"learner.pp={le.pp} does not divide num_hidden_layers={s.layers} of model.path={cfg.model.path!r}")
-    if cfg.rollout.max_model_len > s.max_positions:
+    """The model's shape against the layout: config.divisibility_failures (the one rule, which the
+    trainer's own start-up check uses too), and the engines' context against its positions."""
+    le, r = cfg.learner, cfg.rollout
+    out = divisibility_failures(s.heads, s.kv_heads, s.layers, s.ffn, tp=le.tp, pp=le.pp, engine_tp=r.engine_tp,
+                                where=f"model.path={cfg.model.path!r}")
+    if r.max_model_len > s.max_positions:
         out.append(f"rollout.max_model_len={r.max_model_len} exceeds the model's max_position_embeddings="
                    f"{s.max_positions}")
     return out

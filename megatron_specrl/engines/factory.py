@@ -15,18 +15,17 @@ from megatron_specrl.engines.protocol import RolloutEngine
 
 def engine_kwargs(cfg: RolloutConfig, model_path: str, log_dir: str | Path, index: int,
                   seed: int) -> tuple[type, dict]:
-    """Engine class and constructor kwargs for engine `index`."""
+    """Engine class and constructor kwargs for engine `index`; `cfg` is resolved first (its auto keys
+    filled, RolloutConfig.resolved), so a RolloutConfig built directly runs as a recipe's would."""
     import torch
 
+    cfg = cfg.resolved()
     common = dict(model_path=str(model_path), name=f"{cfg.engine}-{index}", seed=seed + index,
                   max_model_len=cfg.max_model_len, tensor_parallel_size=cfg.engine_tp, dtype=cfg.engine_dtype,
                   gpu_memory_utilization=cfg.gpu_memory_utilization, log_dir=str(log_dir),
                   enforce_eager=cfg.enforce_eager, cudagraph_capture_sizes=cfg.cudagraph_capture_sizes,
                   max_num_seqs=cfg.max_num_seqs, engine_args=dict(getattr(cfg.engine_kwargs, cfg.engine)))
-    draft = dict(draft=cfg.draft, draft_tokens=cfg.draft_tokens,
-                 draft_settings={"min_prob": cfg.draft_min_prob, "token_budget": cfg.draft_token_budget,
-                                 "max_nodes": cfg.draft_max_nodes, "shared_nodes": cfg.draft_shared_nodes,
-                                 "impl": cfg.draft_impl, "calibrate": cfg.draft_calibrate})
+    draft = dict(draft=cfg.draft, drafter=cfg.drafter)   # rollout.drafter whole, down to the proposer
     if cfg.engine == "vllm":
         from megatron_specrl.engines.vllm_engine import VLLMEngine
         # Generated tokens report processed log-probs (after temperature, top-k and top-p), the
@@ -36,8 +35,7 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, log_dir: str | Path, inde
         sleep = {"enable_sleep_mode": True} if cfg.colocate and torch.cuda.is_available() else {}
         return VLLMEngine, dict(common, kv_cache_gb=cfg.kv_cache_gb, logprobs_mode=mode,
                                 max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                seed_requests=cfg.seed_requests, draft_fresh_prompts=cfg.draft_fresh_prompts,
-                                draft_model=cfg.draft_model, **sleep, **draft)
+                                seed_requests=cfg.seed_requests, draft_model=cfg.draft_model, **sleep, **draft)
     from megatron_specrl.engines.sglang_engine import SGLangEngine
     # SGLang's counterpart of sleep mode: without it release_memory_occupation frees nothing
     # (it also needs the torch_memory_saver package on the GPU nodes)

@@ -72,6 +72,7 @@ from typing import Callable, Container, Sequence
 
 import numpy as np
 
+from megatron_specrl.config import DRAFT_TOKENS_AUTO, DrafterConfig
 from megatron_specrl.rollout.draft_tree import DraftTrees
 
 DRAFT_KEY = "specrl_draft_key"
@@ -82,16 +83,15 @@ OWN_DRAFT = "specrl_own_draft"        # token ids drafted first, while the respo
 SHARED_KEY = "\x00shared"            # the tree of all prompts' responses (no prompt id starts with NUL)
 _ADDED = "\x00added"                 # request ids of add_responses' sequences (no engine's request id)
 
+# The drafter's settings: rollout.drafter's (config.DrafterConfig, whose field defaults are the only place
+# they are written; `tokens` comes to the drafter as max_k, `fresh_prompts` is the engine's), and these,
+# the proposer's own, no config key:
 # max_depth None: max_match + max_k, the deepest trie node a proposal reads (a match of up to max_match
-# tokens continued by up to max_k); counts kept deeper would only cost time on every token extended
-# impl: "compiled" (numba, rollout/draft_tree_compiled.py) or "python" (rollout/draft_tree.py): same drafts
-# calibrate: scale each source's tree frequencies by how often the engine's next token is the tree's
-# first proposed token, against the frequency the tree gave it (`Calibration`); calibration_prior:
-# pseudo-counts that hold a source at 1 until it has evidence; calibration_decay: what an engine step
-# keeps of the evidence so far
-DEFAULTS = {"max_depth": None, "max_match": 16, "max_nodes": 4_000_000, "min_prob": 0.1,
-            "token_budget": 2048, "shared_nodes": 1_000_000, "impl": "compiled",
-            "calibrate": True, "calibration_prior": 2.0, "calibration_decay": 0.8}
+# tokens continued by up to max_k); counts kept deeper would only cost time on every token extended;
+# calibration_prior: pseudo-counts that hold a source at 1 until it has evidence (`Calibration`, on with
+# rollout.drafter.calibrate); calibration_decay: what an engine step keeps of the evidence so far
+PROPOSER_ONLY = {"max_depth": None, "max_match": 16, "calibration_prior": 2.0, "calibration_decay": 0.8}
+DEFAULTS = {**DrafterConfig().model_dump(), **PROPOSER_ONLY}
 
 # least-squares sums over steps for seconds = a + b r + c d (r: requests in the step, d: draft tokens)
 STEP_COST_SUMS = ("cost_n", "cost_r", "cost_d", "cost_rr", "cost_rd", "cost_dd", "cost_y", "cost_ry", "cost_dy")
@@ -175,16 +175,29 @@ def fit_step_cost(sums: dict) -> tuple[float, float, float] | None:
     return tuple(float(1000 * c) for c in coef)
 
 
-def settings_env(**overrides) -> str:
-    """The settings as the engines hand them to their workers; checked here, in the process that
-    starts the engine, so that a bad one fails before the engine loads anything (in the worker it
-    would fail inside vLLM's or SGLang's start-up)."""
+def settings_env(drafter: DrafterConfig | None = None, **overrides) -> str:
+    """The settings as the engines hand them to their workers: rollout.drafter whole (its model_dump)
+    and the proposer's own (PROPOSER_ONLY), `overrides` on top (tests, tools). Checked here, in the
+    process that starts the engine, so that a bad one fails before the engine loads anything (in the
+    worker it would fail inside vLLM's or SGLang's start-up)."""
     unknown = set(overrides) - set(DEFAULTS)
     if unknown:
         raise ValueError(f"unknown tree proposer settings {sorted(unknown)}; known: {sorted(DEFAULTS)}")
-    settings = dict(DEFAULTS, **overrides)
+    settings = {**DEFAULTS, **(drafter or DrafterConfig()).model_dump(), **overrides}
     trees_class(settings["impl"])
     return json.dumps(settings)
+
+
+def as_drafter(drafter: DrafterConfig | dict | None, draft: str = "tree") -> DrafterConfig:
+    """An engine's drafter settings: rollout.drafter (a dict of its keys is taken too), its unset
+    `tokens` resolved for `draft` as the config's resolve step does (config.DRAFT_TOKENS_AUTO)."""
+    if drafter is None:
+        drafter = DrafterConfig()
+    elif isinstance(drafter, dict):
+        drafter = DrafterConfig(**drafter)
+    if drafter.tokens is None:
+        drafter = drafter.model_copy(update={"tokens": DRAFT_TOKENS_AUTO[draft]})
+    return drafter
 
 
 def read_settings(text: str | None) -> dict:
@@ -200,8 +213,8 @@ def trees_class(impl: str) -> type[DraftTrees]:
         try:
             from megatron_specrl.rollout.draft_tree_compiled import CompiledDraftTrees
         except ImportError as e:
-            raise ImportError(f"rollout.draft_impl=compiled needs numba ({e}); pip install numba, or set "
-                              "rollout.draft_impl=python (the same drafts, about twice the drafter's time)") from None
+            raise ImportError(f"rollout.drafter.impl=compiled needs numba ({e}); pip install numba, or set "
+                              "rollout.drafter.impl=python (the same drafts, about twice the drafter's time)") from None
         return CompiledDraftTrees
     raise ValueError(f"unknown draft trees impl {impl!r}: 'compiled' or 'python'")
 
@@ -236,7 +249,11 @@ def opts_from_params(params: dict | None, prompt_len: int, max_tokens: int | Non
 
 
 class TreeDrafter:
-    def __init__(self, max_k: int, max_model_len: int, settings: dict | None = None):
+    def __init__(self, max_k: int, max_model_len: int, settings: dict | DrafterConfig | None = None):
+        """`settings`: rollout.drafter (a DrafterConfig, or read_settings' dict of it and PROPOSER_ONLY's
+        keys); unset keys take DEFAULTS, which are DrafterConfig's own defaults."""
+        if isinstance(settings, DrafterConfig):
+            settings = settings.model_dump()
         s = dict(DEFAULTS, **(settings or {}))
         self.max_k, self.max_model_len = int(max_k), int(max_model_len)
         self.min_prob, self.token_budget = float(s["min_prob"]), int(s["token_budget"])
@@ -521,7 +538,7 @@ class TreeDrafter:
 
     def load_state_dict(self, state: dict) -> None:
         """Trees saved by an earlier run, rebuilt under this drafter's settings (a resumed run may have
-        changed draft_max_nodes or draft_tokens since the checkpoint was written)."""
+        changed rollout.drafter.max_nodes or .tokens since the checkpoint was written)."""
         t = self.trees
         self.trees = self._trees_cls.from_state_dict(state, max_depth=t.max_depth, max_match=t.max_match,
                                                      max_nodes=t.max_nodes)

@@ -27,8 +27,9 @@ it scheduled, and the drafter counts those tokens as drafted (`verified_count`).
 The bookkeeping (per-request state, draft length rules, counters) is engine-independent and lives in
 engines/tree_drafter.py, shared with SGLang's NGRAM worker patch; this class only reads vLLM's batch.
 
-Settings come from the environment variable SPECRL_TREE_PROPOSER (JSON, set by VLLMEngine
-before it builds the LLM, so multiprocess workers inherit it).
+Settings come from the environment variable SPECRL_TREE_PROPOSER: rollout.drafter (config.DrafterConfig)
+whole as JSON (tree_drafter.settings_env), set by VLLMEngine before it builds the LLM, so multiprocess
+workers inherit it; read_settings gives it back, the drafter's defaults being DrafterConfig's.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from __future__ import annotations
 import os
 
 from megatron_specrl.engines.tree_drafter import (  # noqa: F401  (the names engines and patches import from here)
-    DEFAULTS, DRAFT_KEY, OWN_DRAFT, RESPONSE_START, RUNAHEAD, TreeDrafter, opts_from_params,
+    DEFAULTS, DRAFT_KEY, OWN_DRAFT, RESPONSE_START, RUNAHEAD, TreeDrafter, as_drafter, opts_from_params,
     read_settings, settings_env,
 )
 

@@ -97,15 +97,6 @@ def check_draft_model(draft_dir: str | Path | None, policy_dir: str | Path) -> N
                           f"policy's {policy.get('vocab_size')}; the draft model must share the policy's tokenizer")
 
 
-def model_shape(model_cfg: ModelConfig) -> tuple[int, int, int]:
-    """(attention heads, kv heads, layers) known before any model is built, for config validation."""
-    if model_cfg.path in TINY:
-        from megatron_specrl.models.tiny import ARCHS, DEFAULT_NUM_LAYERS
-        spec = ARCHS[TINY[model_cfg.path]]
-        return spec["num_attention_heads"], spec["num_key_value_heads"], DEFAULT_NUM_LAYERS
-    return shape_of(read_hf_config(resolve_model(model_cfg)))
-
-
 def shape_of(hf_config: dict) -> tuple[int, int, int]:
     """(attention heads, kv heads, layers) of an HF config.json (no kv heads: plain multi-head)."""
     heads = hf_config["num_attention_heads"]
