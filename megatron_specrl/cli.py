@@ -1,4 +1,4 @@
-"""`megatron-specrl` console entry point: train, convert, check-resync, bench-rollout, launch."""
+"""`megatron-specrl` console entry point: train, convert, check-resync, bench-rollout, bench-resync, doctor, launch."""
 
 from __future__ import annotations
 
@@ -108,6 +108,16 @@ def cmd_bench_rollout(args) -> int:
     return bench_rollout_main(args.rest)
 
 
+def cmd_bench_resync(args) -> int:
+    from megatron_specrl.diagnostics.bench_resync import bench_resync_main
+    return bench_resync_main(args.rest)
+
+
+def cmd_doctor(args) -> int:
+    from megatron_specrl.diagnostics.doctor import doctor_main
+    return doctor_main(args.rest)
+
+
 def cmd_launch(args) -> int:
     from megatron_specrl.launch import launch_main
     return launch_main(args.rest)
@@ -124,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("convert", cmd_convert, "convert checkpoints between HF safetensors and Megatron TP/PP layouts"),
         ("check-resync", cmd_check_resync, "compare engine weights and log-probs with the learner's"),
         ("bench-rollout", cmd_bench_rollout, "benchmark speculative rollout modes side by side"),
+        ("bench-resync", cmd_bench_resync, "benchmark one weight resync from the learner to the engine"),
+        ("doctor", cmd_doctor, "check the install (imports, pins, GPUs) and the learner's code paths against HF"),
         ("launch", cmd_launch, "render or submit a Slurm + Ray launch for a recipe"),
     ]:
         s = sub.add_parser(name, help=text, description=text, add_help=False)
@@ -132,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-PASSTHROUGH = ("train", "convert", "check-resync", "bench-rollout", "launch")
+PASSTHROUGH = ("train", "convert", "check-resync", "bench-rollout", "bench-resync", "doctor", "launch")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,7 @@ a `launch` job run before training, so a broken or mismatched install fails in s
 Checks that torch, megatron-core, vLLM (or SGLang), transformer-engine and Ray import, that their
 versions are the pinned ones (docker/constraints-gpu.txt), and that CUDA sees the node's GPUs.
 `--gpus 0` checks a CPU node: imports only, no pins (CPU wheels carry other versions), no CUDA.
+`megatron-specrl doctor` runs the same check first (diagnostics/doctor.py), then its smoke checks.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ drafts exactly as it would have before (under the same bounds). Requests themsel
 (a resumed run starts them anew).
 
 Token ids are ints (numpy integers are converted in ``start``/``insert``; ``extend``, the hot path,
-expects Python ints, as vLLM hands out). Timings: tools/bench_draft_tree.py.
+expects Python ints, as vLLM hands out). Timings: benchmarks/bench_draft_tree.py.
 
 Two implementations
 -------------------

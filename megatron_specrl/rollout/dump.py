@@ -1,7 +1,7 @@
 """`trainer.rollout_data_dir`: every step's samples as JSON lines, as verl's `trainer.rollout_data_dir`
 writes them (`{step}.jsonl`; `input`, `output`, `score`, `step`), plus the token ids, the reused
 prefix and the weight version, so that a run's rollouts can be read back token for token
-(tools/replay_drafts.py replays them through the draft trees). One file per step, written whole
+(benchmarks/replay_drafts.py replays them through the draft trees). One file per step, written whole
 (a temporary file renamed into place): a step replayed after a resume replaces its file and the
 steps before it stay as they were. A run starting at step N first moves the dumps of steps > N aside
 (set_aside_later_dumps), so the directory only ever holds one timeline.
@@ -64,7 +64,7 @@ def set_aside_later_dumps(directory: str | Path, step: int, name: str | None = N
     They are the abandoned run's later steps, or, after a crash past the last checkpoint (resume=auto),
     the steps the resumed run replays from that checkpoint, sampled again; a replay that gets as far
     replaces each file anyway, but one that stops earlier, or runs with other settings, would leave a
-    directory that mixes the two runs for read_rollouts (tools/replay_drafts.py). Same rule as the
+    directory that mixes the two runs for read_rollouts (benchmarks/replay_drafts.py). Same rule as the
     metrics and data order, which every resume trims to its step. A fresh run (step 0) in a directory
     holding an earlier run's dumps moves them all aside instead of overwriting them step by step.
     read_rollouts reads only the directory's own `<step>.jsonl`, never a subdirectory."""

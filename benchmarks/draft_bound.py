@@ -5,7 +5,7 @@ probability p(x). The chain that gains the most tokens, token by token, is the p
 continuation: its first token is accepted with probability max p. Replayed on tokens the policy really
 sampled, that drafter's token is accepted exactly where the sampled token is the argmax of the policy's
 distribution at that position (the policy's samples are what they are whatever was drafted; see
-tools/replay_drafts.py). So one teacher-forced forward over each sampled response gives the decode steps
+benchmarks/replay_drafts.py). So one teacher-forced forward over each sampled response gives the decode steps
 a rollout would take with drafts that were the policy's own greedy continuation: a bound on what any
 draft source (trees, a draft model, EAGLE / MTP heads) can gain with single-chain verification.
 
@@ -29,7 +29,7 @@ It prints decode steps per rollout, request-steps, draft tokens accepted per req
 request-steps had a draft and how often its first token was accepted, and how often the sampled token
 was the argmax (the argmax drafter's per-token acceptance).
 
-    python tools/draft_bound.py --model ~/.cache/megatron_specrl/warmup/warmup-<hash> [--rounds 5]
+    python benchmarks/draft_bound.py --model ~/.cache/megatron_specrl/warmup/warmup-<hash> [--rounds 5]
         [--temperature 1.0] [--top-p 1.0] [--step-cost A,B,C]   # and the decode loops priced at that cost
         [--draft-model DIR [--draft-model DIR ...] --draft-model-tokens 4]
 """
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--step-cost", default=None, metavar="A,B,C",
                     help="price each decode loop at A ms a step + B ms a request + C ms a draft token "
-                         "(tools/bench_verify_cost.py prints a GPU's; bench-rollout a CPU's)")
+                         "(benchmarks/bench_verify_cost.py prints a GPU's; bench-rollout a CPU's)")
     ap.add_argument("--draft-model", action="append", default=[], metavar="DIR",
                     help="an HF draft model with the policy's vocabulary, replayed as rollout.draft=model drafts")
     ap.add_argument("--draft-model-tokens", type=int, default=4, help="the draft models' chain length (draft_tokens)")

@@ -15,7 +15,7 @@ replaced at random. Prints:
   bounded by max_depth instead of growing with the loop's length.
 * rebuilding ~100k tokens from state_dict(), and the memory estimate per token.
 
-    python tools/bench_draft_tree.py [--repeats 5] [--seed 0] [--impl python,compiled]
+    python benchmarks/bench_draft_tree.py [--repeats 5] [--seed 0] [--impl python,compiled]
 
 Each implementation runs every section with the same random traces; the last line prints the compiled
 trees' in-flight cost per request as a ratio of the Python trees'. The compiled trees' first use

@@ -18,7 +18,7 @@ a step costs on a CPU), requests running per step, and draft acceptance. With `-
 (bench-rollout's fitted decode-step cost on the machine in question: A ms a step + B ms a request
 + C ms a draft token) it also prints what the decode loop would take per rollout, and what plain
 decoding of the same responses would take under the same cost (a GPU's fit from
-`tools/bench_verify_cost.py`, fitted over plain and drafted steps alike, turns a CPU run's steps into a
+`benchmarks/bench_verify_cost.py`, fitted over plain and drafted steps alike, turns a CPU run's steps into a
 GPU estimate; bench-rollout's fit covers drafted steps only, where requests and draft tokens rise
 together, so it prices plain steps badly), so a drafting
 policy (`--token-budget`, `--min-prob`, `--draft-tokens`) can be chosen for that machine. The first rollout of each
@@ -27,7 +27,7 @@ the step has been seen before) sets where the summary starts. As in the engine, 
 a request's last position (prompt + max_new_tokens: `--max-new-tokens`, by default the longest
 response the dump marks `finish_reason: length`).
 
-    python tools/replay_drafts.py <dir with <step>.jsonl> [--window 0,1,2] [--own-draft]
+    python benchmarks/replay_drafts.py <dir with <step>.jsonl> [--window 0,1,2] [--own-draft]
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def replay(steps: dict[int, list[dict]], window: int, own_draft: bool, settings:
 def parse_step_cost(text: str | None) -> tuple[float, float, float] | None:
     """--step-cost A,B,C (ms per step, per request, per draft token), or exit with one line naming it.
 
-    A term may be slightly negative: tools/bench_verify_cost.py prints a least-squares fit, and its
+    A term may be slightly negative: benchmarks/bench_verify_cost.py prints a least-squares fit, and its
     command line must be taken as printed."""
     if text is None:
         return None

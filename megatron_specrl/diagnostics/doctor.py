@@ -1,7 +1,12 @@
-"""GPU smoke checks of the learner and the CUDA IPC resync transport, without Ray or an engine.
+"""`megatron-specrl doctor`: is this machine's install able to run the project, and do the learner's
+CUDA code paths agree with HF transformers? Without Ray or an engine.
 
-Runs on one GPU (or, for everything but the IPC checks, on this CPU over gloo) and writes one JSON
-record per check, so a short lease on a GPU machine answers what the CPU suite cannot:
+First the stack check every node of a `launch` job runs (megatron_specrl.gpu_stack: torch,
+megatron-core, vLLM or SGLang, Ray, transformers and, on GPU nodes, transformer-engine import; on GPU
+nodes also their pinned versions and the GPU count). Then the smoke checks, on one GPU, or for every
+check that can run there, on this CPU over gloo; a check that needs CUDA is reported as skipped, with
+the reason. One JSON record per check is written to --out, so a short lease on a GPU machine answers
+what the CPU suite cannot:
 
 - `learner_fp32`: Megatron-core on CUDA (NCCL, the real CUDA code paths that the CPU shims replace):
   log-probs and gradients of the RL objective against HF transformers on the same device.
@@ -13,11 +18,15 @@ record per check, so a short lease on a GPU machine answers what the CPU suite c
   log-probs against the fp32 learner's, three train steps, the resync gather's dtype.
 - `cuda_ipc`: the learner's buckets (`push_ipc`) mapped in place by a second process through the
   engine-side loader (`reload_ipc_in_worker`), every tensor compared; a wrong-GPU handle is refused;
-  bandwidth of one large bucket.
-- `throughput`: a ~0.5B Llama-shaped model: fp32 (with and without TF32), bf16, bf16 with full
-  recompute: train steps (tokens/s), scoring, peak memory, log-probs against fp32's.
+  bandwidth of one large bucket (CUDA only).
+- `throughput`: a ~0.5B Llama-shaped model (the tiny one on CPU, or with --small): fp32 (with and
+  without TF32), bf16, bf16 with full recompute: train steps (tokens/s), scoring, peak memory,
+  log-probs against fp32's.
 
-    python tools/gpu_check.py --out gpu_check.json [--only learner_fp32,cuda_ipc] [--big]
+    megatron-specrl doctor [--out doctor.json] [--only stack,learner_fp32,cuda_ipc] [--small] [--gpus N]
+
+Exit status: 0 when every check passed or was skipped, 1 when one failed, 4 when the stack check failed
+(the smoke checks do not run then).
 """
 
 from __future__ import annotations
@@ -33,19 +42,14 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-from megatron_specrl.ports import free_port  # noqa: E402
-
+from megatron_specrl.diagnostics.reference import complete_batch, hf_reference, loss_config, make_batch
+from megatron_specrl.ports import free_port
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda", 0) if CUDA else torch.device("cpu")
 
 
 def _settings(**kw):
     from megatron_specrl.config import LearnerConfig
-    from test_learner_layouts import loss_config
     base = dict(tp=1, pp=1, dp=1, micro_batch_size=2, loss=loss_config(), lr=1e-3, grad_clip=1.0)
     base.update(kw)
     return LearnerConfig(**base)
@@ -64,13 +68,11 @@ def _maxdiff(a: dict, b: dict) -> float:
 
 def _batch(hf_dir):
     """make_batch's batch completed with HF's log-probs (rollout / old / reference)."""
-    from test_learner_layouts import complete_batch, hf_reference, loss_config, make_batch
     batch = make_batch(hf_dir)
     return complete_batch(batch, hf_reference(hf_dir, batch, loss_config())[1])
 
 
 def check_learner_fp32(hf_dir):
-    from test_learner_layouts import complete_batch, hf_reference, loss_config, make_batch
     batch = make_batch(hf_dir)
     _, hf_lp, hf_grads = hf_reference(hf_dir, batch, loss_config(), device=DEV)   # HF on the same device
     full = complete_batch(batch, hf_lp)
@@ -92,7 +94,7 @@ def check_learner_fp32(hf_dir):
 
 def check_recompute(hf_dir):
     if not CUDA:
-        return {"skipped": "learner.recompute needs CUDA"}
+        return {"skipped": "learner.recompute=selective|full needs CUDA; torch sees no GPU"}
     full = _batch(hf_dir)
     out, ref = {}, None
     for mode in ("none", "selective", "full"):
@@ -209,7 +211,7 @@ def _ipc_receiver(inbox, outbox):
 
 def check_cuda_ipc(hf_dir):
     if not CUDA:
-        return {"skipped": "no CUDA"}
+        return {"skipped": "CUDA IPC needs a CUDA GPU; torch sees none"}
     import torch.multiprocessing as mp
     from megatron_specrl.resync.buckets import plan_buckets
     from megatron_specrl.resync.streams import push_ipc
@@ -377,14 +379,14 @@ def check_throughput(hf_dir, big: bool = True):
 def _plan_gib(model_dir, B, T, learner_kw) -> dict:
     """The plan check's learner memory for this run's shape (megatron_specrl.plan, unfused attention and
     torch's foreach AdamW: no TransformerEngine here), to set beside the measured peaks."""
-    from megatron_specrl.config import load_config
+    from megatron_specrl.config import load_config, resolve_recipe
     from megatron_specrl.learner.model_provider import padded_vocab_size
     from megatron_specrl.plan import ModelShape, learner_memory, load_hf_config
     s = ModelShape.from_hf(load_hf_config(str(model_dir)))
     ov = [f"model.path={model_dir}", f"data.max_prompt_len={T // 4}", f"rollout.max_new_tokens={T - T // 4}",
           f"trainer.prompts_per_step={B // 2}", "rollout.n_samples=2", "learner.micro_batch_size=2",
           f"rollout.max_model_len={T}"] + [f"learner.{k}={str(v).lower()}" for k, v in learner_kw.items()]
-    cfg = load_config(ROOT / "examples" / "tiny-cpu-grpo.yaml", ov)
+    cfg = load_config(resolve_recipe("tiny-cpu-grpo"), ov)
     m = learner_memory(cfg, s, padded_vocab_size(s.vocab, 1), flash=False, adam="foreach")
     return {"static": m.static / 2**30, "activations": m.activations / 2**30,
             "optimizer_step": m.optimizer_step / 2**30, "total": m.total / 2**30,
@@ -394,16 +396,39 @@ def _plan_gib(model_dir, B, T, learner_kw) -> dict:
 CHECKS = {"learner_fp32": check_learner_fp32, "recompute": check_recompute, "optimizers": check_optimizers,
           "checkpoint": check_checkpoint, "bf16": check_bf16, "cuda_ipc": check_cuda_ipc,
           "throughput": check_throughput}
+ALL = ("stack", *CHECKS)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="gpu_check.json")
-    ap.add_argument("--only", default="", help="comma-separated checks (default: all)")
-    ap.add_argument("--small", action="store_true", help="throughput on the tiny model (CPU dry runs)")
-    args = ap.parse_args()
-    from megatron_specrl.models.tiny import build_tiny_model
-    names = [n for n in args.only.split(",") if n] or list(CHECKS)
+def check_stack(engine: str, gpus: int) -> dict:
+    """gpu_stack.check_stack: the imports (and on GPU nodes the pins and the GPU count)."""
+    from megatron_specrl.gpu_stack import check_stack as stack
+    report, failures = stack(engine, gpus)
+    return {"engine": engine, "gpus": gpus, "installed": report, "failures": failures, "ok": not failures,
+            **({} if gpus else {"note": "--gpus 0: imports only (no pins, no transformer-engine, no CUDA)"})}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-specrl doctor", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="checks: " + ", ".join(ALL))
+    p.add_argument("--out", default="doctor.json", help="the JSON record, rewritten after each check")
+    p.add_argument("--only", default="", help="comma-separated checks (default: all)")
+    p.add_argument("--small", action="store_true",
+                   help="throughput on the tiny model (the default without CUDA)")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="GPUs the stack check requires, with the pinned versions (default: the GPUs CUDA sees)")
+    p.add_argument("--engine", choices=["vllm", "sglang"], default="vllm", help="the rollout engine's stack")
+    return p
+
+
+def doctor_main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(ALL)
+    unknown = [n for n in names if n not in ALL]
+    if unknown:
+        print(f"doctor: unknown check(s) {', '.join(unknown)}; choose from {', '.join(ALL)}", file=sys.stderr)
+        return 2
+    gpus = args.gpus if args.gpus is not None else (torch.cuda.device_count() if CUDA else 0)
     record = {"torch": torch.__version__, "cuda": torch.version.cuda,
               "device": torch.cuda.get_device_name(0) if CUDA else "cpu"}
     try:
@@ -411,21 +436,49 @@ def main() -> int:
         record["megatron_core"] = megatron.core.__version__
     except Exception as e:  # noqa: BLE001
         record["megatron_core"] = repr(e)
-    with tempfile.TemporaryDirectory() as tmp:
-        hf_dir = build_tiny_model(Path(tmp) / "tiny-llama", arch="llama", seed=0)
-        for name in names:
-            t0 = time.perf_counter()
-            try:
-                res = CHECKS[name](hf_dir, big=not args.small) if name == "throughput" else CHECKS[name](hf_dir)
-            except Exception:  # noqa: BLE001 - every check reports, the next one still runs
-                res = {"ok": False, "error": traceback.format_exc()[-3000:]}
-            res["wall_s"] = round(time.perf_counter() - t0, 2)
-            record[name] = res
-            print(name, json.dumps(res, default=str)[:1500], flush=True)
-            Path(args.out).write_text(json.dumps(record, indent=1, default=str))
-    print("ALL OK" if all(record[n].get("ok") or record[n].get("skipped") for n in names) else "SOME FAILED")
-    return 0
+    out = Path(args.out)
+    print(f"doctor: torch {record['torch']}, CUDA {record['cuda'] or 'none'}, device {record['device']}, "
+          f"megatron-core {record['megatron_core']}; record in {out}", flush=True)
+
+    def report(name: str, res: dict) -> None:
+        record[name] = res
+        out.write_text(json.dumps(record, indent=1, default=str))
+        if res.get("skipped"):
+            status = f"SKIPPED ({res['skipped']})"
+        else:
+            status = ("ok" if res.get("ok") else "FAILED") + f" in {res.get('wall_s', 0):.1f} s"
+        print(f"{name}: {status}", flush=True)
+        if not res.get("skipped"):
+            print("  " + json.dumps({k: v for k, v in res.items() if k not in ("ok", "wall_s")},
+                                    default=str)[:1500], flush=True)
+
+    if "stack" in names:
+        t0 = time.perf_counter()
+        res = check_stack(args.engine, gpus)
+        res["wall_s"] = round(time.perf_counter() - t0, 2)
+        report("stack", res)
+        if not res["ok"]:
+            print("SOME FAILED: the stack check failed, the smoke checks did not run")
+            return 4
+    smoke = [n for n in names if n in CHECKS]
+    if smoke:
+        from megatron_specrl.models.tiny import build_tiny_model
+        with tempfile.TemporaryDirectory() as tmp:
+            hf_dir = build_tiny_model(Path(tmp) / "tiny-llama", arch="llama", seed=0)
+            for name in smoke:
+                t0 = time.perf_counter()
+                try:
+                    res = (CHECKS[name](hf_dir, big=CUDA and not args.small) if name == "throughput"
+                           else CHECKS[name](hf_dir))
+                except Exception:  # noqa: BLE001 - every check reports, the next one still runs
+                    res = {"ok": False, "error": traceback.format_exc()[-3000:]}
+                res["wall_s"] = round(time.perf_counter() - t0, 2)
+                report(name, res)
+    ok = all(record[n].get("ok") or record[n].get("skipped") for n in names)
+    skipped = [n for n in names if record[n].get("skipped")]
+    print(("ALL OK" if ok else "SOME FAILED") + (f" ({len(skipped)} skipped: {', '.join(skipped)})" if skipped else ""))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(doctor_main(sys.argv[1:]))

@@ -8,7 +8,7 @@ on the tiny default model with random-token prompts and drafts, alternates the t
 (the cap patch applied / reverted, the prefix cache reset before every call), checks that both give the
 same ScoreResults, and prints median seconds per verification and the ratio.
 
-    python tools/bench_verify_cache.py [--prompts 16] [--samples 8] [--prompt-len 256] [--draft-len 72]
+    python benchmarks/bench_verify_cache.py [--prompts 16] [--samples 8] [--prompt-len 256] [--draft-len 72]
 
 The arms differ only in the prompt's share of the prefill: with the ~22-token prompts of the
 bench-rollout recipes (shorter than one 32-token CPU block) nothing is read from the cache.
@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=6)
     args = ap.parse_args()
 
-    import patches.vllm_0_32_0_batched_prompt_logprobs as verify
+    import megatron_specrl.patches.vllm_0_32_0_batched_prompt_logprobs as verify
     from megatron_specrl.engines.protocol import SamplingSettings, ScoreRequest
     from megatron_specrl.engines.vllm_engine import VLLMEngine
     from megatron_specrl.models.tiny import build_tiny_model

@@ -7,15 +7,15 @@ decode step is memory-bound (weights and KV read once per step), so q tokens sho
 does until the step turns compute-bound. This prints the ratio side by side for each batch size, so the
 decode-step counts measured on CPU (`bench-rollout`'s 'steps / rollout') can be turned into a GPU estimate.
 It also fits the measured steps as ms = a + b x requests + c x draft tokens, the form `bench-rollout` fits on
-CPU, and prints the `tools/replay_drafts.py --step-cost a,b,c` that prices a bench run's recorded steps
+CPU, and prints the `benchmarks/replay_drafts.py --step-cost a,b,c` that prices a bench run's recorded steps
 (its dumps: the requests and draft tokens of every engine step) at this GPU's cost.
 
 HF transformers, random weights in the model's shape (no download), eager PyTorch with SDPA: no CUDA
 graphs and no vLLM scheduler or sampler, so the plain step's fixed launch cost is larger than vLLM's
 and its per-step Python is missing; the ratios are the model forward's alone.
 
-    python tools/bench_verify_cost.py                       # Qwen2.5-7B shape, bf16, on the GPU
-    python tools/bench_verify_cost.py --shape tiny --batch 4,8,16,32 --context 64 --queries 1,2,4   # CPU smoke run
+    python benchmarks/bench_verify_cost.py                       # Qwen2.5-7B shape, bf16, on the GPU
+    python benchmarks/bench_verify_cost.py --shape tiny --batch 4,8,16,32 --context 64 --queries 1,2,4   # CPU smoke run
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def main() -> int:
             torch.cuda.empty_cache()
     a, b, c = fit_step_cost(rows)
     print(f"fit: ms / step = {a:.3f} + {b:.4f} r + {c:.5f} d (r requests, d draft tokens); price a bench run's steps "
-          f"with: python tools/replay_drafts.py <bench output>/rollouts --step-cost {a:.3f},{b:.4f},{c:.5f}")
+          f"with: python benchmarks/replay_drafts.py <bench output>/rollouts --step-cost {a:.3f},{b:.4f},{c:.5f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shape": args.shape, "dtype": str(dtype), "context": args.context, "rows": rows,

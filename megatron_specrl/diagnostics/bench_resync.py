@@ -14,7 +14,7 @@ built locally with transformers (no download) and cached next to the tiny models
 --engine-dtype bfloat16 serves it in bf16: the learner (fp32) casts while bucketing, so the
 bytes moved halve.
 
-    python tools/bench_resync.py --bucket-mb 64 --repeats 3 [--transport broadcast] [--engine-dtype bfloat16]
+    megatron-specrl bench-resync --bucket-mb 64 --repeats 3 [--transport broadcast] [--engine-dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -154,8 +154,8 @@ def _pid(actor_self) -> int:   # runs inside a learner actor via __ray_call__
     return os.getpid()
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-specrl bench-resync", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--bucket-mb", type=int, default=64)
     p.add_argument("--tp", type=int, default=1)
@@ -170,7 +170,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="engine weights dtype; the sync ships buckets in it")
     p.add_argument("--verify", action="store_true", help="read the engine weights back and compare with the learner")
     p.add_argument("--json", default=None, help="also write the results here")
-    args = p.parse_args(argv)
+    return p
+
+
+def bench_resync_main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     import ray
     from rich.console import Console
@@ -255,4 +259,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(bench_resync_main(sys.argv[1:]))

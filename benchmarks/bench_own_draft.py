@@ -16,7 +16,7 @@ median seconds per generation, engine steps, drafted and accepted tokens, reques
 step (how much of the loop is the batch's tail), the ratios to `plain`, and for the drafting arms the
 fitted cost of a decode step (ms = a + b x requests + c x draft tokens, as bench-rollout prints it).
 
-    python tools/bench_own_draft.py --model ~/.cache/megatron_specrl/warmup/warmup-<hash> [--rounds 12]
+    python benchmarks/bench_own_draft.py --model ~/.cache/megatron_specrl/warmup/warmup-<hash> [--rounds 12]
         [--profile tree]    # cProfile that arm's generations (its timings then include the profiler)
         [--temperature 0]   # greedy: `own` then drafts exactly what it will generate (every draft token
                             # accepted), so own / plain is the most any drafter can gain on this machine
