@@ -32,6 +32,8 @@ def cmd_train(args) -> int:
     args = train_parser().parse_intermixed_args(args.rest)   # flags anywhere: RECIPE --dry-run key=value
     recipe, overrides = _split_recipe_and_overrides(args.items)
     cfg = load_config(resolve_recipe(recipe), overrides)
+    from megatron_specrl.resolve import resolve
+    resolved = resolve(cfg, log_choices=False)   # train() logs them; reward.name is checked here
     from megatron_specrl.plan import build_plan, print_plan
     plan = build_plan(cfg)    # layout, model, data and memory, before anything is written
     if args.dry_run:   # the engine and trainer.resume (read only), as the run checks them first (run_setup.build_run)
@@ -39,12 +41,22 @@ def cmd_train(args) -> int:
         check_engine_installed(cfg.rollout.engine)
         find_resume(cfg, Path(cfg.output_dir))
         print(to_yaml(cfg), end="")
+        print_resolved(resolved)
     print_plan(plan)
     if args.dry_run:
         return 0
     from megatron_specrl.trainer import train
     train(cfg)
     return 0
+
+
+def print_resolved(resolved) -> None:
+    """--dry-run's block of the values the keys left unset (auto) resolved to, and experimental features."""
+    print("resolved auto values:")
+    for line in resolved.lines() or ["(none: every key is set)"]:
+        print(f"  {line}")
+    for line in resolved.experimental:
+        print(f"  warning: {line}")
 
 
 def cmd_convert(args) -> int:

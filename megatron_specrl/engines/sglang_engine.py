@@ -41,7 +41,7 @@ from typing import Any, Iterable
 
 import torch
 
-from megatron_specrl.config import check_engine_args
+from megatron_specrl.config import DrafterConfig, check_engine_args
 from megatron_specrl.engines.protocol import (
     DraftResponse, EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest,
     ScoreResult, WeightVersionMismatch, check_finite_logprobs, check_version, draft_response_pairs,
@@ -50,7 +50,7 @@ from megatron_specrl.engines.protocol import (   # capabilities these engines de
     DraftsFromTrees, EngineCapabilities, SleepsWhileTraining,
 )
 from megatron_specrl.engines.logs import attach_log_file, detach_log_file, tail_lines
-from megatron_specrl.engines.tree_drafter import DRAFT_KEY, OWN_DRAFT, RESPONSE_START, settings_env
+from megatron_specrl.engines.tree_drafter import DRAFT_KEY, OWN_DRAFT, RESPONSE_START, as_drafter, settings_env
 
 BAN_PARAM = "specrl_ban_first_token"
 
@@ -102,11 +102,12 @@ def tree_server_args(draft_tokens: int) -> dict:
             "speculative_ngram_capacity": 1024}
 
 
-def tree_server_env(draft_settings: dict | None = None) -> dict[str, str]:
-    """Environment SGLang's scheduler processes need for the tree patch (they inherit it)."""
+def tree_server_env(drafter: DrafterConfig | dict | None = None) -> dict[str, str]:
+    """Environment SGLang's scheduler processes need for the tree patch (they inherit it): rollout.drafter
+    whole, as JSON (tree_drafter.settings_env)."""
     from megatron_specrl.patches.sglang_0_5_23_tree_proposer import SETTINGS_ENV
     from megatron_specrl.patches.sglang_engine_patches import ENV
-    return {SETTINGS_ENV: settings_env(**(draft_settings or {})), ENV: "1"}
+    return {SETTINGS_ENV: settings_env(as_drafter(drafter)), ENV: "1"}
 
 
 PLUGIN_GROUP, PLUGIN_NAME = "sglang.srt.plugins", "specrl_patches"
@@ -436,11 +437,13 @@ class SGLangEngine(_SGLangBase):
                  max_model_len: int = 256, tensor_parallel_size: int = 1, dtype: str = "float32",
                  gpu_memory_utilization: float = 0.6, log_dir: str | Path | None = None,
                  engine: Any = None, use_ban_processor: bool = True, draft: str = "none",
-                 draft_tokens: int = 16, draft_settings: dict | None = None, enforce_eager: bool | None = None,
+                 drafter: DrafterConfig | dict | None = None, enforce_eager: bool | None = None,
                  cudagraph_capture_sizes: list[int] | None = None, max_num_seqs: int | None = None,
                  engine_args: dict | None = None, **engine_kwargs):
         """rollout's verl keys in SGLang's names: enforce_eager true -> disable_cuda_graph (unset: SGLang's
         CUDA graphs), cudagraph_capture_sizes -> cuda_graph_bs, max_num_seqs -> max_running_requests;
+        `drafter`: rollout.drafter whole (draft=tree: its tokens are the NGRAM worker's draft nodes, the
+        rest reaches the patch's TreeDrafter through its environment variable);
         `engine_args` (rollout.engine_kwargs.sglang) are passed on as they are. `engine_kwargs`: the
         factory's (enable_memory_saver) and tests' overrides."""
         super().__init__(name, log_dir, use_ban_processor, draft)
@@ -455,8 +458,9 @@ class SGLangEngine(_SGLangBase):
         if max_num_seqs is not None:
             self.server_args["max_running_requests"] = int(max_num_seqs)
         if draft == "tree":   # the scheduler processes SGLang starts inherit the patch settings
-            self.server_args.update(tree_server_args(draft_tokens))
-            os.environ.update(tree_server_env(draft_settings))
+            drafter = as_drafter(drafter, draft)
+            self.server_args.update(tree_server_args(drafter.tokens))
+            os.environ.update(tree_server_env(drafter))
         self.server_args.update(engine_args or {})
         self.server_args.update(engine_kwargs)
         if engine is None:

@@ -30,10 +30,10 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from megatron_specrl.config import check_engine_args
+from megatron_specrl.config import DrafterConfig, check_engine_args
 from megatron_specrl.engines.logs import attach_log_file, detach_log_file, reattach_log_file, tail_lines
 from megatron_specrl.engines.tree_proposer import (
-    DRAFT_KEY, OWN_DRAFT, PROPOSER_CLASS, RESPONSE_START, RUNAHEAD, SETTINGS_ENV, in_worker,
+    DRAFT_KEY, OWN_DRAFT, PROPOSER_CLASS, RESPONSE_START, RUNAHEAD, SETTINGS_ENV, as_drafter, in_worker,
     settings_env,
 )
 from megatron_specrl.engines.protocol import (
@@ -311,9 +311,8 @@ class VLLMEngine(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, RunsI
                  max_num_batched_tokens: int | None = None, engine_args: dict | None = None,
                  seed_requests: bool | None = None, logprobs_mode: str = "processed_logprobs",
                  log_dir: str | Path | None = None,
-                 skip_cache_reset: bool = False, draft: str = "none", draft_tokens: int = 16,
-                 draft_settings: dict | None = None, draft_fresh_prompts: bool | None = None,
-                 draft_model: str | None = None, **llm_kwargs):
+                 skip_cache_reset: bool = False, draft: str = "none",
+                 drafter: DrafterConfig | dict | None = None, draft_model: str | None = None, **llm_kwargs):
         """`enforce_eager` None: eager on CPU, CUDA graphs on GPUs (verl's enforce_eager: false);
         `cudagraph_capture_sizes`, `max_num_seqs`, `max_num_batched_tokens`: vLLM's, None for its
         defaults; `engine_args`: rollout.engine_kwargs.vllm, further vLLM engine arguments (checked
@@ -322,8 +321,11 @@ class VLLMEngine(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, RunsI
         seeded request's noise with kernels of its own every step (topk_topp_sampler.random_sample,
         the rejection sampler's uniforms) and gives up FlashInfer's sampler, thousands of launches a
         step at RL batch sizes, and GPU kernels do not replay bit for bit anyway.
-        `draft_fresh_prompts` (tree drafting): whether a request whose prompt's tree holds no earlier
-        response drafts (from its siblings in flight and the shared tree); None: on GPUs only. Where it
+        `drafter`: rollout.drafter whole (config.DrafterConfig, or a dict of its keys): its tokens are
+        vLLM's num_speculative_tokens (unset: 16 for trees, 4 for a draft model), the rest reaches the
+        tree proposer through SETTINGS_ENV; its `fresh_prompts` (tree drafting): whether a request whose
+        prompt's tree holds no earlier response drafts (from its siblings in flight and the shared
+        tree); None: on GPUs only. Where it
         does not, it runs undrafted and its response enters the trees when the batch ends, so the next
         epoch drafts from it as if it had been fed in flight (a tree's proposals depend only on the
         sequences it holds). On this CPU a drafted step costs 2-2.6x a plain one and such drafts are
@@ -361,16 +363,18 @@ class VLLMEngine(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, RunsI
             check_draft_model(draft_model, model_path)
         self.draft = draft
         self._draft_counts: dict[str, float] = {}   # draft=model: vLLM's counters over rollout batches
-        self.draft_fresh_prompts = (not self._on_cpu) if draft_fresh_prompts is None else bool(draft_fresh_prompts)
+        self.drafter = drafter = as_drafter(drafter, draft if draft != "none" else "tree")
+        fresh = drafter.fresh_prompts
+        self.draft_fresh_prompts = (not self._on_cpu) if fresh is None else bool(fresh)
         if draft == "tree":   # speculative decoding from per-prompt trees (engines/tree_proposer.py)
-            os.environ[SETTINGS_ENV] = settings_env(**(draft_settings or {}))
+            os.environ[SETTINGS_ENV] = settings_env(drafter)
         kwargs = llm_args(
             model_path, on_cpu=self._on_cpu, seed=seed, max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
             gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
             block_size=block_size, dtype=dtype, enable_prefix_caching=enable_prefix_caching,
             enforce_eager=enforce_eager, cudagraph_capture_sizes=cudagraph_capture_sizes,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            logprobs_mode=logprobs_mode, draft=draft, draft_tokens=draft_tokens, engine_args=engine_args,
+            logprobs_mode=logprobs_mode, draft=draft, draft_tokens=drafter.tokens, engine_args=engine_args,
             draft_model=draft_model)
         kwargs.update(llm_kwargs)
         # In-process workers (CPU, tests) take the patches from here; multiprocess workers apply them

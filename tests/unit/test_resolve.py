@@ -1,0 +1,173 @@
+"""The resolve step: validation refuses, RunConfig.resolve_auto fills the keys left unset (auto) with the
+same values as before it was split from validation, and megatron_specrl.resolve reports them (logged
+once, printed by --dry-run), checks reward.name and warns for experimental features."""
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from megatron_specrl.config import ConfigError, RolloutConfig, RunConfig, load_config
+from megatron_specrl.resolve import experimental_features, resolve
+from tests.helpers.import_graph import imports_of, internal_graph
+
+ROOT = Path(__file__).resolve().parents[2]
+KEYS = ("rollout.verify", "learner.recompute_old_logprobs", "learner.loss.loss_scale_factor",
+        "trainer.gen_prompts_per_step", "rollout.drafter.tokens")
+
+# Recorded from the code before the resolve step was split out of RunConfig's validator (same recipes,
+# same values): verify, recompute_old_logprobs, loss_scale_factor, gen_prompts_per_step, draft tokens
+RECIPES = {
+    "llama-3.1-70b-dapo-8node": ("prefill", True, 12288.0, 192, 16),
+    "qwen2.5-32b-dapo-4node": ("prefill", True, 16384.0, 192, 16),
+    "qwen2.5-7b-dapo-1node": ("prefill", True, 8192.0, 96, 16),
+    "tiny-cpu-dapo": ("decode", False, 64.0, 16, 16),
+    "tiny-cpu-grpo-long": ("decode", False, 96.0, 16, 16),
+    "tiny-cpu-grpo": ("decode", False, 64.0, 16, 16),
+    "tiny-cpu-ppo": ("decode", False, 64.0, 16, 16),
+}
+OVERRIDES = [   # on tiny-cpu-grpo, recorded the same way
+    ([], ("decode", False, 64.0, 16, 16)),
+    (["rollout.draft=none"], ("prefill", False, 64.0, 16, 16)),
+    (["rollout.spec_mode=lenient"], ("prefill", False, 64.0, 16, 16)),
+    (["rollout.spec_mode=off"], ("prefill", False, 64.0, 16, 16)),
+    (["rollout.engine_dtype=bfloat16"], ("decode", True, 64.0, 16, 16)),
+    (["rollout.top_p=0.9"], ("decode", True, 64.0, 16, 16)),
+    (["learner.precision=bfloat16", "learner.distributed_optimizer=true"], ("decode", True, 64.0, 16, 16)),
+    (["algorithm.dynamic_sampling=true", "trainer.gen_prompts_per_step=48"], ("decode", False, 64.0, 48, 16)),
+    (["learner.loss.loss_scale_factor=10"], ("decode", False, 10.0, 16, 16)),
+    (["rollout.draft=model", "rollout.draft_model=x"], ("prefill", False, 64.0, 16, 4)),
+]
+
+
+def _values(cfg: RunConfig) -> tuple:
+    r, le = cfg.rollout, cfg.learner
+    return (r.verify, le.recompute_old_logprobs, le.loss.loss_scale_factor, cfg.trainer.gen_prompts_per_step,
+            r.drafter.tokens)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_recipes_resolve_as_before(recipe):
+    cfg = load_config(ROOT / "examples" / f"{recipe}.yaml")
+    choices = resolve(cfg, log_choices=False)
+    assert _values(cfg) == RECIPES[recipe]
+    chosen = choices.as_dict()
+    for key, value in zip(KEYS, RECIPES[recipe]):
+        if key in chosen:
+            assert chosen[key] == value
+
+
+@pytest.mark.parametrize("overrides,expected", OVERRIDES)
+def test_overrides_resolve_as_before(overrides, expected):
+    cfg = load_config(ROOT / "examples" / "tiny-cpu-grpo.yaml", overrides)
+    resolve(cfg, log_choices=False)
+    assert _values(cfg) == expected
+
+
+def test_validation_fills_nothing_the_resolve_step_fills():
+    cfg = RunConfig.model_validate({"rollout": {"draft": "tree"}})
+    assert _values(cfg) == ("auto", None, None, None, None)          # the validator left them unset
+    choices = resolve(cfg, log_choices=False)
+    assert _values(cfg) == ("decode", False, 64.0, 16, 16)
+    assert [c.key for c in choices.choices] == list(KEYS[-1:] + KEYS[:1] + KEYS[1:4])
+    assert all(c.why for c in choices.choices)
+    assert resolve(cfg, log_choices=False).choices == choices.choices   # nothing left: the same report
+
+
+def test_explicit_values_are_kept_and_not_reported():
+    cfg = load_config(ROOT / "examples" / "tiny-cpu-grpo.yaml",
+                      ["rollout.verify=prefill", "learner.recompute_old_logprobs=true",
+                       "learner.loss.loss_scale_factor=3", "trainer.gen_prompts_per_step=16",
+                       "rollout.drafter.tokens=5"])
+    assert resolve(cfg, log_choices=False).choices == []
+    assert _values(cfg) == ("prefill", True, 3.0, 16, 5)
+
+
+def test_refusals_stay_validation():
+    with pytest.raises(ConfigError, match="rollout.verify=decode with rollout.spec_mode=lenient"):
+        load_config(None, ["rollout.verify=decode", "rollout.spec_mode=lenient", "rollout.draft=tree"])
+    with pytest.raises(ConfigError, match="recompute_old_logprobs=false with rollout.engine_dtype=bfloat16"):
+        load_config(None, ["learner.recompute_old_logprobs=false", "rollout.engine_dtype=bfloat16"])
+    with pytest.raises(ConfigError, match="differs from trainer.prompts_per_step"):
+        load_config(None, ["trainer.gen_prompts_per_step=32"])
+    with pytest.raises(ConfigError, match="data.num_synthetic=8 is below trainer.prompts_per_step=16"):
+        load_config(None, ["data.num_synthetic=8"])
+
+
+def test_a_rollout_config_resolves_as_the_run_does():
+    """The Python API: a RolloutConfig built directly (no trainer) resolves like a recipe's."""
+    r = RolloutConfig(draft="tree", spec_mode="exact")
+    assert r.verify == "auto" and r.drafter.tokens is None         # built: nothing filled behind the user's back
+    done = r.resolved()
+    assert (done.verify, done.drafter.tokens) == ("decode", 16)
+    assert r.verify == "auto"                                      # resolved() is a copy
+    assert RolloutConfig(draft="model", draft_model="x").resolved().verify == "prefill"
+    assert RolloutConfig(draft="model", draft_model="x").resolved().drafter.tokens == 4
+    assert RolloutConfig(spec_mode="lenient", draft="tree").resolved().verify == "prefill"
+    run = load_config(None, ["rollout.draft=tree"])
+    assert run.rollout == RolloutConfig(draft="tree").resolved()
+
+
+def test_choices_are_logged_once(caplog):
+    cfg = load_config(ROOT / "examples" / "tiny-cpu-grpo.yaml")
+    with caplog.at_level(logging.INFO, logger="megatron_specrl.resolve"):
+        resolve(cfg)
+        resolve(cfg)
+    lines = [r.getMessage() for r in caplog.records if r.name == "megatron_specrl.resolve"]
+    assert lines == [f"resolved {line}" for line in resolve(cfg, log_choices=False).lines()]
+    assert "resolved rollout.verify=decode  (spec_mode=exact with draft=tree verifies in the decode loop)" in lines
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["rollout.spec_mode=coupled", "rollout.draft=none"], "rollout.spec_mode=coupled is experimental"),
+    (["rollout.runahead=2"], "rollout.runahead=2 is experimental"),
+    (["rollout.draft=model", "rollout.draft_model=x"], "rollout.draft=model is experimental"),
+    (["rollout.engine=sglang", "rollout.spec_mode=off"], "rollout.engine=sglang is experimental"),
+])
+def test_experimental_features_warn_once(caplog, overrides, needle):
+    cfg = load_config(ROOT / "examples" / "tiny-cpu-grpo.yaml", overrides)
+    with caplog.at_level(logging.INFO, logger="megatron_specrl.resolve"):
+        resolve(cfg)
+        resolve(cfg)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith(needle)
+
+
+def test_experimental_keys_say_so():
+    r = RolloutConfig.model_fields
+    for key in ("spec_mode", "runahead", "draft", "engine"):
+        assert "Experimental:" in r[key].description, key
+    assert experimental_features(load_config(ROOT / "examples" / "tiny-cpu-grpo.yaml")) == []
+
+
+def test_reward_name_is_checked_by_the_resolve_step():
+    cfg = load_config(None, ["reward.name=nope"])        # validation no longer imports the rewards
+    with pytest.raises(ConfigError, match=r"invalid value for 'reward.name': 'nope' \(Value error, unknown reward"):
+        resolve(cfg)
+    resolve(load_config(None, ["reward.name=gsm8k"]))
+
+
+def test_config_imports_no_reward_code():
+    graph = internal_graph(imports_of(ROOT / "megatron_specrl"))
+    assert "megatron_specrl.rewards" not in graph["megatron_specrl.config"]
+    # nor through another module of the package
+    seen, todo = set(), ["megatron_specrl.config"]
+    while todo:
+        for t in graph[todo.pop()] - seen:
+            seen.add(t)
+            todo.append(t)
+    assert "megatron_specrl.rewards" not in seen
+
+
+def test_dry_run_prints_the_resolved_values(capsys):
+    from megatron_specrl.cli import main
+    assert main(["train", "tiny-cpu-grpo", "--dry-run", "rollout.runahead=2"]) == 0
+    out = capsys.readouterr().out
+    block = out[out.index("resolved auto values:"):].splitlines()
+    assert block[1:6] == [
+        "  rollout.drafter.tokens=16  (a tree draft costs only its verification)",
+        "  rollout.verify=decode  (spec_mode=exact with draft=tree verifies in the decode loop)",
+        "  learner.recompute_old_logprobs=false  (fp32 engine and learner, no top_p / top_k: their log-probs agree)",
+        "  learner.loss.loss_scale_factor=64.0  (rollout.max_new_tokens)",
+        "  trainer.gen_prompts_per_step=16  (trainer.prompts_per_step)"]
+    assert block[6].startswith("  warning: rollout.runahead=2 is experimental")
