@@ -1,6 +1,6 @@
 """Start Ray and the run's actors: the learner group(s) and the rollout engine(s).
 
-The one place that wires them, used by run_setup.build_run, the check-resync diagnostic and
+The one place that wires them, used by run.build.build_run, the check-resync diagnostic and
 bench-resync (diagnostics/bench_resync.py), so all three run the same actors. It is also where the learner meets the
 resync machinery: the policy's ranks run resync.learner_actor.RayLearnerWorker, a LearnerWorker
 with the sync methods, injected here so that learner/ never imports resync/.

@@ -36,8 +36,9 @@ def cmd_train(args) -> int:
     resolved = resolve(cfg, log_choices=False)   # train() logs them; reward.name is checked here
     from megatron_specrl.plan import build_plan, print_plan
     plan = build_plan(cfg)    # layout, model, data and memory, before anything is written
-    if args.dry_run:   # the engine and trainer.resume (read only), as the run checks them first (run_setup.build_run)
-        from megatron_specrl.run_setup import check_engine_installed, find_resume
+    if args.dry_run:   # the engine and trainer.resume (read only), as the run checks them first (run.build.build_run)
+        from megatron_specrl.run.build import check_engine_installed
+        from megatron_specrl.run.checkpointing import find_resume
         check_engine_installed(cfg.rollout.engine)
         find_resume(cfg, Path(cfg.output_dir))
         print(to_yaml(cfg), end="")

@@ -507,7 +507,7 @@ def _data(cfg: RunConfig) -> list[str]:
             continue
         try:
             records = load_records(d, split, seed=cfg.trainer.seed)
-            if tokenizer is not None:   # the run's own start-up check (run_setup.build_run), before it queues
+            if tokenizer is not None:   # the run's own start-up check (run.build.build_run), before it queues
                 records, _ = render_all(records, tokenizer, d.apply_chat_template, d.max_prompt_len,
                                         d.filter_overlong_prompts, split)
         except DatasetError as e:

@@ -21,15 +21,43 @@ from megatron_specrl.resync.lifecycle import engines_of, release_engine_memory
 from megatron_specrl.rollout.batch import build_batch
 from megatron_specrl.rollout.dump import dump_rollouts
 from megatron_specrl.rollout.dynamic import filter_rounds
-from megatron_specrl.run_setup import (
-    Run, build_run, evaluate, resync_with_recovery, save_run_checkpoint, with_engine_recovery,
-)
+from megatron_specrl.run.build import build_run
+from megatron_specrl.run.checkpointing import save_run_checkpoint
+from megatron_specrl.run.evaluation import evaluate
+from megatron_specrl.run.recovery import resync_with_recovery, with_engine_recovery
+from megatron_specrl.run.state import Run
 
 
 def train_step(run: Run, step: int, hooks: faults.PhaseHooks = faults.PhaseHooks()) -> dict[str, float]:
-    cfg, alg, t0 = run.cfg, run.cfg.algorithm, time.perf_counter()
+    t0 = time.perf_counter()
+    hooks.before("rollout", step)
+    # 1-3. generate and reward (DAPO: rounds until enough informative groups); a dead engine: restart, retry once
+    samples, rewards, metrics = with_engine_recovery(run, step, lambda: collect(run, step))
+    run.record_data_order(step, samples)
+    if run.cfg.trainer.rollout_data_dir:   # verl's rollout dump: the step's samples and rewards as JSON lines
+        dump_rollouts(run.cfg.trainer.rollout_data_dir, step, samples, rewards.tolist(), run.tokenizer)
+    batch = build_batch(samples, torch.zeros(len(samples)), run.pad_id)
+    batch["temperature"] = run.cfg.rollout.temperature   # learner log-probs are log_softmax(logits / T)
+    metrics.update(advantages(run, batch, samples, rewards))          # 4. advantages (and the KL in the reward)
+    hooks.before("train", step)
+    sleeping = run.placement.engines_sleep_during_training
+    metrics.update(learn(run, batch, release_engines=sleeping))       # 5. the learners' step
+    # 6. resync the engines to the new weights (and wake them first if they slept); an engine that dies
+    #    on the way is restarted and synced again
+    run.version += 1
+    hooks.before("resync", step)
+    metrics.update(resync_with_recovery(run, step, wake_engines=sleeping))
+    metrics["time/step_s"] = time.perf_counter() - t0
+    metrics["weight_version"] = run.version
+    return metrics
 
-    def rollout_round(i: int):   # 1-2. a round's prompts (gen_prompts_per_step) -> G samples each -> rewards
+
+def collect(run: Run, step: int):
+    """(samples, rewards, metrics) of the step: one rollout round, or DAPO's filter of rounds until
+    trainer.prompts_per_step groups are informative."""
+    cfg, alg = run.cfg, run.cfg.algorithm
+
+    def rollout_round(i: int):   # a round's prompts (gen_prompts_per_step) -> G samples each -> rewards
         prompts = run.next_prompts()
         upcoming = run.upcoming_prompts() if cfg.rollout.runahead else []   # run-ahead feeds their draft trees
         samples, metrics = run.rollout.run(prompts, cfg.rollout.n_samples, run.version, step=f"{step}.{i}",
@@ -38,22 +66,16 @@ def train_step(run: Run, step: int, hooks: faults.PhaseHooks = faults.PhaseHooks
                                                                run.tokenizer, alg, cfg.rollout.max_new_tokens)
         return samples, rewards, filter_values, {**metrics, **reward_metrics}
 
-    def collect():               # 3. DAPO filter: rounds until prompts_per_step groups are informative
-        if alg.dynamic_sampling:
-            return filter_rounds(rollout_round, cfg.trainer.prompts_per_step, alg.max_sampling_tries)
-        samples, rewards, _, metrics = rollout_round(0)
-        return samples, rewards, metrics
+    if alg.dynamic_sampling:
+        return filter_rounds(rollout_round, cfg.trainer.prompts_per_step, alg.max_sampling_tries)
+    samples, rewards, _, metrics = rollout_round(0)
+    return samples, rewards, metrics
 
-    hooks.before("rollout", step)
-    samples, rewards, metrics = with_engine_recovery(run, step, collect)   # a dead engine: restart, retry once
-    run.record_data_order(step, samples)
-    if cfg.trainer.rollout_data_dir:   # verl's rollout dump: the step's samples and rewards as JSON lines
-        dump_rollouts(cfg.trainer.rollout_data_dir, step, samples, rewards.tolist(), run.tokenizer)
 
-    # 4. advantages: per sample, group-relative (GRPO, DAPO), or per token from the critic (PPO), on the
-    #    task rewards less beta x KL(policy || reference) per token where use_kl_in_reward is on
-    batch = build_batch(samples, torch.zeros(len(samples)), run.pad_id)
-    batch["temperature"] = cfg.rollout.temperature   # learner log-probs are log_softmax(logits / T)
+def advantages(run: Run, batch: dict, samples, rewards: torch.Tensor) -> dict[str, float]:
+    """Per sample, group-relative (GRPO, DAPO), or per token from the critic (PPO), on the task rewards
+    less beta x KL(policy || reference) per token where use_kl_in_reward is on; into `batch`."""
+    cfg, alg, metrics = run.cfg, run.cfg.algorithm, {}
     if run.ref is not None:   # KL anchor: the frozen initial policy's log-probs (RunConfig.needs_reference)
         batch["ref_logprobs"] = run.ref.compute_logprobs(batch)
     kl_in_reward = torch.zeros_like(batch["loss_mask"])
@@ -67,28 +89,22 @@ def train_step(run: Run, step: int, hooks: faults.PhaseHooks = faults.PhaseHooks
         token_rewards = terminal_rewards(rewards, batch["loss_mask"]) - kl_in_reward
         metrics.update(ppo_advantages(run.critic, batch, token_rewards, alg.gamma, alg.lam))
     else:
-        advantages = grpo_advantages(rewards - kl_in_reward.sum(-1), group_ids_of(samples),
-                                     normalize_std=alg.normalize_std)
-        batch["advantages"] = advantages[:, None] * batch["loss_mask"]
+        adv = grpo_advantages(rewards - kl_in_reward.sum(-1), group_ids_of(samples), normalize_std=alg.normalize_std)
+        batch["advantages"] = adv[:, None] * batch["loss_mask"]
+    return metrics
 
-    # 5. learn (old log-probs for the ratio are scored inside, once, with learner.recompute_old_logprobs)
-    hooks.before("train", step)
-    t_train = time.perf_counter()
-    sleeping = run.placement.engines_sleep_during_training
-    if sleeping:   # colocated on GPUs: the learner gets the engines' memory while it trains
+
+def learn(run: Run, batch: dict, release_engines: bool) -> dict[str, float]:
+    """The critic's and the policy's train step (old log-probs for the ratio are scored inside, once, with
+    learner.recompute_old_logprobs); `release_engines`: colocated on GPUs, the learner gets the engines'
+    memory while it trains."""
+    t_train, metrics = time.perf_counter(), {}
+    if release_engines:
         release_engine_memory(run.engine)
     if run.critic is not None:
         metrics.update({f"critic/{k}": v for k, v in run.critic.train_step(batch).items()})
     metrics.update({f"train/{k}": v for k, v in run.learner.train_step(batch).items()})
     metrics["time/train_s"] = time.perf_counter() - t_train
-
-    # 6. resync the engines to the new weights (and wake them first if they slept); an engine that dies
-    #    on the way is restarted and synced again
-    run.version += 1
-    hooks.before("resync", step)
-    metrics.update(resync_with_recovery(run, step, wake_engines=sleeping))
-    metrics["time/step_s"] = time.perf_counter() - t0
-    metrics["weight_version"] = run.version
     return metrics
 
 

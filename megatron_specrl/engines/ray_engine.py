@@ -272,7 +272,7 @@ def wait_engines(calls: list[tuple[RayEngine, Any]], what: str, expected_version
     Waiting on each in turn reported engine 1's death (or error) only once engine 0 had finished its
     minutes-long batch. Here the first failure is raised as soon as it arrives, translated by its own
     engine's `wait`; each engine's timeout_s counts from now, as when it is waited on alone. The other
-    calls are left running: a failure ends in a restart of every engine (run_setup's recovery), which
+    calls are left running: a failure ends in a restart of every engine (run.recovery), which
     kills them, and an actor that was not restarted runs the next call after them (one at a time)."""
     import ray
 

@@ -131,7 +131,7 @@ class ObjectStoreRoute:
                 # long); the next one is taken when all have it, so the object store holds this one
                 # and the stream's two ahead. An engine's failure is raised at once, not once the
                 # others' loads are done as wait_all does: only engines run these loads, and a failed
-                # sync restarts every engine (run_setup.resync_with_recovery), which kills them.
+                # sync restarts every engine (run.recovery.resync_with_recovery), which kills them.
                 wait_engines([(e, engine_actor.submit(e, engine_actor.load_payload, ref, version))
                               for e in targets], "update_weights")
         except BaseException as e:
