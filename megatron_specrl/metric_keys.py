@@ -43,10 +43,10 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "runahead": ("Run-ahead", "rollout/speculative.py (rollout.runahead)"),
     "resync": ("Weight resync", "resync/lifecycle.sync_weights, and diagnostics/check.logprob_check every "
                "trainer.check_resync_every steps"),
-    "engine": ("Engine recovery", "run_setup.with_engine_recovery / resync_with_recovery: logged at a step where a "
-               "dead engine was restarted"),
-    "eval": ("Evaluation", "run_setup.evaluate every trainer.eval_every steps (and at step 0), plain generation on "
-             "the held-out prompts"),
+    "engine": ("Engine recovery", "the run's engine recovery (with_engine_recovery / resync_with_recovery): logged at a "
+               "step where a dead engine was restarted"),
+    "eval": ("Evaluation", "the run's evaluate() every trainer.eval_every steps (and at step 0): plain generation "
+             "on the held-out prompts"),
     "time": ("Timing", "trainer.train_step"),
 }
 
