@@ -101,10 +101,10 @@ def main() -> None:
                     help="0: greedy, so `own` drafts its exact output (a perfect drafter's ceiling)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                     help="the engine's dtype (rollout.engine_dtype); bfloat16 uses AMX where the CPU has it")
-    ap.add_argument("--draft-tokens", type=int, default=16, help="rollout.draft_tokens: the longest draft")
+    ap.add_argument("--draft-tokens", type=int, default=16, help="rollout.drafter.tokens: the longest draft")
     ap.add_argument("--token-budget", type=int, default=2048,
-                    help="rollout.draft_token_budget: about how many draft tokens a step verifies")
-    ap.add_argument("--min-prob", type=float, default=0.1, help="rollout.draft_min_prob")
+                    help="rollout.drafter.token_budget: about how many draft tokens a step verifies")
+    ap.add_argument("--min-prob", type=float, default=0.1, help="rollout.drafter.min_prob")
     ap.add_argument("--phases", action="store_true",
                     help="also print each arm's wall-clock ms per generation in vLLM's step phases (forward, "
                          "sampling, drafter, scheduler, output processing)")
@@ -128,8 +128,8 @@ def main() -> None:
     L, n = args.max_new_tokens, args.samples
     with tempfile.TemporaryDirectory() as tmp:
         engine = VLLMEngine(str(model), name="bench-own", seed=0, max_model_len=256, kv_cache_gb=1.0, draft="tree",
-                            draft_tokens=args.draft_tokens, dtype=args.dtype,
-                            draft_settings={"token_budget": args.token_budget, "min_prob": args.min_prob},
+                            dtype=args.dtype, drafter={"tokens": args.draft_tokens, "token_budget": args.token_budget,
+                                                       "min_prob": args.min_prob},
                             log_dir=Path(tmp) / "logs")
 
         def requests(arm: str, seed0: int, old=None):

@@ -179,9 +179,9 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=2048)
     ap.add_argument("--min-prob", type=float, default=0.1)
     ap.add_argument("--shared-nodes", default=None, metavar="N[,N...]",
-                    help="the shared tree's bound (rollout.draft_shared_nodes; 0: prompt trees only), one run each")
+                    help="the shared tree's bound (rollout.drafter.shared_nodes; 0: prompt trees only), one run each")
     ap.add_argument("--calibration", default="on", metavar="on|off[,...]",
-                    help="the drafter's calibration of tree frequencies (rollout.draft_calibrate), one run each")
+                    help="the drafter's calibration of tree frequencies (rollout.drafter.calibrate), one run each")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--from-step", type=int, default=None)
     ap.add_argument("--max-new-tokens", type=int, default=None,
