@@ -1,6 +1,7 @@
 """Shared fixtures: tiny checkpoints built once per test session (no downloads)."""
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -32,25 +33,18 @@ def _no_ray_left_to_the_next_module():
         ray.shutdown()
 
 
-# The longest files, longest first: each file's total seconds in a serial run of the whole suite (session 32's,
-# before the recipe tests shared the warm-up cache). pytest-xdist (`--dist loadfile --no-loadscope-reorder`,
-# pytest.ini) hands each worker the next file in this order as it finishes one, so the long files start early
-# and the short ones fill the end: in session 34's CI, whose order xdist had re-sorted by tests per file, the
-# 197 s `test_resume.py` started last and ran alone. A file missing here only loses its place in the queue.
-LONGEST_FILES = (
-    "test_recipes_e2e.py", "test_resume.py", "test_distributed_optimizer_e2e.py", "test_learner_layouts.py",
-    "test_launch.py", "test_resync_transport_e2e.py", "test_placement.py", "test_kl_in_reward.py",
-    "test_coupled.py", "test_draft_model.py", "test_bench_rollout.py", "test_lr_warmup.py",
-    "test_review_fanout_waits.py", "test_resync_check.py", "test_distributed_optimizer.py",
-    "test_reference_model.py", "test_learner_settings_parity.py", "test_speculative_exactness.py",
-    "test_engine_failures.py", "test_check_resync_engine_tp.py", "test_review_resync_routes.py",
-    "test_tree_drafting.py",
-)
+# The tiers' order: end-to-end files first, then integration, then unit. pytest-xdist (`--dist loadfile
+# --no-loadscope-reorder`, pytest.ini) hands each worker the next file in this order as it finishes one, so the
+# runs that take minutes start early and the many short unit files fill the end.
+TIER_ORDER = ("e2e", "integration", "gpu", "unit")
 
 
 def pytest_collection_modifyitems(items):
-    """The files of LONGEST_FILES first, in its order, then the other files with end-to-end (`slow`) tests,
-    then the rest; each file's own order kept."""
-    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank) + (item.path not in slow_files)))
+    """Items sorted by tier (TIER_ORDER), each file's own order kept."""
+    root = Path(__file__).resolve().parent
+
+    def tier(item) -> int:
+        parts = Path(item.path).resolve().relative_to(root).parts
+        return TIER_ORDER.index(parts[0]) if parts and parts[0] in TIER_ORDER else len(TIER_ORDER)
+
+    items.sort(key=tier)

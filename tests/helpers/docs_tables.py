@@ -1,0 +1,31 @@
+"""Reading the documented configuration keys."""
+
+from __future__ import annotations
+
+import re
+
+
+def _config_tables(readme: str) -> str:
+    """The rows of README's two configuration tables (key | meaning, and the loss table)."""
+    start = readme.index("## Configuration")
+    end = readme.index("\n## ", start + 1)
+    return "\n".join(line for line in readme[start:end].splitlines() if line.startswith("| `"))
+
+
+def _documented_keys(rows: str) -> set[str]:
+    """`section.key` and the bare `key`s that follow it in the same cell: `rollout.a`, `b` -> rollout.a, rollout.b.
+    Only the first cell (the verl column names verl's keys, not ours)."""
+    keys = set()
+    for row in rows.splitlines():
+        cell = row.split(" | ")[0].lstrip("| ")
+        section = None
+        for name in re.findall(r"`([a-z_.*]+)`", cell):
+            m = re.match(r"(rollout|learner\.loss|learner|algorithm)\.([a-z_*]+)$", name)
+            if m:
+                section = m.group(1)
+                keys.add(name)
+            elif section and re.fullmatch(r"[a-z_]+", name):
+                keys.add(f"{section}.{name}")
+    return keys
+
+

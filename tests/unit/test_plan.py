@@ -1,0 +1,425 @@
+"""The plan check: the shipped cluster recipes pass it, each broken variant fails with its named
+reason (one line, exit 2) in `train --dry-run` and in `launch` (before a script is written), and the
+memory estimate's parameter, gradient and optimizer bytes equal a real learner's.
+
+The plan's activation estimate for a bf16 learner on Megatron's local spec (CPU, or a GPU without
+TransformerEngine) counts what that spec keeps in fp32: the RMSNorms' tensors and the unfused attention's
+fp32 softmax beside its bf16 copy. Without that term the estimate was 39% below the bytes autograd saves
+here and 13% below a 0.5B learner's training peak on an H200 (session 28).
+
+Review of launch / plan / the cluster recipes: layouts the plan refused that vLLM runs, transports the
+plan let through that the run refuses after the queue, #SBATCH values sbatch reads differently from
+what launch meant, and recipe pages that disagree with their recipes.
+"""
+
+from __future__ import annotations
+import json
+from pathlib import Path
+import pytest
+import torch
+from megatron_specrl.cli import main
+from megatron_specrl.config import load_config
+from megatron_specrl.plan import (
+    GB,
+    ModelShape,
+    build_plan,
+    load_hf_config,
+)
+import re
+from megatron_specrl.launch import launch_main
+from megatron_specrl.plan import PlanError
+from tests.helpers.paths import REPO_ROOT
+
+
+
+# ---- The plan check: the shipped cluster recipes pass it, each broken variant fails with its named
+
+ROOT = REPO_ROOT
+CLUSTER_RECIPES = ["qwen2.5-7b-dapo-1node", "qwen2.5-32b-dapo-4node", "llama-3.1-70b-dapo-8node"]
+MODELS = {"qwen2.5-7b": 7.615616512e9, "qwen2.5-32b": 32.763876352e9, "llama-3.1-70b": 70.553706496e9}
+
+
+@pytest.fixture(autouse=True)
+def _repo_cwd(monkeypatch):
+    monkeypatch.chdir(ROOT)   # the recipes' default model and data paths are relative to the repository
+
+
+@pytest.mark.parametrize("recipe", CLUSTER_RECIPES)
+def test_cluster_recipes_pass_the_dry_run(recipe, capsys):
+    assert main(["train", recipe, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "learner memory / GPU" in out and "engine KV for the batch" in out
+    cfg = load_config(ROOT / "examples" / f"{recipe}.yaml")
+    assert cfg.algorithm.name == "dapo" and cfg.rollout.spec_mode == "exact"
+    assert 0 < cfg.algorithm.overlong_buffer < cfg.rollout.max_new_tokens
+    plan = build_plan(cfg)
+    assert plan.learner.total <= cfg.cluster.gpu_memory_gb * GB
+
+
+@pytest.mark.parametrize("model, params", MODELS.items())
+def test_shipped_model_shapes_have_the_published_sizes(model, params):
+    from megatron_specrl.plan import full_parameters
+    s = ModelShape.from_hf(load_hf_config(f"examples/models/{model}"))
+    assert full_parameters(s) == params
+
+
+BROKEN = [
+    # (recipe, overrides, needle)
+    ("llama-3.1-70b-dapo-8node", ["learner.tp=16"], "learner.tp=16 does not divide num_key_value_heads=8"),
+    ("qwen2.5-32b-dapo-4node", ["learner.tp=3"], "learner.tp=3 does not divide num_attention_heads=40 and "
+                                                 "num_key_value_heads=8"),
+    ("qwen2.5-32b-dapo-4node", ["rollout.engine_tp=5"], "rollout.engine_tp=5 does not divide num_key_value_heads=8"),
+    ("llama-3.1-70b-dapo-8node", ["learner.pp=3"], "learner.pp=3 does not divide num_hidden_layers=80"),
+    ("qwen2.5-32b-dapo-4node", ["learner.dp=2", "cluster.nodes=2"],
+     "cluster.nodes=2: learner.tp x pp x dp = 8 x 2 x 2 = 32 plus rollout.num_engines x engine_tp = 4 x 4 = 16"),
+    ("qwen2.5-7b-dapo-1node", ["learner.tp=1", "learner.dp=5", "trainer.prompts_per_step=40"],
+     "cluster.nodes=1: learner.tp x pp x dp = 1 x 1 x 5 = 5 GPUs, but cluster.nodes x gpus_per_node = 1 x 8 = 8"),
+    ("llama-3.1-70b-dapo-8node", ["learner.pp=1", "learner.dp=4"],
+     "cluster.gpu_memory_gb=80: the learner needs 12"),   # 110+ GB per GPU
+    ("qwen2.5-7b-dapo-1node", ["model.path=/nonexistent/qwen"], "model.path='/nonexistent/qwen': no config.json"),
+    ("qwen2.5-7b-dapo-1node", ["data.source=/nonexistent/train.parquet"],
+     "data.source='/nonexistent/train.parquet': data file not found"),
+]
+
+
+@pytest.mark.parametrize("recipe, overrides, needle", BROKEN, ids=lambda v: v if isinstance(v, str) else None)
+def test_broken_variants_fail_dry_run_and_launch(recipe, overrides, needle, tmp_path, capsys):
+    """One line per failure (a layout can break several rules), the named reason among them."""
+    def failures():
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert err and all(ln.startswith("megatron-specrl: plan error: ") for ln in err), err
+        assert any(needle in ln for ln in err), err
+        return err
+    assert main(["train", recipe, *overrides, "--dry-run"]) == 2
+    dry_run = failures()
+    script = tmp_path / "job.sbatch"
+    assert main(["launch", recipe, *overrides, "--out", str(script)]) == 2
+    assert failures() == dry_run                       # launch refuses exactly what the dry run refuses
+    assert not script.exists() and not script.parent.joinpath("job.plan.txt").exists()
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("", "has no rows"),
+    ('{"prompt": "1+1=", "answer": "2"}\nnot json\n', "line 2 is not valid JSON"),
+    ('{"question": "1+1="}\n', "missing answer field"),
+])
+def test_bad_data_files_fail_the_dry_run(tmp_path, capsys, content, needle):
+    data = tmp_path / "train.jsonl"
+    data.write_text(content)
+    assert main(["train", "qwen2.5-7b-dapo-1node", f"data.source={data}", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"data.source='{data}'" in err[0] and needle in err[0], err
+
+
+def test_too_few_prompts_for_a_step(tmp_path, capsys):
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(8)))
+    assert main(["train", "qwen2.5-7b-dapo-1node", f"data.source={data}", "--dry-run"]) == 2
+    assert "8 prompts, fewer than trainer.gen_prompts_per_step=96" in capsys.readouterr().err   # a DAPO round
+
+
+def test_flag_anywhere_and_tiny_layouts(capsys):
+    assert main(["train", "tiny-cpu-grpo", "--dry-run", "learner.tp=2"]) == 0
+    assert "tp 2 x pp 1 x dp 1" in capsys.readouterr().out
+
+
+def test_distributed_optimizer_and_recompute_shrink_the_estimate():
+    base = ["learner.distributed_optimizer=false", "learner.recompute=none", "cluster.gpu_memory_gb=10000"]
+    cfg = load_config(ROOT / "examples/qwen2.5-7b-dapo-1node.yaml", base)
+    plain = build_plan(cfg, check_data=False).learner
+    sharded = build_plan(load_config(ROOT / "examples/qwen2.5-7b-dapo-1node.yaml",
+                                     [*base, "learner.distributed_optimizer=true"]), check_data=False).learner
+    full = build_plan(load_config(ROOT / "examples/qwen2.5-7b-dapo-1node.yaml",
+                                  [*base, "learner.recompute=full"]), check_data=False).learner
+    assert plain.optimizer == 2 * plain.weights and sharded.optimizer == plain.optimizer // cfg.learner.dp
+    assert full.activations < plain.activations / 4 and full.static == plain.static
+
+
+def test_recompute_is_a_gpu_setting(capsys):
+    """Megatron's activation checkpointing saves CUDA RNG states: a CPU run with recompute is refused by the
+    plan, the model builder refuses it without CUDA, and on GPUs each mode maps onto settings Megatron's
+    TransformerConfig accepts."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_specrl.learner.model_provider import (
+        RECOMPUTE,
+        transformer_config_from_hf,
+    )
+    assert main(["train", "tiny-cpu-grpo", "learner.recompute=full", "--dry-run"]) == 2
+    assert "learner.recompute=full with cluster.gpus_per_node=0" in capsys.readouterr().err
+    hf = load_hf_config("tiny-llama")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="learner.recompute=selective needs CUDA"):
+            transformer_config_from_hf(hf, recompute="selective")
+    for mode, settings in RECOMPUTE.items():
+        cfg = TransformerConfig(num_layers=2, hidden_size=128, num_attention_heads=4, use_cpu_initialization=True,
+                                **settings)
+        assert cfg.recompute_granularity == (None if mode == "none" else mode)
+
+
+def test_convert_checks_the_layout_before_spawning(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "mcore"
+    assert main(["convert", "hf-to-mcore", "--hf", str(tiny_llama), "--out", str(out), "--tp", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--tp=3 does not divide num_attention_heads=4 and num_key_value_heads=2" in err[0]
+    assert not out.exists()
+
+
+# --------------------------------------------------------------------------- estimate vs a real learner
+
+
+
+
+
+
+
+def test_the_kv_check_counts_the_drafting_engines_room(capsys):
+    """vLLM refuses to start unless one sequence of its max_model_len fits in the KV cache; an engine that
+    drafts from trees is started with one step's drafts of room beyond rollout.max_model_len, so a cache
+    that holds rollout.max_model_len + 5 tokens passes without drafting and fails with it."""
+    recipe = "qwen2.5-7b-dapo-1node"
+    cfg = load_config(ROOT / f"examples/{recipe}.yaml")
+    em = build_plan(cfg, check_data=False).engine
+    r = cfg.rollout
+    assert em.max_model_len == r.max_model_len + 1      # room for the token a verification prefill samples
+    gpu = cfg.cluster.gpu_memory_gb * GB
+    util = (em.weights + (r.max_model_len + 5 + 0.5) * em.kv_per_token) / gpu
+    tight = [f"rollout.gpu_memory_utilization={util!r}"]
+    assert main(["train", recipe, *tight, "--dry-run"]) == 0
+    capsys.readouterr()
+    assert main(["train", recipe, *tight, "rollout.draft=tree", "--dry-run"]) == 2
+    room = r.max_model_len + r.drafter.tokens + 1
+    assert f"less than one {room}-token sequence (the engine's max_model_len)" in capsys.readouterr().err
+
+
+def test_overlong_prompts_are_refused_before_the_run_queues_or_starts(tiny_llama, tmp_path, capsys):
+    """With the model's tokenizer at hand the dry-run (and so `launch`) measures every prompt; without
+    one (synthetic data, a tiny model built at start) the run measures them before Ray or an engine
+    starts. One line, exit 2; verl's data.filter_overlong_prompts leaves them out instead."""
+    data = tmp_path / "train.jsonl"
+    rows = [{"problem": f"{i}+1=", "answer": str(i + 1)} for i in range(16)]
+    rows.append({"problem": "+".join(["1"] * 40) + "=", "answer": "40"})
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = ["tiny-cpu-grpo", f"model.path={tiny_llama}", f"data.source={data}", "data.max_prompt_len=16",
+            "data.num_eval=0", "--dry-run"]
+    assert main(["train", *base]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "1 of 17 train prompts are longer than data.max_prompt_len=16" in err[0], err
+    assert main(["train", *base, "data.filter_overlong_prompts=true"]) == 0
+    capsys.readouterr()
+    out = tmp_path / "run"
+    assert main(["train", "tiny-cpu-grpo", f"model.path={tiny_llama}", "data.max_prompt_len=4",
+                 f"output_dir={out}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("megatron-specrl: data error: ") and "data.max_prompt_len=4" in err[0]
+    assert not (out / "engine_logs").exists()          # refused before any engine started
+
+
+def test_ppo_critic_and_kl_reference_count_on_the_policy_gpus(capsys):
+    """They share the policy ranks' GPUs (actors.learner_bundles) and stay resident: a layout that fits
+    the policy alone but not the three is refused before it queues (it ran out of memory on the GPUs)."""
+    recipe = ROOT / "examples/qwen2.5-7b-dapo-1node.yaml"
+    base = ["learner.distributed_optimizer=false", "cluster.gpu_memory_gb=10000"]
+    alone = build_plan(load_config(recipe, base), check_data=False).learner
+    both = build_plan(load_config(recipe, [*base, "algorithm.name=ppo", "learner.loss.kl_coef=0.001"]),
+                      check_data=False).learner
+    s = ModelShape.from_hf(load_hf_config(load_config(recipe, base).model.path))
+    lm_head = s.vocab * s.hidden // 4        # roughly: the LM head's share a TP rank, replaced by a value head
+    assert alone.critic == alone.reference == 0
+    assert both.reference == alone.weights
+    assert alone.static - 16 * lm_head * 1.2 < both.critic < alone.static
+    assert both.static == alone.static + both.critic + both.reference
+    util = load_config(recipe, base).rollout.gpu_memory_utilization    # colocated: vLLM's share beside it
+    fits_alone = 1.05 * max(alone.total, alone.static / (1 - util)) / GB
+    assert both.static / (1 - util) > fits_alone * GB
+    assert main(["train", str(recipe), *base[:1], f"cluster.gpu_memory_gb={fits_alone:.1f}", "--dry-run"]) == 0
+    capsys.readouterr()
+    assert main(["train", str(recipe), *base[:1], f"cluster.gpu_memory_gb={fits_alone:.1f}", "algorithm.name=ppo",
+                 "learner.loss.kl_coef=0.001", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "PPO critic" in err and "KL reference" in err
+
+
+# ---- The plan's activation estimate for a bf16 learner on Megatron's local spec (CPU, or a GPU without
+
+
+
+
+
+
+
+# ---- Review of launch / plan / the cluster recipes: layouts the plan refused that vLLM runs, transports the
+
+@pytest.fixture(autouse=True)
+def _repo_cwd_launch(monkeypatch):
+    monkeypatch.chdir(ROOT)
+
+
+def _cfg(recipe: str, *overrides: str):
+    return load_config(ROOT / "examples" / f"{recipe}.yaml", list(overrides))
+
+
+# --------------------------------------------------------------------------- engine TP vs KV heads
+
+def _model(tmp_path: Path, heads: int, kv_heads: int) -> Path:
+    """A Qwen2.5-3B-like shape (16 heads, 2 KV heads) with the given head counts."""
+    cfg = json.loads((ROOT / "examples" / "models" / "qwen2.5-7b" / "config.json").read_text())
+    cfg.update(hidden_size=2048, num_hidden_layers=36, intermediate_size=11008, vocab_size=151936,
+               tie_word_embeddings=True, num_attention_heads=heads, num_key_value_heads=kv_heads)
+    d = tmp_path / f"m{heads}-{kv_heads}"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_engine_tp_a_multiple_of_the_kv_heads_passes(tmp_path):
+    """vLLM replicates KV heads when its TP is a multiple of their count (Qwen2.5-3B: 2 KV heads runs at
+    TP 4); the plan refused engine_tp=4 as not dividing num_key_value_heads=2."""
+    model = _model(tmp_path, heads=16, kv_heads=2)
+    cfg = _cfg("qwen2.5-32b-dapo-4node", f"model.path={model}", "learner.tp=2", "learner.pp=1", "learner.dp=8",
+               "learner.mini_batches=4")
+    plan = build_plan(cfg, check_data=False)
+    assert plan.engine.kv_per_token == 2 * 36 * 1 * 128 * 2    # one (replicated) KV head per engine GPU
+
+
+def test_engine_tp_neither_dividing_nor_a_multiple_of_the_kv_heads_still_fails(tmp_path):
+    model = _model(tmp_path, heads=24, kv_heads=6)        # vLLM: divide(6, 4) fails
+    cfg = _cfg("qwen2.5-32b-dapo-4node", f"model.path={model}", "learner.tp=2", "learner.pp=1", "learner.dp=8")
+    with pytest.raises(PlanError, match="rollout.engine_tp=4 does not divide num_key_value_heads=6"):
+        build_plan(cfg, check_data=False)
+
+
+def test_learner_tp_still_has_to_divide_the_kv_heads(tmp_path):
+    """Megatron splits the query groups over TP: no replication on the learner side."""
+    model = _model(tmp_path, heads=16, kv_heads=2)
+    cfg = _cfg("qwen2.5-32b-dapo-4node", f"model.path={model}", "learner.tp=4", "learner.pp=1", "learner.dp=4")
+    with pytest.raises(PlanError, match="learner.tp=4 does not divide num_key_value_heads=2"):
+        build_plan(cfg, check_data=False)
+
+
+# --------------------------------------------------------------------------- resync transport vs layout
+
+@pytest.mark.parametrize("recipe, overrides, needle", [
+    ("qwen2.5-32b-dapo-4node", ["trainer.resync_transport=cuda_ipc"], "needs engines colocated"),
+    ("qwen2.5-7b-dapo-1node", ["trainer.resync_transport=cuda_ipc"], "rollout.num_engines=8"),
+    ("qwen2.5-7b-dapo-1node", ["trainer.resync_transport=broadcast"], "NCCL cannot"),
+])
+def test_a_transport_the_layout_cannot_use_fails_the_plan(recipe, overrides, needle, tmp_path):
+    """run_setup resolves trainer.resync_transport only after Ray placed the actors, i.e. after the job
+    left the queue; the plan passed these."""
+    with pytest.raises(PlanError, match=needle):
+        build_plan(_cfg(recipe, *overrides), check_data=False)
+    with pytest.raises(PlanError, match=needle):
+        launch_main([recipe, *overrides, "--out", str(tmp_path / "x.sbatch")])
+    assert not (tmp_path / "x.sbatch").exists()
+
+
+def test_transports_the_layout_can_use_pass():
+    build_plan(_cfg("qwen2.5-32b-dapo-4node", "trainer.resync_transport=broadcast"), check_data=False)
+    build_plan(_cfg("qwen2.5-7b-dapo-1node", "trainer.resync_transport=ray"), check_data=False)
+    build_plan(_cfg("qwen2.5-7b-dapo-1node", "trainer.resync_transport=cuda_ipc", "rollout.num_engines=1"),
+               check_data=False)
+
+
+def test_a_plan_without_cluster_gpus_leaves_the_transport_to_the_run():
+    """`train` plans every run; a local one (cluster.gpus_per_node unset) finds its GPUs through Ray, so the
+    plan cannot tell whether cuda_ipc will have them: the run resolves it (run_setup)."""
+    build_plan(_cfg("tiny-cpu-grpo", "trainer.resync_transport=cuda_ipc", "rollout.colocate=true"), check_data=False)
+
+
+# --------------------------------------------------------------------------- #SBATCH lines as sbatch reads them
+
+def sbatch_arguments(line: str) -> list[str]:
+    """The arguments sbatch takes from one `#SBATCH ...` line: Slurm's get_argument (src/sbatch/opt.c),
+    called until the line is used up: whitespace splits, ' and " quote, \\ escapes, an unquoted # ends it."""
+    rest, out = line[len("#SBATCH"):], []
+    while True:
+        i = 0
+        while i < len(rest) and rest[i].isspace():
+            i += 1
+        if i == len(rest):
+            return out
+        arg, quoted, q, esc, comment = "", False, "", False, False
+        while i < len(rest) and (quoted or not rest[i].isspace()) and rest[i] != "\n":
+            c = rest[i]
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc, i = True, i + 1
+                continue
+            elif quoted:
+                if c == q:
+                    quoted, i = False, i + 1
+                    continue
+            elif c in "'\"":
+                quoted, q, i = True, c, i + 1
+                continue
+            elif c == "#":
+                comment = True
+                break
+            arg += c
+            i += 1
+        assert not quoted, f"sbatch: unmatched {q} in {line!r}"
+        if arg:
+            out.append(arg)
+        if comment:
+            return out
+        rest = rest[i:]
+
+
+def _sbatch_lines(text: str) -> dict[str, list[str]]:
+    return {ln.split("=", 1)[0]: sbatch_arguments(ln) for ln in text.splitlines() if ln.startswith("#SBATCH --")}
+
+
+@pytest.mark.parametrize("name", ["run#3", "bob's", "100%x", 'say "hi"', "plain"])
+def test_sbatch_output_reaches_slurm_as_the_output_dir(name, tmp_path):
+    """`#SBATCH --output=/x/run#3/%x-%j.out` was cut at the # (a comment to sbatch), a ' opened a quote
+    sbatch never saw closed (fatal) or dropped the quotes, a % in the directory became a Slurm pattern."""
+    out_dir = tmp_path / name / "o"
+    script = tmp_path / "job.sbatch"
+    assert launch_main(["tiny-cpu-grpo", f"output_dir={out_dir}", "--out", str(script)]) == 0
+    args = _sbatch_lines(script.read_text())["#SBATCH --output"]
+    assert len(args) == 1
+    value = args[0].split("=", 1)[1]
+    # Slurm's filename patterns: %% is a literal %, %x / %j the job name and id
+    expanded = re.sub(r"%([%xj])", lambda m: {"%": "%", "x": "NAME", "j": "42"}[m.group(1)], value)
+    assert expanded == f"{out_dir}/NAME-42.out"
+    assert out_dir.is_dir()
+
+
+def test_sbatch_job_name_of_a_recipe_with_a_space_is_one_argument(tmp_path):
+    recipe = tmp_path / "my recipe.yaml"
+    recipe.write_text((ROOT / "examples" / "tiny-cpu-grpo.yaml").read_text())
+    script = tmp_path / "job.sbatch"
+    assert launch_main([str(recipe), f"output_dir={tmp_path / 'o'}", "--out", str(script)]) == 0
+    assert _sbatch_lines(script.read_text())["#SBATCH --job-name"] == ["--job-name=specrl-my recipe"]
+
+
+def test_sbatch_parser_port_matches_the_simple_cases():
+    assert sbatch_arguments("#SBATCH --nodes=4") == ["--nodes=4"]
+    assert sbatch_arguments('#SBATCH --output="/a b/%j.out"') == ["--output=/a b/%j.out"]
+    assert sbatch_arguments("#SBATCH --output=/a#b") == ["--output=/a"]
+    assert sbatch_arguments("#SBATCH --job-name=a b") == ["--job-name=a", "b"]
+
+
+# --------------------------------------------------------------------------- recipe pages vs recipes
+
+@pytest.mark.parametrize("recipe", ["qwen2.5-7b-dapo-1node", "qwen2.5-32b-dapo-4node", "llama-3.1-70b-dapo-8node"])
+def test_recipe_pages_state_the_recipes_sampling_tries(recipe):
+    """The 7B page said dynamic sampling with `<= 4 tries` while the recipe set max_sampling_tries: 30."""
+    page = (ROOT / "docs" / "recipes" / f"{recipe}.md").read_text()
+    cfg = _cfg(recipe)
+    for n in re.findall(r"<= (\d+) (?:tries|rounds)", page):
+        assert int(n) == cfg.algorithm.max_sampling_tries, (recipe, n)
+
+
+def test_a_tp_that_does_not_divide_the_mlp_fails_the_plan(tmp_path):
+    """Megatron's and vLLM's column-parallel MLP split the intermediate size over TP (divide() asserts)."""
+    model = tmp_path / "odd-ffn"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "intermediate_size": 11010, "vocab_size": 32000,
+        "max_position_embeddings": 16384, "tie_word_embeddings": False}))
+    with pytest.raises(PlanError, match="learner.tp=4 does not divide intermediate_size=11010"):
+        build_plan(_cfg("qwen2.5-7b-dapo-1node", f"model.path={model}"), check_data=False)
