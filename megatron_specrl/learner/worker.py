@@ -6,11 +6,12 @@ batch dict (CPU tensors); each DP rank takes its rows, the pipeline runs through
 Megatron's get_forward_backward_func(), and results are gathered so that global
 rank 0 returns the full [B, T] tensor.
 
-Optimizer: with `learner.distributed_optimizer` the model is wrapped in Megatron's
-DistributedDataParallel and stepped by Megatron's distributed Adam (Adam moments sharded
+Optimizer (learner/optimizer.py): with `learner.distributed_optimizer` the model is wrapped in
+Megatron's DistributedDataParallel and stepped by Megatron's distributed Adam (Adam moments sharded
 over the DP ranks; megatron_optim.py, CPU shims in patches/). Without it: torch AdamW over
 the local shards, replicated on every DP rank, with our own gradient all-reduce (DP) and
-global-norm clipping. Both give the same weights (tests/test_distributed_optimizer.py).
+global-norm clipping. Both give the same weights (tests/integration/learner/test_distributed_optimizer.py).
+Checkpoints (Megatron dist checkpoints, the HF export): learner/checkpoint_io.py.
 
 Precision (`learner.precision`): float32 (default) builds and trains the model in fp32. bfloat16 is
 Megatron-LM's --bf16: the GPTModel is built with params_dtype bf16 and wrapped in Megatron's
@@ -28,11 +29,7 @@ has no optimizer, no gradients and no checkpoint: it is rebuilt from the HF dir.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
-import math
-import shutil
 from functools import partial
 from pathlib import Path
 from typing import Iterator
@@ -41,8 +38,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_specrl.learner import checkpoint_io, optimizer
 from megatron_specrl.learner import hf_mapping as hm
-from megatron_specrl.learner.hf_checkpoint import HFCheckpoint, save_hf_shards
+from megatron_specrl.learner.checkpoint_io import (  # noqa: F401  (their old home: tests import them here)
+    checkpoint_dtype as _checkpoint_dtype, cuda_rng_states, restore_cuda_rng_states,
+)
+from megatron_specrl.learner.hf_checkpoint import HFCheckpoint
 from megatron_specrl.learner import losses as L
 from megatron_specrl.learner.logprobs import token_logprobs
 from megatron_specrl.learner.model_provider import ROLES
@@ -66,46 +67,6 @@ def load_hf_state(hf_dir: str | Path) -> HFCheckpoint:
 
 # The dtypes iter_hf_state's PP send can carry (indexed in its shape header): parameters', main_grad's.
 _GATHER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _checkpoint_dtype(hf_config) -> torch.dtype | None:
-    """The dtype a checkpoint's config.json names (transformers 5: `dtype`, earlier: `torch_dtype`)."""
-    d = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(d, str):
-        d = getattr(torch, d, None)
-    return d if isinstance(d, torch.dtype) else None
-
-
-def cuda_rng_states(cuda=torch.cuda) -> list[Tensor] | None:
-    """Every visible GPU's default generator state (the stream of torch.rand(device="cuda") and of any
-    dropout outside Megatron's RNG tracker), for a learner checkpoint; None without CUDA. `cuda`: the
-    torch.cuda module (tests pass a fake)."""
-    if not cuda.is_available():
-        return None
-    return [st.clone() for st in cuda.get_rng_state_all()]
-
-
-def restore_cuda_rng_states(saved: list[Tensor] | None, cuda=torch.cuda) -> int:
-    """Restore cuda_rng_states() from a checkpoint; returns how many devices were restored.
-
-    Nothing to restore (a checkpoint from before this key, or saved without CUDA) or no CUDA here: the
-    generators stay as seeded, as before. A different number of visible GPUs (the same TP / PP / DP
-    layout, else the caller restores no RNG at all): device i gets the state saved for device i, for
-    the devices both have, with a warning; not an error, since the RNG streams are for reproducibility
-    only and refusing would block an otherwise valid resume (the layout-changed case is not one either)."""
-    if not saved or not cuda.is_available():
-        return 0
-    n_here = cuda.device_count()
-    if len(saved) != n_here:
-        log.warning("learner checkpoint: CUDA RNG states saved for %d GPU(s), %d visible now: restoring "
-                    "the first %d", len(saved), n_here, min(len(saved), n_here))
-    fit = list(saved)[:n_here]
-    if len(fit) == n_here:
-        cuda.set_rng_state_all(fit)
-    else:
-        for i, st in enumerate(fit):
-            cuda.set_rng_state(st, i)
-    return len(fit)
 
 
 def _model_param_name(name: str, params) -> str:
@@ -265,15 +226,7 @@ class LearnerWorker:
             raise hm.CheckpointError(f"converted tensors not in the model: {sorted(extra)}")
 
     def _build_optimizer(self) -> None:
-        s = self.settings
-        if s.distributed_optimizer:
-            from megatron_specrl.learner import megatron_optim
-            self.ddp, self.optimizer = megatron_optim.build(self.f16 if self.f16 is not None else self.model, s)
-            return
-        self.ddp = None
-        lr = s.lr
-        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=lr,
-                                           weight_decay=s.weight_decay, betas=(0.9, 0.999), eps=1e-8)
+        self.ddp, self.optimizer = optimizer.build(self.model, self.f16, self.settings)
 
     # ------------------------------------------------------------------ batches
     def _dp_rows(self, rows: list[int]) -> list[int]:
@@ -418,13 +371,7 @@ class LearnerWorker:
         return {**{k: sum(h[k] for h in history) / len(history) for k in history[0]}, **extra, "lr": lr}
 
     def _set_lr(self) -> float:
-        """This training step's lr (learner.lr_warmup_steps, verl's constant schedule with warm-up), set
-        on every parameter group of either optimizer (Megatron's scheduler sets its groups so too)."""
-        s = self.settings
-        lr = s.lr * min(1.0, self.train_steps / s.lr_warmup_steps) if s.lr_warmup_steps else s.lr
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        return lr
+        return optimizer.set_lr(self.optimizer, self.settings, self.train_steps)
 
     def _optimizer_step(self, batch: dict, rows: list[int], step: bool = True) -> dict[str, float]:
         lc = self.settings.loss
@@ -453,55 +400,16 @@ class LearnerWorker:
             return loss * (n_mb * dp_scale), reported
 
         dp_scale = self.settings.dp if self.ddp is not None else 1
-        if self.ddp is not None:
-            return self._megatron_step(mbs, loss_fn, step)
-        self.optimizer.zero_grad(set_to_none=False)
-        store = self._run_schedule(mbs, loss_fn, forward_only=False)
-        grad_norm = self._finalize_grads(clip=step)
-        if step:
-            if not math.isfinite(grad_norm):   # AdamW would turn every weight NaN; as Megatron's: skip, raise
-                self.optimizer.zero_grad(set_to_none=False)
-                raise RuntimeError(f"non-finite gradients (grad norm {grad_norm}): the optimizer step was "
-                                   "skipped (a NaN / inf reward, advantage or log-prob in the batch?)")
-            self.optimizer.step()
-        return self._reduce_metrics(store, grad_norm)
 
-    def _megatron_step(self, mbs: list[dict], loss_fn, step: bool) -> dict[str, float]:
-        """Megatron DDP + optimizer: grads accumulate in DDP's buffer, finalize_model_grads reduces
-        them over DP (reduce-scatter with the distributed optimizer; all-reduce without a step, so
-        that every rank holds full gradients for iter_hf_state(grads=True)) and ties embeddings
-        across PP; megatron_optim.step() computes the global norm once, checks it, clips by it, updates
-        this rank's shard and all-gathers the parameters."""
-        from megatron.core.distributed import finalize_model_grads
-        for p in self._params():
-            p.grad = None
-        self.ddp.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        self.ddp.force_all_reduce = not step      # overlapped reduce: all-reduce instead of reduce-scatter
-        try:
-            store = self._run_schedule(mbs, loss_fn, forward_only=False)
-        finally:
-            self.ddp.force_all_reduce = False
-        with self._cpu_shims():
-            finalize_model_grads([self.ddp], force_all_reduce=not step)
-            if step:
-                # Megatron's step() would step Adam on NaN gradients (fp32: no loss scaler to find them):
-                # megatron_optim.step checks the global norm (the same on every rank: all raise) before
-                # the update, and clips by that norm instead of computing it a second time.
-                from megatron_specrl.learner import megatron_optim
-                ok, grad_norm = megatron_optim.step(self.optimizer)
-                if not math.isfinite(grad_norm):
-                    raise RuntimeError(f"non-finite gradients (grad norm {grad_norm}): the optimizer step was "
-                                       "skipped (a NaN / inf reward, advantage or log-prob in the batch?)")
-                if not ok:
-                    raise RuntimeError("Megatron's optimizer skipped the step (non-finite gradients)")
-            else:
-                for p in self._params():
-                    if p.dtype == p.main_grad.dtype:    # bf16 params: iter_hf_state reads main_grad
-                        p.grad = p.main_grad.detach().clone()
-                self.optimizer.prepare_grads()
-                grad_norm = self.optimizer.get_grad_norm()
-        return self._reduce_metrics(store, float(grad_norm))
+        def schedule():
+            return self._run_schedule(mbs, loss_fn, forward_only=False)
+
+        if self.ddp is not None:   # the two optimizer paths (learner/optimizer.py)
+            store, grad_norm = optimizer.megatron_step(self.ddp, self.optimizer, self._params(), schedule,
+                                                       self._cpu_shims, step)
+        else:
+            store, grad_norm = optimizer.adamw_step(self.optimizer, schedule, self._finalize_grads, step)
+        return self._reduce_metrics(store, grad_norm)
 
     def forward_backward(self, batch: dict) -> dict[str, float]:
         """Gradients of the RL loss on the whole batch (finalised over DP/PP, unclipped), no step.
@@ -518,35 +426,9 @@ class LearnerWorker:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def _finalize_grads(self, clip: bool = True) -> float:
-        """Tied-embedding grad sync (PP), DP all-reduce (sum: losses use global denominators), clip."""
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-        ps = self.ps
-        params = self._params()
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        if (self.settings.pp > 1 and getattr(self.model, "share_embeddings_and_output_weights", False)
-                and ps.is_rank_in_embedding_group()):
-            w = self.model.shared_embedding_or_output_weight()
-            dist.all_reduce(w.grad, group=ps.get_embedding_group())
-        if self.settings.dp > 1:
-            grads = [p.grad for p in params]
-            flat = torch._utils._flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=ps.get_data_parallel_group())
-            for g, f in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-                g.copy_(f)
-        sq = torch.zeros(1, dtype=torch.float32, device=self.device)
-        for p in params:
-            if param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False):
-                sq += p.grad.float().pow(2).sum()
-        if self.world_size > 1:
-            dist.all_reduce(sq, group=ps.get_model_parallel_group())
-        norm = float(sq.sqrt())
-        max_norm = self.settings.grad_clip
-        if clip and max_norm and norm > max_norm and math.isfinite(norm):
-            for p in params:
-                p.grad.mul_(max_norm / (norm + 1e-6))
-        return norm
+        """The AdamW path's gradient sync and clip (optimizer.finalize_grads)."""
+        return optimizer.finalize_grads(self._params(), self.model, self.settings, self.ps, self.device,
+                                        self.world_size, clip)
 
     def _reduce_metrics(self, store: list[dict], grad_norm: float) -> dict[str, float]:
         # Only the last stage holds metrics; every rank must all-reduce the same fixed key list.
@@ -634,159 +516,28 @@ class LearnerWorker:
             shards = None
 
     def export_hf(self, out_dir: str | Path) -> None:
-        """Write the HF checkpoint on rank 0 (+ config / tokenizer copied from the source HF dir): in the
-        source config's dtype (bf16 for published models; the learner's fp32 master weights are not
-        what users load), in transformers' 5 GB shards, streamed (hf_checkpoint.save_hf_shards: rank 0
-        held the whole fp32 model, 280 GB for 70B)."""
-        tensors = self.iter_hf_state()     # every rank iterates in lockstep; rank 0 gets the tensors
-        if self.rank != 0:
-            for _ in tensors:
-                pass
-        else:
-            out = Path(out_dir)
-            # a config naming no dtype: fp32, as the export wrote before the gather kept bf16 weights in bf16
-            save_hf_shards(tensors, out, dtype=_checkpoint_dtype(self.hf_config) or torch.float32)
-            for f in self.hf_dir.iterdir():
-                if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json", ".bin")):
-                    shutil.copy2(f, out / f.name)
-        if self.world_size > 1:
-            dist.barrier()
+        """The HF checkpoint, written on rank 0 (checkpoint_io.export_hf)."""
+        checkpoint_io.export_hf(self, out_dir)
 
     # ------------------------------------------------------------------ checkpoints
     def _sharded_state_dict(self, optimizer: bool = True, rng: bool = True, is_loading: bool = False) -> dict:
-        model_sd = self.model.sharded_state_dict(prefix="model.")
-        sd: dict = {"model": model_sd}
-        if not optimizer:
-            return sd
-        if self.ddp is not None:
-            sd["optimizer"] = self._megatron_optimizer_sd(model_sd, is_loading)
-            return self._with_rng(sd) if rng else sd
-        named = dict(self.model.named_parameters())
-        opt_state: dict = {}
-        for name, p in named.items():
-            sh = model_sd.get("model." + name)
-            if sh is None or p not in self.optimizer.state or not self.optimizer.state[p]:
-                continue
-            st = self.optimizer.state[p]
-            for k in ("exp_avg", "exp_avg_sq"):
-                opt_state[f"{name}.{k}"] = dataclasses.replace(sh, key=f"optimizer.{k}.{sh.key}", data=st[k])
-        steps = {float(st["step"]) for st in self.optimizer.state.values() if st}
-        opt_state["step"] = max(steps) if steps else 0.0   # one AdamW step count for all params
-        sd["optimizer"] = opt_state
-        if not rng:
-            return sd
-        return self._with_rng(sd)
-
-    def _megatron_optimizer_sd(self, model_sd: dict, is_loading: bool) -> dict:
-        """Megatron's distributed optimizer state in its fully-reshardable format: per-parameter
-        moments keyed by the model's sharded keys, so any TP / PP / DP layout can load them."""
-        from megatron_specrl.learner.megatron_optim import SHARDING_TYPE
-        with self._cpu_shims():
-            return self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
-                                                     metadata={"distrib_optim_sharding_type": SHARDING_TYPE})
+        return checkpoint_io.sharded_state_dict(self, optimizer, rng, is_loading)
 
     def _with_rng(self, sd: dict) -> dict:
-        from megatron.core.dist_checkpointing.mapping import ShardedObject
-        pp, tp = self.settings.pp, self.settings.tp
-        state = {"cpu": torch.get_rng_state(), "tracker": self._tracker_states()}
-        cuda_states = cuda_rng_states()
-        if cuda_states is not None:                 # CUDA's default generators (outside the tracker)
-            state["cuda"] = cuda_states
-        sd["rng"] = ShardedObject("rng_state", state, (pp, tp), (self.pp_rank, self.tp_rank),
-                                  replica_id=self.dp_rank)
-        return sd
-
-    def _tracker_states(self):
-        from megatron.core.tensor_parallel import get_cuda_rng_tracker
-        return {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()}
+        return checkpoint_io.with_rng(self, sd)
 
     def _ensure_optimizer_state(self) -> None:
-        """Materialise AdamW state (zeros) so that loading has tensors to fill."""
-        if self.ddp is not None:
-            from megatron_specrl.learner.megatron_optim import ensure_state
-            return ensure_state(self.optimizer)
-        for p in self._params():
-            st = self.optimizer.state[p]
-            if not st:
-                st["step"] = torch.tensor(0.0)
-                st["exp_avg"] = torch.zeros_like(p)
-                st["exp_avg_sq"] = torch.zeros_like(p)
+        """Materialise the optimizer's state (zeros) so that loading has tensors to fill."""
+        optimizer.ensure_state(self.ddp, self.optimizer, self._params())
 
     def save_checkpoint(self, path: str | Path) -> None:
-        """Megatron dist checkpoint (model + AdamW state + RNG), synchronous writer."""
-        from megatron.core import dist_checkpointing
-
-        from megatron_specrl.patches.megatron_core_0_16_1_sync_save import in_process_results_queue
+        """Megatron dist checkpoint (model + optimizer state + RNG; checkpoint_io.save)."""
         self._require_trainable("save_checkpoint")
-        path = Path(path)
-        if self.rank == 0:
-            path.mkdir(parents=True, exist_ok=True)
-        if self.world_size > 1:
-            dist.barrier()
-        self._ensure_optimizer_state()
-        sd = self._sharded_state_dict()
-        with self._cpu_shims(), in_process_results_queue():   # no Manager process for a synchronous save
-            dist_checkpointing.save(sd, str(path), async_sharded_save=False)
-        if self.rank == 0:
-            (path / "specrl_learner.json").write_text(json.dumps(
-                {"tp": self.settings.tp, "pp": self.settings.pp, "dp": self.settings.dp, "role": self.role,
-                 "distributed_optimizer": self.ddp is not None, "train_steps": self.train_steps,
-                 "precision": "bfloat16" if self.bf16 else "float32"}))
-        if self.world_size > 1:
-            dist.barrier()
+        checkpoint_io.save(self, path)
 
     def load_checkpoint(self, path: str | Path, load_optimizer: bool = True) -> None:
-        """Load a dist checkpoint saved at any TP/PP split (dist_checkpointing reshards the model
-        and optimizer); per-rank RNG state is restored only when the layout is unchanged."""
-        from megatron.core import dist_checkpointing
-        from megatron.core.tensor_parallel import get_cuda_rng_tracker
-        if self.model is None:
-            raise RuntimeError("call load_hf (or build the model) before load_checkpoint")
-        load_optimizer = load_optimizer and not self.frozen   # a reference may load weights, nothing else
-        meta_file = Path(path) / "specrl_learner.json"
-        if not meta_file.is_file():
-            raise hm.CheckpointError(f"{path} is not a megatron-specrl learner checkpoint (no specrl_learner.json)")
-        meta = json.loads(meta_file.read_text())
-        same_layout = (meta["tp"], meta["pp"], meta["dp"]) == (self.settings.tp, self.settings.pp, self.settings.dp)
-        saved_dist = bool(meta.get("distributed_optimizer", False))
-        if load_optimizer and saved_dist != (self.ddp is not None):
-            raise hm.CheckpointError(
-                f"{path} holds {'Megatron distributed' if saved_dist else 'torch AdamW'} optimizer state; this "
-                f"learner has learner.distributed_optimizer={self.ddp is not None}: set it to {saved_dist} to resume")
-        saved_precision = meta.get("precision", "float32")
-        here = "bfloat16" if self.bf16 else "float32"
-        if saved_precision != here:
-            raise hm.CheckpointError(f"{path} holds a learner.precision={saved_precision} model; this learner has "
-                                     f"learner.precision={here}: set it to {saved_precision} to resume or convert")
-        if load_optimizer:
-            self._ensure_optimizer_state()
-            self.train_steps = int(meta.get("train_steps", 0))   # the lr warm-up continues where it was
-        sd = self._sharded_state_dict(optimizer=load_optimizer, rng=load_optimizer and same_layout, is_loading=True)
-        with self._cpu_shims():
-            loaded = dist_checkpointing.load(sd, str(path))
-        model_sd = {k[len("model."):]: v for k, v in loaded["model"].items()}
-        self.model.load_state_dict(model_sd, strict=False)
-        if load_optimizer and self.ddp is not None:
-            from megatron_specrl.learner import megatron_optim
-            with self._cpu_shims():
-                megatron_optim.load_state_dict(self.optimizer, loaded["optimizer"])
-            loaded["optimizer"] = {}
-        elif self.ddp is not None:
-            self._reload_main_params()      # bf16 weights without optimizer state: fresh fp32 master weights
-        named = dict(self.model.named_parameters())
-        # (without load_optimizer, dist_checkpointing still returns the checkpoint's common, non-sharded
-        # optimizer entries: ignore them)
-        opt = dict(loaded.get("optimizer", {})) if load_optimizer else {}
-        step = opt.pop("step", None)
-        for key, val in opt.items():
-            name, k = key.rsplit(".", 1)
-            st = self.optimizer.state[named[name]]
-            st[k] = val
-            st["step"] = torch.tensor(float(step))
-        if "rng" in loaded:
-            torch.set_rng_state(loaded["rng"]["cpu"])
-            get_cuda_rng_tracker().set_states(loaded["rng"]["tracker"])
-            restore_cuda_rng_states(loaded["rng"].get("cuda"))   # absent in older checkpoints
+        """A dist checkpoint saved at any TP/PP split (checkpoint_io.load)."""
+        checkpoint_io.load(self, path, load_optimizer)
 
     def shutdown(self) -> None:
         """Free the model and optimizer state, then leave the process groups. Every holder of the model
