@@ -8,7 +8,7 @@ parameter's state from the checkpoint's tensors, but the loader leaves "step" ou
 the copy raises KeyError('step'). `torch_adam_step_held_out()` holds "step" out of the destination
 during that copy and puts it back after.
 
-Found on an H200 (session 28: megatron-core 0.16.1 on torch 2.11 CUDA, no TE / apex): the fix lived
+Found on an H200 (2026-11-28: megatron-core 0.16.1 on torch 2.11 CUDA, no TE / apex): the fix lived
 in the CPU shims until then, so a GPU learner without TE could save but not resume. With TE or apex
 (FusedAdam keeps the step in the param groups) the wrapper passes every call through unchanged.
 Another megatron-core version: a null context.

@@ -27,7 +27,7 @@ indices are the same: each request's last scheduled token). vLLM keeps zero-draf
 speculative path for recurrent backends (GDN's decode-only CUDA graphs read a state offset only it
 applies); the tree proposer drafts for attention models (Llama, Qwen2). Measured: an engine with
 the tree proposer and no draft in any step ran 22% slower than one without speculative decoding
-(in-process, 128 requests, the same tokens); docs/measurements.md, session 27.
+(in-process, 128 requests, the same tokens); docs/benchmarks/2026-11-25-avx512.md.
 
 Pinned to vLLM 0.32.0; on other versions `apply()` leaves vLLM alone and returns False. Only
 engines this project starts call `apply()` (VLLMEngine, before building its LLM).

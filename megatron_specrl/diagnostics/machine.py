@@ -3,7 +3,7 @@
 Timings move with the CPU, and so do the sampled tokens: oneDNN and torch pick their kernels by the
 instruction sets they find (AVX2, AVX-512, AVX512-BF16, AMX), which round differently, so a seeded
 run draws "the same tokens" only on one kind of CPU. This project's CI machines changed CPU without
-notice (session 30: an AMD EPYC with AVX2 only ran the benchmarks 2.5x slower than the AVX-512 one of
+notice (2026-11-28: an AMD EPYC with AVX2 only ran the benchmarks 2.5x slower than the AVX-512 one of
 earlier sessions, and its `off` rollouts drew other tokens), so every benchmark's output names it.
 """
 

@@ -34,7 +34,7 @@ Per engine step:
   different prompts share much of their text (on the arithmetic task, the steps of a sum; on real
   tasks, phrasing and formulas), and a sample that leaves its prompt's paths usually finds itself in
   the shared tree: replayed on a training run's tokens it cut the decode steps per rollout from 41.5
-  to 19.9 (docs/measurements.md). The shared tree is rebuilt from its newest half once it passes `shared_nodes`
+  to 19.9 (docs/benchmarks/). The shared tree is rebuilt from its newest half once it passes `shared_nodes`
   states (`DraftTrees.keep_newest`), between or during batches;
 - a request that carries an own draft (`OWN_DRAFT`: its sample's last-epoch response, rollout.verify=
   decode) drafts that response's next K tokens instead, for as long as its response equals the own
@@ -42,7 +42,7 @@ Per engine step:
   sampler accepts a point-mass draft token y with p(y) and otherwise samples p without y: exactly the
   `exact` rule's verification, done a few tokens per decode step instead of in one prefill. The own
   draft is not cut by probability: stopping it where its old log-probs fall below `min_prob` drafted
-  6% fewer tokens but took more engine steps and was no faster on this CPU (docs/measurements.md);
+  6% fewer tokens but took more engine steps and was no faster on this CPU (docs/benchmarks/);
 - a response the rollout took without the engine (rollout.verify=prefill: its draft accepted whole, or
   ended by the verification's replacement) comes in through `add_responses` between batches and enters
   its prompt's tree and the shared tree once, as an engine request's response would, so that the trees
@@ -58,7 +58,7 @@ the forward that verifies the drafts, sampling, scheduling, drafting) against th
 the draft tokens it verified, kept as the sums of a least-squares fit (`STEP_COST_SUMS`; sums add
 across engines and rollouts) so that `fit_step_cost` gives ms = a + b x requests + c x draft tokens.
 On a GPU c should be near 0 (a decode step is memory-bound); on this CPU a step costs 5-9 ms
-whatever it holds and a draft token about a twentieth of a request (docs/measurements.md). Steps whose interval
+whatever it holds and a draft token about a twentieth of a request (docs/benchmarks/). Steps whose interval
 held anything else are left out: the first step of a batch, a step that took in a new request (its
 prefill), and the gap between two batches.
 """
@@ -115,7 +115,7 @@ class Calibration:
     1 at every node, yet in the first epoch (no earlier responses, only siblings a few tokens ahead)
     the engine's next token is that sibling's 2-8% of the time. Drafting such paths whole verified 10
     draft tokens for every one accepted and made the first epoch 1.9-2.9x slower than plain decoding
-    on this CPU (docs/measurements.md, session 27).
+    on this CPU (docs/benchmarks/2026-11-25-avx512.md).
 
     Every engine step, each source's first proposed token for a request (proposed whether or not it was
     drafted or cut) is checked against the token the engine then sampled at that position, which is the
@@ -206,7 +206,7 @@ def read_settings(text: str | None) -> dict:
 
 def trees_class(impl: str) -> type[DraftTrees]:
     """The draft trees' implementation: both give the same drafts; the compiled one takes about half
-    the drafter's time inside vLLM (docs/measurements.md, session 13)."""
+    the drafter's time inside vLLM (docs/benchmarks/2026-11-23-avx512.md)."""
     if impl == "python":
         return DraftTrees
     if impl == "compiled":

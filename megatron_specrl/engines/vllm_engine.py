@@ -330,7 +330,7 @@ class VLLMEngine(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, RunsI
         epoch drafts from it as if it had been fed in flight (a tree's proposals depend only on the
         sequences it holds). On this CPU a drafted step costs 2-2.6x a plain one and such drafts are
         accepted 10-33% of the time: drafting them made the first epoch 1.8x slower than plain
-        decoding (docs/measurements.md, session 27). `llm_kwargs`: tests' overrides, applied last."""
+        decoding (docs/benchmarks/2026-11-25-avx512.md). `llm_kwargs`: tests' overrides, applied last."""
         from vllm import LLM
 
         from megatron_specrl.patches.vllm_engine_patches import apply_all, mark_our_engine

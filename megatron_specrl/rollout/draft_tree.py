@@ -95,7 +95,7 @@ read by numba, replacing only ``_new_tree``/``_drop_tree``/``_feed_tree`` (stora
 and the reads; all bookkeeping (LRU, eviction, frozen requests, ``keep_newest``, persistence) is
 this class's. The engines call ``extend_and_propose`` once per request and step, which the compiled
 class does in one compiled call: the same drafts (tests compare both) for about half the drafter's
-time inside vLLM and a third of it replayed alone (docs/measurements.md, session 13).
+time inside vLLM and a third of it replayed alone (docs/benchmarks/2026-11-23-avx512.md).
 """
 
 from __future__ import annotations

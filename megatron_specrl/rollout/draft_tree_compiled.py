@@ -2,12 +2,12 @@
 driven by numba, for engines where the drafter runs between forwards that take milliseconds.
 
 Why: the pure-Python automaton costs 40-47 us per request and engine step inside vLLM on this CPU
-(docs/measurements.md), most of it extending two automata by a token or two and walking a draft. On
+(docs/benchmarks/), most of it extending two automata by a token or two and walking a draft. On
 a GPU a decode step of a few hundred requests takes a few tens of ms, so a drafter at that price
 would take a large share of the step. Here extending and proposing are compiled loops over arrays;
 what is left per call is numba's dispatch (about 1 us) and the Python bookkeeping the two
 implementations share. Measured in vLLM on the same tokens: 20-21 us per request and step against
-41-49 us for the Python automata (docs/measurements.md, session 13).
+41-49 us for the Python automata (docs/benchmarks/2026-11-23-avx512.md).
 
 `CompiledDraftTrees` subclasses `DraftTrees` and keeps all of its bookkeeping (keys and their LRU
 order, eviction, frozen requests, `keep_newest`, persistence): only the automaton's storage, its

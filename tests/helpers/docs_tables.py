@@ -5,11 +5,9 @@ from __future__ import annotations
 import re
 
 
-def _config_tables(readme: str) -> str:
-    """The rows of README's two configuration tables (key | meaning, and the loss table)."""
-    start = readme.index("## Configuration")
-    end = readme.index("\n## ", start + 1)
-    return "\n".join(line for line in readme[start:end].splitlines() if line.startswith("| `"))
+def _config_tables(page: str) -> str:
+    """The key rows of a docs page's tables (docs/algorithms.md: the settings table and the loss table)."""
+    return "\n".join(line for line in page.splitlines() if line.startswith("| `"))
 
 
 def _documented_keys(rows: str) -> set[str]:

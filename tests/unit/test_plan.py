@@ -5,7 +5,7 @@ memory estimate's parameter, gradient and optimizer bytes equal a real learner's
 The plan's activation estimate for a bf16 learner on Megatron's local spec (CPU, or a GPU without
 TransformerEngine) counts what that spec keeps in fp32: the RMSNorms' tensors and the unfused attention's
 fp32 softmax beside its bf16 copy. Without that term the estimate was 39% below the bytes autograd saves
-here and 13% below a 0.5B learner's training peak on an H200 (session 28).
+here and 13% below a 0.5B learner's training peak on an H200 (2026-11-28).
 
 Review of launch / plan / the cluster recipes: layouts the plan refused that vLLM runs, transports the
 plan let through that the run refuses after the queue, #SBATCH values sbatch reads differently from

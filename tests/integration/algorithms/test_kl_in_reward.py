@@ -267,12 +267,12 @@ def _row(readme: str, start: str) -> str:
     return next(line for line in readme.splitlines() if line.startswith(start))
 
 
-# --------------------------------------------------------------------------- FIX: README rows
+# --------------------------------------------------------------------------- the algorithms page's rows
 
-def test_readme_kl_in_reward_row_names_the_schema_keys():
+def test_algorithms_page_kl_in_reward_row_names_the_schema_keys():
     """The row's first cell, as the README / schema parity check reads it, names exactly the three
     AlgorithmConfig keys (kl_ctrl's sub-keys as `.type` etc., not as `algorithm.` keys of their own)."""
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "algorithms.md").read_text()
     row = _row(readme, "| `algorithm.use_kl_in_reward`")
     documented = _documented_keys(row)
     assert documented == {"algorithm.use_kl_in_reward", "algorithm.kl_penalty", "algorithm.kl_ctrl"}
@@ -282,8 +282,8 @@ def test_readme_kl_in_reward_row_names_the_schema_keys():
     assert "algorithm.kl_coef" not in _documented_keys(_config_tables(readme))
 
 
-def test_readme_says_the_filter_counts_correct_answers_only_with_acc():
-    readme = (ROOT / "README.md").read_text()
+def test_algorithms_page_says_the_filter_counts_correct_answers_only_with_acc():
+    readme = (ROOT / "docs" / "algorithms.md").read_text()
     inc = _row(readme, "| `algorithm.incorrect_score`")
     assert "dynamic-sampling filter count s > 0 as correct either way" not in inc
     assert "filter_metric: acc" in inc

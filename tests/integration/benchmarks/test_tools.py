@@ -1,4 +1,4 @@
-"""Review (session 19) of the benchmark tools' arithmetic: tools/replay_drafts.py and tools/bench_own_draft.py,
+"""The benchmark tools' arithmetic: tools/replay_drafts.py and tools/bench_own_draft.py,
 
 The tests of this subject that start processes or engines; the rest are in tests/unit/benchmarks/test_tools.py.
 """

@@ -317,7 +317,7 @@ def test_a_request_at_max_model_len_leaves_the_batch_drafting(engine, monkeypatc
     assert steps_both <= steps_alone, (steps_both, steps_alone)
 
 
-# -- session 23: verify=prefill's whole-accepted samples enter the trees as verify=decode's do ---------
+# -- verify=prefill's whole-accepted samples enter the trees as verify=decode's do ---------
 def _engine_sequences(engine):
     from megatron_specrl.rollout.draft_tree import DraftTrees
     from tests.helpers.trees import sequences

@@ -8,7 +8,7 @@ rope_scaling: the learner's logits and gradients equal HF transformers', and the
 
 LearnerWorker.shutdown frees its model: nothing the worker holds keeps a parameter alive.
 
-On an H200 (session 28) a bf16 learner left 4.7 GiB allocated after shutdown: its Float16Module kept
+On an H200 (2026-11-28) a bf16 learner left 4.7 GiB allocated after shutdown: its Float16Module kept
 the model, DDP's fp32 grad buffers and the optimizer's fp32 master weights alive. Checked here on CPU
 by weak references, in one spawned process for the three optimizer / precision settings.
 
@@ -21,7 +21,7 @@ an fp16 loss scaler and, with fp32 parameters, clips by a NaN norm (a no-op) and
 worker checks the global grad norm itself on both paths: the weights stay as they were, it raises, and
 a finite batch afterwards still trains (no NaN left in the gradient buffers).
 
-Review fixes (s23): CUDA_DEVICE_MAX_CONNECTIONS for GPU learner ranks, chat rows with unknown roles,
+GPU-path fixes: CUDA_DEVICE_MAX_CONNECTIONS for GPU learner ranks, chat rows with unknown roles,
 and the bf16 learner's weight gather in bf16 (not fp32).
 """
 
@@ -229,7 +229,7 @@ def test_nan_gradients_skip_the_step_and_raise(tiny_llama, tmp_path, distributed
     assert r["trained_finite"] and r["moved"], r
 
 
-# ---- Review fixes (s23): CUDA_DEVICE_MAX_CONNECTIONS for GPU learner ranks, chat rows with unknown roles,
+# ---- GPU-path fixes: CUDA_DEVICE_MAX_CONNECTIONS for GPU learner ranks, chat rows with unknown roles,
 
 def _group_env(num_gpus_per_rank: float, env: dict | None = None) -> dict:
     """The runtime_env env_vars LearnerGroup gives its rank actors (Ray mocked out)."""
@@ -290,7 +290,7 @@ def _gather_child(rank, world, hf_dir, out_dir, ports):
 
     from megatron_specrl.learner.worker import LearnerWorker
     pass  # merged: from test_learner_layouts import loss_config
-    # the last: an fp32 learner resyncing a bf16 engine casts its shards before the gather (session 24)
+    # the last: an fp32 learner resyncing a bf16 engine casts its shards before the gather
     runs = [("bf16_tp2", 2, 1, "bfloat16", None), ("bf16_pp2", 1, 2, "bfloat16", None),
             ("fp32_pp2", 1, 2, "float32", None), ("fp32_tp2_cast_bf16", 2, 1, "float32", torch.bfloat16)]
     for (tag, tp, pp, prec, cast), port in zip(runs, ports):

@@ -1,4 +1,4 @@
-"""Where the learner differed from verl without saying so (review s19):
+"""Where the learner differed from verl without saying so:
 
 1. PPO's critic has its own lr warm-up (`algorithm.critic_lr_warmup_steps`, verl's
    `critic.optim.lr_warmup_steps`, default none): `learner.lr_warmup_steps` warms up the policy only, so the
@@ -20,7 +20,7 @@ Learner settings against verl, and two learner gaps (review):
    generator and Megatron's tracker; older checkpoints load as before. The CPU tests use a fake
    torch.cuda; the GPU test runs the real one.
 
-Review of the learner's algorithm code (s19): regression tests for properties verl users rely on and
+The learner's algorithm code: regression tests for properties verl users rely on and
 that no other test pins at the worker level.
 
 - A mini-batch's gradient does not depend on how it is cut into microbatches (fixed sizes or token-budget
@@ -45,7 +45,7 @@ from tests.helpers.paths import REPO_ROOT
 
 
 
-# ---- Where the learner differed from verl without saying so (review s19):
+# ---- Where the learner differed from verl without saying so:
 
 ROOT = REPO_ROOT
 
@@ -122,8 +122,8 @@ def test_critic_first_step_uses_full_critic_lr_while_actor_warms_up(tiny_llama, 
     assert _first_step_lr(seen["critic"]) == 0.0
 
 
-def test_readme_maps_the_critic_warmup_key_to_verl():
-    readme = (ROOT / "README.md").read_text()
+def test_algorithms_page_maps_the_critic_warmup_key_to_verl():
+    readme = (ROOT / "docs" / "algorithms.md").read_text()
     row = next(line for line in readme.splitlines() if line.startswith("| `algorithm.gamma`"))
     assert "`critic_lr_warmup_steps`" in row and "critic.optim.lr_warmup_steps" in row
 
@@ -178,8 +178,8 @@ def test_verl_seq_mean_token_sum_norm_is_ours_times_the_microbatch_size_legacy_w
     assert verl_engine == pytest.approx(mini / dp * ours, rel=1e-12)
 
 
-def test_readme_states_the_seq_mean_token_sum_norm_factor_against_verl():
-    readme = (ROOT / "README.md").read_text()
+def test_algorithms_page_states_the_seq_mean_token_sum_norm_factor_against_verl():
+    readme = (ROOT / "docs" / "algorithms.md").read_text()
     assert "verl's values carry over unchanged under these keys:" not in readme
     row = next(line for line in readme.splitlines() if line.startswith("| `learner.loss.agg_mode`"))
     assert "ppo_micro_batch_size_per_gpu" in row and "grad_clip" in row
@@ -283,8 +283,8 @@ def test_critic_optimizer_gets_its_own_weight_decay_and_clip(tiny_llama, tmp_pat
         assert r[("policy", dist_opt)]["clip"] == pytest.approx(1.0, rel=1e-5), r
 
 
-def test_readme_maps_the_critic_optimizer_keys_to_verl():
-    readme = (ROOT / "README.md").read_text()
+def test_algorithms_page_maps_the_critic_optimizer_keys_to_verl():
+    readme = (ROOT / "docs" / "algorithms.md").read_text()
     row = next(line for line in readme.splitlines() if line.startswith("| `algorithm.gamma`"))
     for key in ("`critic_weight_decay`", "critic.optim.weight_decay", "`critic_grad_clip`", "critic.grad_clip"):
         assert key in row, key
@@ -480,7 +480,7 @@ def test_cuda_rng_round_trip_gpu():
     assert len(state["cuda"]) == torch.cuda.device_count()
 
 
-# ---- Review of the learner's algorithm code (s19): regression tests for properties verl users rely on and
+# ---- The learner's algorithm code: regression tests for properties verl users rely on and
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -547,7 +547,7 @@ def _child(rank, hf_dir, port, out):
 
 @pytest.fixture(scope="module")
 def results(tiny_llama, tmp_path_factory):
-    out = tmp_path_factory.mktemp("s19") / "r.pt"
+    out = tmp_path_factory.mktemp("minibatch-steps") / "r.pt"
     mp.spawn(_child, args=(str(tiny_llama), free_port("127.0.0.1"), str(out)), nprocs=1, join=True)
     return torch.load(out)
 

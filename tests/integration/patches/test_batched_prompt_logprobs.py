@@ -1,4 +1,4 @@
-"""The batched prompt-log-prob patch's chunk budget and chunk loop (session 24). No vLLM engine is
+"""The batched prompt-log-prob patch's chunk budget and chunk loop. No vLLM engine is
 
 The tests of this subject that start processes or engines; the rest are in tests/unit/patches/test_batched_prompt_logprobs.py.
 """

@@ -128,7 +128,7 @@ def _open_ipc_in_child(payload, results):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_ipc_transport_gpu():
     """A second process maps the bucket in place. (CUDA refuses to open a process's own IPC handles:
-    this test did so in one process and failed on the first GPU it met, an H200 in session 28.)"""
+    this test did so in one process and failed on the first GPU it met, an H200 on 2026-11-28.)"""
     import torch.multiprocessing as mp
     (bucket,) = plan_buckets(iter([(n, t.cuda()) for n, t in model_tensors()]), 1 << 30)
     t = CudaIpcTransport()

@@ -1,4 +1,4 @@
-"""Review of resync (session 20): the NCCL group's op timeout (torch ProcessGroupNCCL options, checked
+"""Resync: the NCCL group's op timeout (torch ProcessGroupNCCL options, checked
 on CPU with a fake class; GPU tests beside them), CUDA IPC device buckets freed before the next one,
 and pins of bucket packing's edges.
 """

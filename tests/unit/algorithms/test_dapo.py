@@ -1,4 +1,4 @@
-"""Review of the RL math against verl (session 20) and DAPO's -1 / 1 task-reward scale.
+"""The RL math against verl and DAPO's -1 / 1 task-reward scale.
 
 FIX tests (fail on the code before this review, pass after):
   algorithm.incorrect_score (DAPO's -1 / 1): test_incorrect_score_puts_the_task_reward_on_dapos_scale,
@@ -43,7 +43,7 @@ from tests.helpers.paths import REPO_ROOT
 
 
 
-# ---- Review of the RL math against verl (session 20) and DAPO's -1 / 1 task-reward scale.
+# ---- The RL math against verl and DAPO's -1 / 1 task-reward scale.
 
 ROOT = REPO_ROOT
 
@@ -128,8 +128,8 @@ def test_dapo_recipes_train_on_dapos_reward_scale(recipe, monkeypatch):
         assert load_config(ROOT / "examples" / f"{other}.yaml").algorithm.incorrect_score == 0.0
 
 
-def test_readme_states_the_reward_scale_the_penalty_is_added_to():
-    readme = (ROOT / "README.md").read_text()
+def test_algorithms_page_states_the_reward_scale_the_penalty_is_added_to():
+    readme = (ROOT / "docs" / "algorithms.md").read_text()
     row = next(line for line in readme.splitlines() if line.startswith("| `algorithm.overlong_buffer`"))
     assert "which is 0 / 1 here" not in row and "incorrect_score" in row
     assert any(line.startswith("| `algorithm.incorrect_score` |") for line in readme.splitlines())

@@ -1,4 +1,4 @@
-"""Review (session 19) of the benchmark tools' arithmetic: tools/replay_drafts.py and tools/bench_own_draft.py,
+"""The benchmark tools' arithmetic: tools/replay_drafts.py and tools/bench_own_draft.py,
 fed synthetic rollouts and counters (no engine).
 
 Edge cases of the benchmark tools (reviews): replay_drafts' arguments past what the dumps hold,
@@ -9,12 +9,12 @@ tools/draft_bound.py: decode steps with the policy's own argmax continuation as 
 
 tools/replay_drafts.py: the engine's decode loop replayed through a TreeDrafter on known tokens.
 
-Review (session 22) of the measurement code: bench-rollout's summary and driver, tools/replay_drafts.py's
+The measurement code: bench-rollout's summary and driver, tools/replay_drafts.py's
 decode-loop pricing, and the decode-step cost fit, fed synthetic per-epoch records and rollouts (no engine,
 no training).
 
 tools/gpu_check.py, the script a GPU lease runs, stays runnable: on this CPU its learner checks run
-over gloo and must pass (the same checks found two GPU bugs on an H200 in session 28).
+over gloo and must pass (the same checks found two GPU bugs on an H200 on 2026-11-28).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from tests.helpers.benchmarks import _tool, _rows  # noqa: F401
 
 
 
-# ---- Review (session 19) of the benchmark tools' arithmetic: tools/replay_drafts.py and tools/bench_own_draft.py,
+# ---- The benchmark tools' arithmetic: tools/replay_drafts.py and tools/bench_own_draft.py,
 
 
 
@@ -48,7 +48,7 @@ SETTINGS = {"token_budget": 2048, "min_prob": 0.0}
 
 
 def test_replay_drafts_no_further_than_the_engine_past_max_tokens():
-    """Since session 18 the engine's drafter drafts no token past a request's max_tokens (the engine
+    """Since 2026-11-24 the engine's drafter drafts no token past a request's max_tokens (the engine
     would verify tokens its scheduler then drops): a response of L = 8 tokens replayed from a tree
     that holds it drafts 6 tokens after the prefill's first (6 + 1 sampled = the 7 left), not 7. The
     replay ran its drafts on to max_model_len, so drafted, accepted, tokens verified per step and the
@@ -395,7 +395,7 @@ def test_plain_decoding_of_the_same_responses_is_priced_a_step_a_token():
     assert replay_tool.loop_ms([out[2]], (2.0, 0.5, 0.0)) < replay_tool.plain_loop_ms([out[2]], (2.0, 0.5, 0.0))
 
 
-# ---- Review (session 22) of the measurement code: bench-rollout's summary and driver, tools/replay_drafts.py's
+# ---- The measurement code: bench-rollout's summary and driver, tools/replay_drafts.py's
 
 def _epoch(epoch, **kw):
     e = {"epoch": epoch, "rollouts": 2, "rollout_s": 1.0, "verify_s": 0.0, "generate_s": 0.8, "loop_s": 0.6,
@@ -541,13 +541,13 @@ def test_bench_verify_cost_runs_and_restores_the_cache():
 
 
 def test_plan_matches_the_recorded_h200_peaks(tmp_path):
-    """The plan check's learner memory against the peaks measured on an H200 (session 28,
-    docs/measurements_gpu/h200_s28_throughput.json; Megatron's local spec and torch's foreach AdamW, no
+    """The plan check's learner memory against the peaks measured on an H200 (2026-11-28,
+    docs/benchmarks/2026-11-28-h200-throughput.json; Megatron's local spec and torch's foreach AdamW, no
     TransformerEngine there). With full recompute the peak is the optimizer step's: torch's foreach AdamW
     holds an fp32 sqrt of every second moment, which the plan missed (10% low) until it counted it."""
     from transformers import LlamaConfig
     mod = _tool("gpu_check")
-    rec = json.loads((ROOT / "docs" / "measurements_gpu" / "h200_s28_throughput.json").read_text())["throughput"]
+    rec = json.loads((ROOT / "docs" / "benchmarks" / "2026-11-28-h200-throughput.json").read_text())["throughput"]
     sh = rec["shape"]
     LlamaConfig(hidden_size=sh["hidden"], num_hidden_layers=sh["layers"], num_attention_heads=sh["heads"],
                 num_key_value_heads=sh["kv"], intermediate_size=sh["inter"], vocab_size=sh["vocab"],

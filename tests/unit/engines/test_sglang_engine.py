@@ -460,8 +460,8 @@ class NaNSGLang:
 
 
 def _make_checked(fake):
-    return SGLangEngine(engine=fake, max_model_len=64, use_ban_processor=False, name="sglang-s20",
-                        log_dir="/tmp/specrl-sgl-s20")
+    return SGLangEngine(engine=fake, max_model_len=64, use_ban_processor=False, name="sglang-nan",
+                        log_dir="/tmp/specrl-sgl-nan")
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
@@ -469,7 +469,7 @@ def test_generate_refuses_non_finite_logprobs(bad):
     eng = _make_checked(NaNSGLang([-1.0, bad]))
     with pytest.raises(EngineError, match="not finite") as e:
         eng.generate([GenerateRequest([1, 2], 2)], T1, 0)
-    assert e.value.engine == "sglang-s20" and "token 11 at response position 1" in str(e.value)
+    assert e.value.engine == "sglang-nan" and "token 11 at response position 1" in str(e.value)
     # -inf is a legitimate log-prob and stays
     assert _make_checked(NaNSGLang([-1.0, -math.inf])).generate([GenerateRequest([1, 2], 2)], T1, 0)[0].logprobs[1] == -math.inf
 
@@ -493,8 +493,8 @@ def test_http_null_logprob_is_an_engine_error():
         return [{"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "length"}, "weight_version": "0",
                                                      "output_token_logprobs": [[-1.0, 5, None], [None, 6, None]]}}]
 
-    eng = SGLangHTTPEngine("http://x:1", name="sglang-http-s20", post=post, use_ban_processor=False,
-                           log_dir="/tmp/specrl-sgl-s20")
+    eng = SGLangHTTPEngine("http://x:1", name="sglang-http-nan", post=post, use_ban_processor=False,
+                           log_dir="/tmp/specrl-sgl-nan")
     with pytest.raises(EngineError, match="not finite"):
         eng.generate([GenerateRequest([1], 2)], T1, 0)
 

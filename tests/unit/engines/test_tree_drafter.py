@@ -21,7 +21,7 @@ request_steps / requests, summed over a step's rounds like the other ratios; ben
 beside the decode steps (without drafting every sample is a request and runs a step per token).
 Engine-free: the drafter as tests/test_drafter_accounting.py drives it.
 
-Review (session 23): under rollout.verify=prefill, samples the engine never generates enter the draft
+Review: under rollout.verify=prefill, samples the engine never generates enter the draft
 trees once per epoch, as they do under verify=decode.
 
 With verify=prefill a sample whose draft is accepted whole (or ended by the verification's replacement)
@@ -618,7 +618,7 @@ def test_bench_reports_steps_per_request_beside_decode_steps():
     assert abs(off["steps_per_request_off"] - 8000 / 128) < 1e-9   # a step per token without drafting
 
 
-# ---- Review (session 23): under rollout.verify=prefill, samples the engine never generates enter the draft
+# ---- Review: under rollout.verify=prefill, samples the engine never generates enter the draft
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 

@@ -1,11 +1,11 @@
 """verl's engine keys (rollout.enforce_eager, cudagraph_capture_sizes, max_num_seqs,
 max_num_batched_tokens, engine_kwargs.vllm / .sglang) reach vLLM and SGLang as their arguments.
 
-Before session 24 every vLLM engine ran eager (enforce_eager=True hard-coded), on GPUs too: no CUDA
+Before 2026-11-25 every vLLM engine ran eager (enforce_eager=True hard-coded), on GPUs too: no CUDA
 graphs, a kernel launch per op every decode step. The GPU arguments are built here with the engine's
 pure argument builder (vllm_engine.llm_args), since no GPU is on this machine.
 
-Review of the vLLM engine's sampling edges (session 20). No vLLM engine is started: the two bugs
+The vLLM engine's sampling edges. No vLLM engine is started: the two bugs
 sit in code that runs before the engine (the temperature vLLM would change) or after it (reading the
 verification columns), and are driven here through the patch's own math (`verify_rows`).
 
@@ -126,7 +126,7 @@ def test_sglang_gets_the_keys_in_its_own_names():
 
 
 
-# ---- Review of the vLLM engine's sampling edges (session 20). No vLLM engine is started: the two bugs
+# ---- The vLLM engine's sampling edges. No vLLM engine is started: the two bugs
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 

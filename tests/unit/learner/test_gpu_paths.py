@@ -1,4 +1,4 @@
-"""Review of the learner's GPU paths (s23): what works on CPU / gloo but fails on CUDA, where the deciding
+"""The learner's GPU paths: what works on CPU / gloo but fails on CUDA, where the deciding
 logic runs on CPU too.
 
 1. The TransformerEngine layer spec (model_provider picks it on GPUs with TE installed) names the fused

@@ -1,4 +1,4 @@
-"""The batched prompt-log-prob patch's chunk budget and chunk loop (session 24). No vLLM engine is
+"""The batched prompt-log-prob patch's chunk budget and chunk loop. No vLLM engine is
 started: the patch's group functions (`_verify_group`, `_score_group`) run on a stand-in runner whose
 hidden states are the logits (a matmul's last bits depend on the row count, the patch's math must not).
 
@@ -26,7 +26,7 @@ from patches.vllm_0_32_0_batched_prompt_logprobs import UNCOMPUTED, VERIFY_COLUM
 
 
 
-# ---- The batched prompt-log-prob patch's chunk budget and chunk loop (session 24). No vLLM engine is
+# ---- The batched prompt-log-prob patch's chunk budget and chunk loop. No vLLM engine is
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
