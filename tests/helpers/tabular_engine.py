@@ -19,8 +19,9 @@ import math
 import numpy as np
 import torch
 
-from megatron_specrl.engines.protocol import (EngineHealth, GenerateRequest, GenerateResult, SamplingSettings,
-                                              ScoreRequest, ScoreResult, check_version, untruncated_t1)
+from megatron_specrl.engines.protocol import (EngineCapabilities, EngineHealth, GenerateRequest, GenerateResult,
+                                              SamplingSettings, ScoreRequest, ScoreResult, check_version,
+                                              untruncated_t1)
 from megatron_specrl.rollout.coupled import coupled_tokens
 
 EOS = 0
@@ -94,7 +95,7 @@ def coupled_draw(probs: np.ndarray, seed: int, position: int) -> int:
     return int(coupled_tokens(lp, torch.tensor([seed]), torch.tensor([position]))[0])
 
 
-class TabularEngine:
+class TabularEngine(EngineCapabilities):   # both flags are the instance's `replacements`
     name = "tabular"
 
     def __init__(self, policy: TabularPolicy, version: int = 0, replacements: bool = True):

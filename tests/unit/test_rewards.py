@@ -2,16 +2,14 @@
 """
 
 import json
-import threading
 import pytest
 from megatron_specrl.config import DataConfig
 from megatron_specrl.data.datasets import PromptRecord
 from megatron_specrl.rewards import (
     UnknownRewardError, default_reward_for, get_reward, list_rewards, register_reward,
 )
+from tests.helpers.records import rec  # noqa: F401
 
-def rec(answer: str) -> PromptRecord:
-    return PromptRecord(id="r", prompt="p", answer=answer, meta={})
 
 
 def test_arithmetic():
@@ -45,15 +43,6 @@ def test_math_verify():
     assert r("__import__('os').system('echo pwned')", rec("0")) == 0.0    # never evaluated
 
 
-def test_math_verify_off_the_main_thread():
-    """SIGALRM timeouts only work in the main thread; elsewhere a killable child process scores."""
-    out = {}
-    t = threading.Thread(target=lambda: out.update(
-        ok=get_reward("math_verify")("\\boxed{42}", rec("42")),
-        bad=get_reward("math_verify")("\\boxed{41}", rec("42"))))
-    t.start()
-    t.join(timeout=120)
-    assert out == {"ok": 1.0, "bad": 0.0}
 
 
 def test_registry_errors_and_user_reward():

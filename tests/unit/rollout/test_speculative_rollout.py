@@ -6,10 +6,13 @@ Review of the speculative rollout core (rollout/speculative.py and the step arou
 import math
 import pytest
 import torch
-from megatron_specrl.engines.protocol import GenerateResult, SamplingSettings, ScoreResult, WeightVersionMismatch
+from megatron_specrl.engines.protocol import (
+    EngineCapabilities, GenerateResult, SamplingSettings, ScoreResult, WeightVersionMismatch,
+)
 from megatron_specrl.rollout.batch import build_batch
 from megatron_specrl.rollout.speculative import SpeculativeRollout
 from megatron_specrl.rollout.store import Trajectory, TrajectoryStore
+from tests.helpers.capabilities import DraftsNothing
 
 
 
@@ -19,7 +22,7 @@ EOS, PAD = 1, 0
 SURE, NEVER = 0.0, math.log(1e-12)   # log-probs that make acceptance certain / impossible
 
 
-class ScriptedEngine:
+class ScriptedEngine(EngineCapabilities):
     """Score returns the scripted log-probs; generate returns tokens 50, 51, ... then EOS."""
 
     name = "scripted"
@@ -267,13 +270,17 @@ def test_wrappers_forward_the_verification_capability():
                            sampling=SamplingSettings(top_p=0.9), max_new_tokens=4, seed=0)
 
 
+class TreeScriptedEngine(ScriptedEngine, DraftsNothing):
+    """A scripted engine that declares tree drafting (and keeps no trees)."""
+
+
 def test_runahead_requests_go_to_the_engine_only():
     """Up to `runahead` requests for the next step's prompts (sample 0 of each, then sample 1)
     join the generation batch, flagged; their results are neither samples nor stored."""
-    engine = ScriptedEngine(lambda ids: [SURE] * len(ids))
+    engine = TreeScriptedEngine(lambda ids: [SURE] * len(ids))   # run-ahead requests feed draft trees
     store = TrajectoryStore()
     roll = SpeculativeRollout(engine, store, mode="exact", lenience=1.0, sampling=SamplingSettings(),
-                              max_new_tokens=8, seed=0, runahead=3)
+                              max_new_tokens=8, seed=0, runahead=3, verify="prefill")
     samples, m = roll.run([("p0", [5, 6])], 2, 1, step=0, next_prompts=[("n0", [7]), ("n1", [8, 9])])
     ahead = [r for r in engine.generate_requests if r.runahead]
     assert [(r.draft_key, r.prompt_ids) for r in ahead] == [("n0", [7]), ("n1", [8, 9]), ("n0", [7])]
@@ -315,7 +322,7 @@ def test_router_verifies_a_prompt_on_the_engine_that_extends_it():
 EOS = 1
 
 
-class OwnDraftEngine:
+class OwnDraftEngine(DraftsNothing):
     """rollout.verify=decode stand-in: every request's response is its own draft, accepted whole
     (as the engine's rejection sampler does when every drafted token passes), then tokens 50, 51, ...
     up to EOS or max_new_tokens."""
