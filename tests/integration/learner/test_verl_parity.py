@@ -466,18 +466,6 @@ def test_checkpoint_restores_cuda_generators_and_loads_older_checkpoints(tiny_ll
     assert r["old"] == 99       # no "cuda" in the checkpoint (older / CPU): generators untouched, no error
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_rng_round_trip_gpu():
-    from megatron_specrl.learner.worker import cuda_rng_states, restore_cuda_rng_states
-    saved = cuda_rng_states()
-    assert len(saved) == torch.cuda.device_count()
-    first = torch.rand(16, device="cuda")
-    torch.rand(1000, device="cuda")
-    assert restore_cuda_rng_states(saved) == torch.cuda.device_count()
-    assert torch.equal(torch.rand(16, device="cuda"), first)
-    state = _bare_worker()._with_rng({})["rng"].data
-    assert len(state["cuda"]) == torch.cuda.device_count()
 
 
 # ---- The learner's algorithm code: regression tests for properties verl users rely on and
