@@ -11,7 +11,7 @@ three arms, in alternating order (ABC CBA ...), with fresh seeds:
 - `tree`:  rollout.draft=tree alone (the tree's most frequent path);
 - `plain`: no drafts.
 
-All arms are exact samples of the same policy (tests/test_tree_drafting.py); the script prints the
+All arms are exact samples of the same policy (tests/integration/engines/test_tree_drafting.py); the script prints the
 median seconds per generation, engine steps, drafted and accepted tokens, requests running per engine
 step (how much of the loop is the batch's tail), the ratios to `plain`, and for the drafting arms the
 fitted cost of a decode step (ms = a + b x requests + c x draft tokens, as bench-rollout prints it).

@@ -182,7 +182,7 @@ class LearnerMemory:
 
 def activation_elements_per_token_layer(s: ModelShape, tp: int, seq_len: int, flash: bool) -> int:
     """Elements one layer saves for backward per token, counted on Megatron's local (unfused) layer spec
-    with saved-tensor hooks (tests/test_plan.py): the two norms' inputs and outputs; q after RoPE, q, k
+    with saved-tensor hooks (tests/unit/test_plan.py): the two norms' inputs and outputs; q after RoPE, q, k
     and v expanded to all heads for the batched matmuls (GQA included), the context and the projection
     input; SwiGLU's fc1 output (gate and up) and three ffn-wide intermediates; the attention scores (s
     per head) unless flash attention keeps none. TransformerEngine's fused layers save less, so on GPUs
@@ -200,7 +200,7 @@ def fp32_extra_bytes_per_token_layer(s: ModelShape, tp: int, seq_len: int, atten
     x 2 bytes, per token and layer: the RMSNorms compute in fp32 and save their four tensors in fp32 (2
     more bytes each), and the unfused attention (attention_softmax_in_fp32) saves the fp32 softmax
     probabilities beside their bf16 copy (4 more bytes a score) unless recompute drops them. Counted with
-    saved-tensor hooks (tests/test_plan_bf16_local.py); on an H200 (2026-11-28) a 0.5B bf16 learner's
+    saved-tensor hooks (tests/unit/test_plan.py); on an H200 (2026-11-28) a 0.5B bf16 learner's
     training peak was 13% above the estimate without this term and 3% with it. TransformerEngine's
     fused norms and flash attention (the GPU path the plan assumes for bf16) save neither."""
     extra = 4 * s.hidden * 2

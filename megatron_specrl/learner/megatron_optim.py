@@ -6,7 +6,7 @@ with use_distributed_optimizer=True: each data-parallel rank keeps the Adam mome
 1/dp slice of the parameters, updates that slice, and all-gathers the parameters. Off, the
 learner keeps its replicated torch AdamW (worker.py).
 
-Equivalence with the replicated path (tests/test_distributed_optimizer.py):
+Equivalence with the replicated path (tests/integration/learner/test_distributed_optimizer.py):
 - gradients: the losses use global denominators, so DP gradients are *summed*; Megatron's DDP
   averages (scales by 1/dp before a sum-reduce), so the learner multiplies its loss by dp
   (`loss_scale`);
@@ -164,7 +164,7 @@ def load_state_dict(optimizer, state_dict) -> None:
     With torch's Adam (no TE / apex: CPU), DistributedOptimizer.load_state_dict (megatron-core
     0.16.1) gives every parameter's state the *same* "step" tensor, and torch's Adam increments each
     parameter's step in place, so the shared counter would advance once per parameter per step and
-    the bias correction of every step after a resume would be wrong (tests/test_distributed_optimizer.py
+    the bias correction of every step after a resume would be wrong (tests/integration/learner/test_distributed_optimizer.py
     catches it as a resumed step that differs from the uninterrupted one). The loader's copy itself
     needs torch Adam's step held out (patches/megatron_core_0_16_1_torch_adam_load.py), on GPUs too."""
     from megatron_specrl.patches.megatron_core_0_16_1_torch_adam_load import torch_adam_step_held_out

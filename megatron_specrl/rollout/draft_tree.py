@@ -53,7 +53,7 @@ token), which gives exactly the trie's answers:
 Sequences of one key may grow interleaved (each request keeps its own ``last`` and anchor
 states); the construction handles an existing transition from ``last`` (the generalized-automaton
 case, splitting where needed), and counts are per (sequence, position), so identical samples count
-twice, as in the trie. tests/test_draft_tree.py checks proposals and counts against a brute-force
+twice, as in the trie. tests/unit/rollout/test_draft_tree.py checks proposals and counts against a brute-force
 implementation of the trie semantics on random interleaved and repetitive sequences.
 
 Size unit and eviction

@@ -13,7 +13,7 @@ implementations share. Measured in vLLM on the same tokens: 20-21 us per request
 order, eviction, frozen requests, `keep_newest`, persistence): only the automaton's storage, its
 construction (`_feed_tree`) and its reads (proposals, matches, counts) are replaced. The construction
 is the same algorithm step for step, so both give the same states, counts, proposals and scores
-(tests/test_draft_tree.py runs every test on both, and tests/test_draft_tree_compiled.py drives
+(tests/unit/rollout/test_draft_tree.py runs every test on both, and tests/unit/rollout/test_draft_tree_compiled.py drives
 both with the same random operations and compares every proposal).
 
 Storage: one pool of states for all keys, each key an automaton under its own root:

@@ -1,5 +1,5 @@
 """The import graph of a package, read with `ast` (nothing is imported), and the boundary rules
-between its concerns. tests/test_import_boundaries.py runs it on megatron_specrl/ and on planted trees.
+between its concerns. tests/unit/test_repository.py runs it on megatron_specrl/ and on planted trees.
 
 Every import counts, including those inside functions: a late import is still a dependency, and
 the cycles issue #14 removed were both late imports.

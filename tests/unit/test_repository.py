@@ -1,7 +1,7 @@
 """The repository's own rules: no session numbers, test files in tiers, the unit tier's guard, and the
 import boundaries between concerns (issue #14).
 
-- Concerns keep their side of the line (tests/import_graph.py reads the imports with ast): the
+- Concerns keep their side of the line (tests/helpers/import_graph.py reads the imports with ast): the
   speculative core needs no engine, Ray or Megatron, engines never see learner code, the learner
   reaches neither an engine nor resync, and no import cycles; a planted tree proves the checker bites.
 - Engines stand alone: the SGLang and Ray engine modules import in a process where vLLM cannot

