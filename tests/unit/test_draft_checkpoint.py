@@ -1,12 +1,15 @@
-"""Draft trees travel with checkpoints: run_setup.save_draft_trees / restore_draft_trees.
+"""Draft trees travel with checkpoints: run.checkpointing.save_draft_trees / restore_draft_trees.
 """
 
 import pytest
 from megatron_specrl.rollout.draft_tree import DraftTrees
 from megatron_specrl.rollout.store import TrajectoryStore
-from megatron_specrl.run_setup import restore_draft_trees, save_draft_trees
+from megatron_specrl.engines.protocol import RoutesToEngines
+from megatron_specrl.run.checkpointing import restore_draft_trees, save_draft_trees
+from tests.helpers.capabilities import DraftsNothing
 
-class FakeEngine:
+
+class FakeEngine(DraftsNothing):
     """Holds trees the way the vLLM engine's proposer does, behind the same three calls."""
 
     def __init__(self, trees=None):
@@ -19,7 +22,7 @@ class FakeEngine:
         self.trees = DraftTrees.from_state_dict(state)
 
 
-class FakeRouter:
+class FakeRouter(DraftsNothing, RoutesToEngines):
     def __init__(self, engines):
         self.engines = engines
 
@@ -107,7 +110,7 @@ def _recover_once(run):
     """The step's rollout fails once (a dead engine) and with_engine_recovery collects it again:
     (the batches each attempt drew, the step's metrics)."""
     from megatron_specrl.engines.protocol import EngineError
-    from megatron_specrl.run_setup import with_engine_recovery
+    from megatron_specrl.run.recovery import with_engine_recovery
 
     calls = []
 

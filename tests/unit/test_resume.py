@@ -171,9 +171,9 @@ def _fake_run(tmp_path, step):
 
 @pytest.mark.parametrize("crash_in", ["store", "trees", "commit"])
 def test_a_checkpoint_killed_half_way_leaves_the_previous_one_as_latest(tmp_path, monkeypatch, crash_in):
-    from megatron_specrl import run_setup
+    from megatron_specrl.run import checkpointing
 
-    good = run_setup.save_run_checkpoint(_fake_run(tmp_path, 2))
+    good = checkpointing.save_run_checkpoint(_fake_run(tmp_path, 2))
     run = _fake_run(tmp_path, 4)
 
     def boom(*a, **k):
@@ -182,17 +182,17 @@ def test_a_checkpoint_killed_half_way_leaves_the_previous_one_as_latest(tmp_path
     if crash_in == "store":
         monkeypatch.setattr(run.store, "save", boom)
     elif crash_in == "trees":
-        monkeypatch.setattr(run_setup, "save_draft_trees", boom)
+        monkeypatch.setattr(checkpointing, "save_draft_trees", boom)
     else:
         monkeypatch.setattr(ckpt, "_fsync", boom)
     with pytest.raises(KeyboardInterrupt):
-        run_setup.save_run_checkpoint(run)
+        checkpointing.save_run_checkpoint(run)
     latest = ckpt.find_latest(tmp_path / "run" / "checkpoints")
     assert latest == good
     state = ckpt.load_state(latest)
     assert state["step"] == 2 and state["loader"] == _fake_run(tmp_path, 2).loader.state_dict()
     monkeypatch.undo()
-    done = run_setup.save_run_checkpoint(run)   # the next save clears the half-written one
+    done = checkpointing.save_run_checkpoint(run)   # the next save clears the half-written one
     assert ckpt.find_latest(tmp_path / "run" / "checkpoints") == done
     assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))
     assert TrajectoryStore.load(done).get("p", 0).logprobs == [-0.7, -0.2]
