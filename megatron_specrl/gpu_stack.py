@@ -15,6 +15,8 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+from megatron_specrl.errors import quote_exception
+
 # One pinned set (the vLLM image); SGLang has no pin there (docker/constraints-gpu.txt says why).
 CONSTRAINTS = Path(__file__).resolve().parent.parent / "docker" / "constraints-gpu.txt"
 
@@ -59,7 +61,7 @@ def check_stack(engine: str = "vllm", gpus: int = 0) -> tuple[list[str], list[st
         try:
             importlib.import_module(module)
         except Exception as e:  # an ImportError, or a broken extension raising anything
-            failures.append(f"{dist}: import {module} failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+            failures.append(f"{dist}: import {module} failed ({quote_exception(e)})")
             continue
         version = _installed_version(dist) or "?"
         report.append(f"{dist}=={version}")

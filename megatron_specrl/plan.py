@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_specrl.config import ConfigError, RunConfig, divisibility_failures
+from megatron_specrl.errors import quote_exception
 
 GB = 1024 ** 3
 FP32 = 4
@@ -111,7 +112,7 @@ def load_hf_config(model_path: str):
         return AutoConfig.from_pretrained(str(Path(model_path)), local_files_only=True)
     except Exception as e:  # transformers raises OSError / ValueError / KeyError for bad files
         raise PlanError([f"model.path={model_path!r}: config.json is not a readable HF config "
-                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"]) from None
+                         f"({quote_exception(e)})"]) from None
 
 
 TINY_VOCAB = 264   # models/tiny.py's tokenizer size

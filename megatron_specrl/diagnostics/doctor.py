@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from megatron_specrl.diagnostics.reference import complete_batch, hf_reference, loss_config, make_batch
+from megatron_specrl.errors import first_sentence
 from megatron_specrl.ports import free_port
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda", 0) if CUDA else torch.device("cpu")
@@ -259,7 +260,7 @@ def check_cuda_ipc(hf_dir):
             CudaIpcTransport().unpack(IpcPayload(p.metas_json, p.handles, "GPU-00000000-wrong"))
             out["wrong_gpu"] = "accepted"
         except ResyncTransportError as e:
-            out["wrong_gpu"] = str(e)[:160]
+            out["wrong_gpu"] = first_sentence(str(e), 160)   # megatron_specrl/errors.py: never mid-word
         t.release()
         # bandwidth: one 1 GiB bf16 bucket, mapped and copied by the receiver (vLLM's in-place load)
         big = torch.randn(512 * 1024 * 1024, device=DEV, dtype=torch.bfloat16)
