@@ -6,7 +6,7 @@ from megatron_specrl.engines.vllm_engine import llm_args
 import numpy as np
 import torch
 from megatron_specrl.engines.protocol import SamplingSettings  # noqa: E402
-from patches.vllm_0_32_0_batched_prompt_logprobs import (  # noqa: E402
+from megatron_specrl.patches.vllm_0_32_0_batched_prompt_logprobs import (  # noqa: E402
     UNCOMPUTED, VerifyColumns, replacement_uniforms, verify_rows,
 )
 

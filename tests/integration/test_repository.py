@@ -15,7 +15,7 @@ from tests.helpers.paths import REPO_ROOT as ROOT
 def test_no_pyflakes_errors():
     ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
     proc = subprocess.run([ruff, "check", "--select", "F", "--output-format", "concise",
-                           "megatron_specrl", "tools", "tests", "patches"], cwd=ROOT, capture_output=True, text=True)
+                           "megatron_specrl", "benchmarks", "tests", "patches"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

@@ -1,4 +1,4 @@
-"""The benchmark tools' arithmetic: tools/replay_drafts.py and tools/bench_own_draft.py,
+"""The benchmark tools' arithmetic: benchmarks/replay_drafts.py and benchmarks/bench_own_draft.py,
 
 The tests of this subject that start processes or engines; the rest are in tests/unit/benchmarks/test_tools.py.
 """
@@ -13,7 +13,6 @@ from tests.helpers.paths import REPO_ROOT
 
 
 from tests.helpers.benchmarks import _rows, _tool
-from tests.helpers.paths import REPO_ROOT as ROOT
 
 TOOLS = REPO_ROOT / "benchmarks"
 
@@ -116,9 +115,11 @@ def test_a_bad_shared_nodes_is_refused_before_any_work(tmp_path):
         assert out.returncode != 0 and f"--shared-nodes {bad!r}: expected non-negative integers" in out.stderr
 
 
-def test_gpu_check_runs_its_learner_checks_on_cpu(tmp_path):
+def test_doctor_runs_its_learner_checks_on_cpu(tmp_path):
+    """`megatron-specrl doctor` (once tools/gpu_check.py): on this CPU its learner checks run over gloo
+    and must pass; the CUDA-only ones are skipped."""
     out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--small", "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "megatron_specrl.cli", "doctor", "--small", "--out", str(out),
                            "--only", "learner_fp32,checkpoint,recompute,cuda_ipc"],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]

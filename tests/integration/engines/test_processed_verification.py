@@ -280,7 +280,7 @@ def test_refusals_and_unpatched_engine(engine):
         engine.score([ScoreRequest(PROMPT, [5])], SamplingSettings(temperature=0.0), 0)
     with pytest.raises(NotImplementedError, match="replacements"):
         engine.generate([GenerateRequest(PROMPT, 2, ban_first_token=5)], T07_P09, 0)
-    import patches.vllm_0_32_0_batched_prompt_logprobs as verify
+    import megatron_specrl.patches.vllm_0_32_0_batched_prompt_logprobs as verify
     verify.revert()
     try:
         with pytest.raises(NotImplementedError, match="vllm_0_32_0_batched_prompt_logprobs"):
@@ -294,7 +294,7 @@ def test_verification_columns_skip_vllms_per_position_conversion(engine):
     """Verification requests hand the worker's columns to `verify_columns` as arrays (VerifyColumns)
     instead of vLLM's per-position FlatLogprobs: same numbers bit for bit, for exact and coupled rows,
     drafts of every length in one batch; plain prompt-log-prob requests still get vLLM's container."""
-    import patches.vllm_0_32_0_batched_prompt_logprobs as verify
+    import megatron_specrl.patches.vllm_0_32_0_batched_prompt_logprobs as verify
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -325,7 +325,7 @@ def test_verification_reads_the_shared_prompt_from_the_prefix_cache(engine):
     of re-prefilling it, never a block that holds continuation tokens (two samples below share
     their whole draft, and its first rows sit in the block that also ends the prompt), and the
     results equal those of verifications that read nothing from the cache."""
-    import patches.vllm_0_32_0_batched_prompt_logprobs as verify
+    import megatron_specrl.patches.vllm_0_32_0_batched_prompt_logprobs as verify
     rng = random.Random(11)
     prompt = [rng.randrange(3, 263) for _ in range(70)]           # 2 full 32-token CPU blocks + 6
     shared = [rng.randrange(3, 263) for _ in range(40)]

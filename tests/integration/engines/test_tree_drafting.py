@@ -122,7 +122,7 @@ def test_the_comparison_sees_vllm_cpu_expand_bug(engine, monkeypatch):
     """Without patches/vllm_0_32_0_cpu_spec_decode.py drafted tokens are verified under garbage
     temperatures: the same comparison must catch it (on the second token, the first one drafted;
     no top-k here, since a garbage k makes vLLM raise instead)."""
-    from patches import vllm_0_32_0_cpu_spec_decode as fix
+    from megatron_specrl.patches import vllm_0_32_0_cpu_spec_decode as fix
     from vllm.v1.sample import rejection_sampler
     assert fix.is_applied()
     sampling = SamplingSettings(temperature=0.7)
@@ -141,7 +141,7 @@ def test_the_comparison_sees_vllm_cpu_expand_bug(engine, monkeypatch):
 
 def test_expand_fix_matches_vllms_contract():
     import torch
-    from patches.vllm_0_32_0_cpu_spec_decode import expand_batch_to_tokens
+    from megatron_specrl.patches.vllm_0_32_0_cpu_spec_decode import expand_batch_to_tokens
     out = expand_batch_to_tokens(torch.tensor([0.5, -1.0, 2.0]), torch.tensor([2, 5, 6]), 6,
                                  replace_from=-1, replace_to=1)
     assert out.tolist() == [0.5, 0.5, 1.0, 1.0, 1.0, 2.0]

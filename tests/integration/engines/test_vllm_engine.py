@@ -133,7 +133,7 @@ def test_batched_prompt_logprobs_patch_matches_vllm_loop(engine):
     are exactly what vLLM's per-request loop returns, for a mixed batch (lengths, top-k counts) in one
     step, also with verification requests in the same step; at temperature 1 the verification's
     tempered log-probs equal vLLM's own prompt log-probs."""
-    import patches.vllm_0_32_0_batched_prompt_logprobs as batched
+    import megatron_specrl.patches.vllm_0_32_0_batched_prompt_logprobs as batched
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -173,7 +173,7 @@ def test_batched_prompt_logprobs_patch_matches_vllm_loop(engine):
 def test_batched_prompt_logprobs_patch_is_version_pinned(monkeypatch):
     import vllm
 
-    import patches.vllm_0_32_0_batched_prompt_logprobs as batched
+    import megatron_specrl.patches.vllm_0_32_0_batched_prompt_logprobs as batched
     batched.revert()
     monkeypatch.setattr(vllm, "__version__", "0.99.0")
     try:

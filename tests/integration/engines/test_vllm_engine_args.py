@@ -30,7 +30,7 @@ def test_a_gpu_engine_builds_vllm_with_cuda_graphs_and_unseeded_requests(monkeyp
     every step); on CPU, eager and seeded (resume replays the same samples). Asked-for values win."""
     import vllm
 
-    from patches.vllm_engine_patches import ENV
+    from megatron_specrl.patches.vllm_engine_patches import ENV
     from megatron_specrl.engines.protocol import GenerateRequest, SamplingSettings
     from megatron_specrl.engines.vllm_engine import VLLMEngine
 

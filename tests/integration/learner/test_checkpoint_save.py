@@ -18,8 +18,8 @@ def _save_load_child(rank, port, out, use_queue):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
 
-    import patches
-    from patches.megatron_core_0_16_1_sync_save import in_process_results_queue
+    from megatron_specrl import patches
+    from megatron_specrl.patches.megatron_core_0_16_1_sync_save import in_process_results_queue
 
     def no_manager(self, *a, **k):
         raise RuntimeError("a multiprocessing Manager was started")

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-import patches.vllm_0_32_0_batched_prompt_logprobs as P  # noqa: E402
+import megatron_specrl.patches.vllm_0_32_0_batched_prompt_logprobs as P  # noqa: E402
 
 
 VOCAB = 50

@@ -19,7 +19,7 @@ SMALL = 7
 def _fake_runner(settings: dict[str, tuple[int, int, list[int]]]):
     from vllm import SamplingParams
 
-    from patches.vllm_0_32_0_coupled_sampling import COUPLED_KEY, RESPONSE_START
+    from megatron_specrl.patches.vllm_0_32_0_coupled_sampling import COUPLED_KEY, RESPONSE_START
     reqs = {rid: SimpleNamespace(prompt_token_ids=prompt,
                                  sampling_params=SamplingParams(temperature=1.0,
                                                                 extra_args={COUPLED_KEY: seed, RESPONSE_START: start}))
@@ -28,7 +28,7 @@ def _fake_runner(settings: dict[str, tuple[int, int, list[int]]]):
 
 
 def test_decode_patch_reads_a_64_bit_seed():
-    from patches.vllm_0_32_0_coupled_sampling import _coupled_requests
+    from megatron_specrl.patches.vllm_0_32_0_coupled_sampling import _coupled_requests
     rows, seeds, starts, _ = _coupled_requests(_fake_runner({"a": (BIG, 3, [1, 2, 3]), "b": (SMALL, 2, [1, 2])}))
     assert rows.tolist() == [0, 1] and starts.tolist() == [3, 2]
     # the same noise as the uint64 reference for that seed
@@ -43,7 +43,7 @@ def test_verification_patch_keeps_every_seed_of_a_batch():
     from vllm import SamplingParams
     from vllm.v1.outputs import LogprobsTensors
 
-    from patches import vllm_0_32_0_batched_prompt_logprobs as bp
+    from megatron_specrl.patches import vllm_0_32_0_batched_prompt_logprobs as bp
     vocab, n = 64, 40
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2 * n, vocab, generator=g)

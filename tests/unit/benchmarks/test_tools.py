@@ -1,19 +1,19 @@
-"""The benchmark tools' arithmetic: tools/replay_drafts.py and tools/bench_own_draft.py,
+"""The benchmark tools' arithmetic: benchmarks/replay_drafts.py and benchmarks/bench_own_draft.py,
 fed synthetic rollouts and counters (no engine).
 
 Edge cases of the benchmark tools (reviews): replay_drafts' arguments past what the dumps hold,
 bench-rollout's plot over every seed, bench_resync's model cache after an interrupted build.
 No engine, no Megatron: synthetic dumps, fake per-epoch rows, a fake checkpoint writer.
 
-tools/draft_bound.py: decode steps with the policy's own argmax continuation as the draft.
+benchmarks/draft_bound.py: decode steps with the policy's own argmax continuation as the draft.
 
-tools/replay_drafts.py: the engine's decode loop replayed through a TreeDrafter on known tokens.
+benchmarks/replay_drafts.py: the engine's decode loop replayed through a TreeDrafter on known tokens.
 
-The measurement code: bench-rollout's summary and driver, tools/replay_drafts.py's
+The measurement code: bench-rollout's summary and driver, benchmarks/replay_drafts.py's
 decode-loop pricing, and the decode-step cost fit, fed synthetic per-epoch records and rollouts (no engine,
 no training).
 
-tools/gpu_check.py, the script a GPU lease runs, stays runnable: on this CPU its learner checks run
+`megatron-specrl doctor` (diagnostics/doctor.py), what a GPU lease runs, stays runnable: on this CPU its learner checks run
 over gloo and must pass (the same checks found two GPU bugs on an H200 on 2026-11-28).
 """
 
@@ -36,7 +36,7 @@ from tests.helpers.benchmarks import _tool, _rows  # noqa: F401
 
 
 
-# ---- The benchmark tools' arithmetic: tools/replay_drafts.py and tools/bench_own_draft.py,
+# ---- The benchmark tools' arithmetic: benchmarks/replay_drafts.py and benchmarks/bench_own_draft.py,
 
 
 
@@ -99,7 +99,7 @@ def test_bench_own_draft_counts_the_plain_arms_engine_steps():
 
 
 
-# -- tools/replay_drafts.py ------------------------------------------------------------------------
+# -- benchmarks/replay_drafts.py ------------------------------------------------------------------------
 
 
 
@@ -153,7 +153,7 @@ def test_bench_rollout_plot_draws_every_seed(tmp_path):
         [("off", [701, 702, 703]), ("tree", [711, 712, 713])]
 
 
-# -- tools/bench_resync.py: the cached model -------------------------------------------------------
+# -- bench-resync (diagnostics/bench_resync.py): the cached model -------------------------------------------------------
 
 def test_bench_resync_never_reuses_a_half_written_model(tmp_path, monkeypatch):
     """The model was written straight into its cache directory, and a directory with config.json and
@@ -186,7 +186,7 @@ def test_bench_resync_never_reuses_a_half_written_model(tmp_path, monkeypatch):
             return FakeModel()
 
     monkeypatch.setattr(transformers, "AutoModelForCausalLM", FakeAuto)
-    bench_resync = _tool("bench_resync")
+    from megatron_specrl.diagnostics import bench_resync
     with pytest.raises(KeyboardInterrupt):
         bench_resync.build_bench_model(128, 1, 256, 300)
     out = bench_resync.build_bench_model(128, 1, 256, 300)
@@ -197,7 +197,7 @@ def test_bench_resync_never_reuses_a_half_written_model(tmp_path, monkeypatch):
     assert bench_resync.build_bench_model(128, 1, 256, 300) == out and len(calls) == 2
 
 
-# ---- tools/draft_bound.py: decode steps with the policy's own argmax continuation as the draft.
+# ---- benchmarks/draft_bound.py: decode steps with the policy's own argmax continuation as the draft.
 
 draft_bound = _tool("draft_bound")
 replay_drafts = _tool("replay_drafts")
@@ -296,7 +296,7 @@ def test_a_draft_model_with_another_vocabulary_is_one_line(tiny_llama, tmp_path)
         draft_bound.main(["--model", str(tiny_llama), "--draft-model", str(tmp_path)])
 
 
-# ---- tools/replay_drafts.py: the engine's decode loop replayed through a TreeDrafter on known tokens.
+# ---- benchmarks/replay_drafts.py: the engine's decode loop replayed through a TreeDrafter on known tokens.
 
 spec = importlib.util.spec_from_file_location("replay_drafts", REPO_ROOT / "benchmarks" / "replay_drafts.py")
 replay_tool = importlib.util.module_from_spec(spec)
@@ -395,7 +395,7 @@ def test_plain_decoding_of_the_same_responses_is_priced_a_step_a_token():
     assert replay_tool.loop_ms([out[2]], (2.0, 0.5, 0.0)) < replay_tool.plain_loop_ms([out[2]], (2.0, 0.5, 0.0))
 
 
-# ---- The measurement code: bench-rollout's summary and driver, tools/replay_drafts.py's
+# ---- The measurement code: bench-rollout's summary and driver, benchmarks/replay_drafts.py's
 
 def _epoch(epoch, **kw):
     e = {"epoch": epoch, "rollouts": 2, "rollout_s": 1.0, "verify_s": 0.0, "generate_s": 0.8, "loop_s": 0.6,
@@ -520,7 +520,7 @@ def test_bench_main_announces_each_run_and_writes_what_it_prints(monkeypatch, tm
     assert data["spread"]["speedup_tree"]["min"] == pytest.approx(1 / 0.6)
 
 
-# ---- tools/gpu_check.py, the script a GPU lease runs, stays runnable: on this CPU its learner checks run
+# ---- `megatron-specrl doctor` (diagnostics/doctor.py), what a GPU lease runs, stays runnable: on this CPU its learner checks run
 
 ROOT = REPO_ROOT
 
@@ -528,7 +528,7 @@ ROOT = REPO_ROOT
 
 
 def test_bench_verify_cost_runs_and_restores_the_cache():
-    """tools/bench_verify_cost.py (prepared for a GPU lease): a forward over q new tokens per sequence
+    """benchmarks/bench_verify_cost.py (prepared for a GPU lease): a forward over q new tokens per sequence
     on a filled KV cache, cropped back each time (the tool asserts the cache length), on the tiny shape."""
     mod = _tool("bench_verify_cost")
     dev = torch.device("cpu")
@@ -546,7 +546,7 @@ def test_plan_matches_the_recorded_h200_peaks(tmp_path):
     TransformerEngine there). With full recompute the peak is the optimizer step's: torch's foreach AdamW
     holds an fp32 sqrt of every second moment, which the plan missed (10% low) until it counted it."""
     from transformers import LlamaConfig
-    mod = _tool("gpu_check")
+    from megatron_specrl.diagnostics import doctor as mod
     rec = json.loads((ROOT / "docs" / "benchmarks" / "2026-11-28-h200-throughput.json").read_text())["throughput"]
     sh = rec["shape"]
     LlamaConfig(hidden_size=sh["hidden"], num_hidden_layers=sh["layers"], num_attention_heads=sh["heads"],
@@ -584,7 +584,7 @@ def test_adam_kind_follows_the_optimizer_the_learner_builds():
 
 def test_bench_verify_cost_fits_the_step_cost_replay_drafts_takes():
     """The GPU tool's fit over its (batch, q) grid recovers a known linear step cost, in the units
-    tools/replay_drafts.py --step-cost takes (ms a step, a request, a draft token)."""
+    benchmarks/replay_drafts.py --step-cost takes (ms a step, a request, a draft token)."""
     import pytest
     mod = _tool("bench_verify_cost")
     a, b, c = 6.0, 0.02, 0.003

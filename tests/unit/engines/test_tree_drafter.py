@@ -897,8 +897,8 @@ def test_ray_engine_forwards_the_call_to_its_actor():
 def test_sglang_engine_inserts_through_its_tree_rpc(fake_sglang, monkeypatch, tmp_path):
     from megatron_specrl.engines import sglang_engine as se
     from megatron_specrl.engines.protocol import DraftResponse
-    from patches import sglang_0_5_23_tree_proposer as patch
-    from patches import sglang_engine_patches
+    from megatron_specrl.patches import sglang_0_5_23_tree_proposer as patch
+    from megatron_specrl.patches import sglang_engine_patches
     monkeypatch.setenv(patch.SETTINGS_ENV, "")     # restored after the test: the engine sets both
     monkeypatch.setenv(sglang_engine_patches.ENV, "0")
     scheduler = fake_sglang.Scheduler()

@@ -8,7 +8,7 @@ import queue
 def test_the_queue_is_seeded_for_the_save_only_and_megatrons_own_is_kept():
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
 
-    from patches.megatron_core_0_16_1_sync_save import in_process_results_queue
+    from megatron_specrl.patches.megatron_core_0_16_1_sync_save import in_process_results_queue
     assert fa._results_queue is None
     with in_process_results_queue():
         q = fa._get_write_results_queue()

@@ -22,7 +22,7 @@ import pytest
 import torch
 from vllm.logprobs import FlatLogprobs
 from megatron_specrl.engines.vllm_engine import verify_columns
-from patches.vllm_0_32_0_batched_prompt_logprobs import UNCOMPUTED, VERIFY_COLUMNS, VerifyColumns
+from megatron_specrl.patches.vllm_0_32_0_batched_prompt_logprobs import UNCOMPUTED, VERIFY_COLUMNS, VerifyColumns
 
 
 
@@ -30,7 +30,7 @@ from patches.vllm_0_32_0_batched_prompt_logprobs import UNCOMPUTED, VERIFY_COLUM
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-import patches.vllm_0_32_0_batched_prompt_logprobs as P  # noqa: E402
+import megatron_specrl.patches.vllm_0_32_0_batched_prompt_logprobs as P  # noqa: E402
 
 QWEN_VOCAB = 151936
 GIB = 1 << 30
@@ -184,7 +184,7 @@ class _Manager:
 
 def test_verification_cache_reads_stop_before_the_continuation():
 
-    from patches.vllm_0_32_0_batched_prompt_logprobs import VERIFY_KEY, _make_cache_cap
+    from megatron_specrl.patches.vllm_0_32_0_batched_prompt_logprobs import VERIFY_KEY, _make_cache_cap
 
     capped = _make_cache_cap({"get_computed_blocks": _Manager.get_computed_blocks})["get_computed_blocks"]
     manager = _Manager()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import types
 import pytest
 import torch
-import patches
+from megatron_specrl import patches
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the shims are CPU-only")
 
@@ -85,7 +85,7 @@ def test_torch_adam_step_is_held_out_of_the_loader_copy_on_any_device(monkeypatc
     KeyError('step') on an H200: the fix lived in the CPU shim, which GPUs never enter. The loader's
     copy skips a "step" missing from the source and keeps the state's own, with CUDA reported present."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    from patches.megatron_core_0_16_1_torch_adam_load import torch_adam_step_held_out
+    from megatron_specrl.patches.megatron_core_0_16_1_torch_adam_load import torch_adam_step_held_out
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)     # what a GPU learner sees
     main = torch.zeros(4)
     fake = types.SimpleNamespace(

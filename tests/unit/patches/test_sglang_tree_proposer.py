@@ -93,8 +93,8 @@ import torch
 from megatron_specrl.engines import sglang_engine as se
 from megatron_specrl.engines.protocol import GenerateRequest, SamplingSettings
 from megatron_specrl.engines.tree_drafter import DRAFT_KEY, OWN_DRAFT, RESPONSE_START, settings_env
-from patches import sglang_0_5_23_tree_proposer as patch
-from patches import sglang_engine_patches
+from megatron_specrl.patches import sglang_0_5_23_tree_proposer as patch
+from megatron_specrl.patches import sglang_engine_patches
 from megatron_specrl.engines.tree_drafter import SHARED_KEY
 from tests.helpers.paths import REPO_ROOT
 
@@ -384,7 +384,7 @@ def test_patch_is_pinned_gated_and_reversible(fake_sglang, monkeypatch):
 
 def test_plugin_entry_point_is_declared():
     text = (REPO_ROOT / "setup.py").read_text()
-    assert f'"{se.PLUGIN_GROUP}": ["{se.PLUGIN_NAME}=patches.sglang_engine_patches:plugin"]' in text
+    assert f'"{se.PLUGIN_GROUP}": ["{se.PLUGIN_NAME}=megatron_specrl.patches.sglang_engine_patches:plugin"]' in text
 
 
 # -- the engine side ------------------------------------------------------------------------------

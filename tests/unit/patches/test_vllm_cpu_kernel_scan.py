@@ -13,7 +13,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # the engine in t
 
 pytest.importorskip("vllm")
 
-from patches import vllm_0_32_0_cpu_kernel_scan as fix  # noqa: E402
+from megatron_specrl.patches import vllm_0_32_0_cpu_kernel_scan as fix  # noqa: E402
 
 
 class Proxy:
