@@ -5,7 +5,7 @@ overrides the calls it implements."""
 
 from __future__ import annotations
 
-from megatron_specrl.engines.protocol import DraftsFromTrees, EngineCapabilities
+from megatron_specrl.engines.protocol import DraftsFromTrees, EngineCapabilities, RoutesToEngines
 
 
 class DraftsNothing(EngineCapabilities, DraftsFromTrees):
@@ -20,3 +20,10 @@ class DraftsNothing(EngineCapabilities, DraftsFromTrees):
 
     def add_to_draft_trees(self, responses) -> None:
         pass
+
+
+class Routes(RoutesToEngines):
+    """A router that is only its engines (what engines_of / the recovery code see of one)."""
+
+    def __init__(self, engines):
+        self.engines = list(engines)

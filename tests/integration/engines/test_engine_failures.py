@@ -30,6 +30,7 @@ from megatron_specrl.engines.protocol import (
 from types import SimpleNamespace
 from megatron_specrl.resync.group import ResyncTransportError
 from megatron_specrl.run_setup import resync_with_recovery, with_engine_recovery
+from tests.helpers.capabilities import DraftsNothing, Routes
 
 
 
@@ -169,7 +170,7 @@ def test_a_routed_rollouts_decode_steps_are_the_longest_engines():
     add up over engines."""
     from megatron_specrl.rollout.speculative import tree_metrics
 
-    class DraftingEngine(FakeEngine):
+    class DraftingEngine(FakeEngine, DraftsNothing):
         def __init__(self, name, steps):
             super().__init__(name)
             self.steps = steps
@@ -383,7 +384,7 @@ def test_recovery_restarts_every_engine_and_pushes_the_current_weights_before_th
     run = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(draft="none")), version=3, out=tmp_path,
                           loader=PromptLoader([PromptRecord(id=f"p{i}", prompt="x", answer="y") for i in range(4)],
                                               batch_size=2, seed=0),
-                          store=store, engine=SimpleNamespace(engines=[Restartable("e0"), Restartable("e1")]),
+                          store=store, engine=Routes([Restartable("e0"), Restartable("e1")]),
                           resync=lambda: events.append(("resync", run.version)))
 
     def collect():
@@ -481,8 +482,7 @@ def _run(tmp_path, events, resync, version=5):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     (tmp_path / "checkpoints" / "step_000001").mkdir(parents=True)
     return SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(draft="none")), version=version,
-                           out=tmp_path, engine=SimpleNamespace(engines=[Engine("vllm-0", events),
-                                                                         Engine("vllm-1", events)]),
+                           out=tmp_path, engine=Routes([Engine("vllm-0", events), Engine("vllm-1", events)]),
                            resync=resync, loader=SimpleNamespace(state_dict=lambda: {}, load_state_dict=lambda s: None),
                            store=SimpleNamespace(begin_step=lambda: None, undo_step=lambda: None))
 

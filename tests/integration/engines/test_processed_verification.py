@@ -21,7 +21,7 @@ import torch
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from megatron_specrl.engines.protocol import (  # noqa: E402
-    GenerateRequest, SamplingSettings, ScoreRequest,
+    EngineCapabilities, GenerateRequest, SamplingSettings, ScoreRequest,
 )
 from megatron_specrl.rollout.speculative import SpeculativeRollout  # noqa: E402
 from megatron_specrl.rollout.store import Trajectory, TrajectoryStore  # noqa: E402
@@ -225,7 +225,7 @@ def test_exact_rollouts_sample_the_processed_distribution(engine, hf, L, n):
     assert pvalue > 1e-3, f"exact rollouts differ from the processed new distribution (p={pvalue:.2e})"
 
 
-class _Unexcluded:
+class _Unexcluded(EngineCapabilities):
     """The bug to catch: at a rejection, resample position n from the full processed distribution
     (y_n not excluded): score() without replacements makes the rollout extend from y[:n], and the
     extension drops the ban."""

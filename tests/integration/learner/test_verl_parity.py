@@ -60,8 +60,9 @@ def test_critic_lr_warmup_steps_is_its_own_key_default_off():
 
 
 def _settings_per_role(cfg) -> dict[str, LearnerConfig]:
-    """What run_setup.build_run hands each learner group (actors.build_actors with fake groups / engine)."""
-    from megatron_specrl import actors, run_setup
+    """What run.build.build_run hands each learner group (actors.build_actors with fake groups / engine)."""
+    from megatron_specrl import actors
+    from megatron_specrl.run import build as run_build
     from megatron_specrl.engines import factory
 
     captured_kwargs = {}
@@ -74,12 +75,12 @@ def _settings_per_role(cfg) -> dict[str, LearnerConfig]:
         raise Stop
 
     with mock.patch.object(actors, "init_ray"), mock.patch.object(actors, "build_actors", capture), \
-            mock.patch.object(run_setup, "cluster_gpus", lambda: []), \
-            mock.patch.object(run_setup, "plan_placement", lambda cfg, gpus: mock.Mock(
+            mock.patch.object(run_build, "cluster_gpus", lambda: []), \
+            mock.patch.object(run_build, "plan_placement", lambda cfg, gpus: mock.Mock(
                 learner_gpus_per_rank=0.0, gpus_per_engine=None)), \
-            mock.patch.object(run_setup, "resolve_transport", lambda *a: "ray"):
+            mock.patch.object(run_build, "resolve_transport", lambda *a: "ray"):
         with pytest.raises(Stop):
-            run_setup.build_run(cfg)
+            run_build.build_run(cfg)
     args = captured_kwargs.pop("_args")
 
     seen = {}
@@ -424,10 +425,10 @@ def _bare_worker():
 
 @pytest.mark.parametrize("available", [True, False])
 def test_checkpoint_rng_state_holds_cuda_generators_when_cuda_is_available(monkeypatch, available):
-    from megatron_specrl.learner import worker
+    from megatron_specrl.learner import checkpoint_io
     fake = FakeCuda(2, available=available, base=5)
-    real = worker.cuda_rng_states
-    monkeypatch.setattr(worker, "cuda_rng_states", lambda: real(fake))
+    real = checkpoint_io.cuda_rng_states
+    monkeypatch.setattr(checkpoint_io, "cuda_rng_states", lambda: real(fake))
     rng = _bare_worker()._with_rng({})["rng"].data
     assert set(rng) == ({"cpu", "tracker", "cuda"} if available else {"cpu", "tracker"})   # CPU: as before
     if available:
@@ -436,13 +437,13 @@ def test_checkpoint_rng_state_holds_cuda_generators_when_cuda_is_available(monke
 
 def _rng_round_trip_child(rank, hf_dir, ports, out):
     """save_checkpoint / load_checkpoint with a fake torch.cuda in the worker's RNG helpers."""
-    from megatron_specrl.learner import worker
-    real_get, real_restore = worker.cuda_rng_states, worker.restore_cuda_rng_states
+    from megatron_specrl.learner import checkpoint_io, worker
+    real_get, real_restore = checkpoint_io.cuda_rng_states, checkpoint_io.restore_cuda_rng_states
     res = {}
     for tag, save_with_cuda in (("new", True), ("old", False)):
         fake = FakeCuda(1, available=save_with_cuda, base=40)
-        worker.cuda_rng_states = lambda: real_get(fake)
-        worker.restore_cuda_rng_states = lambda saved: real_restore(saved, fake)
+        checkpoint_io.cuda_rng_states = lambda: real_get(fake)
+        checkpoint_io.restore_cuda_rng_states = lambda saved: real_restore(saved, fake)
         w = worker.LearnerWorker(0, 1, "127.0.0.1", ports[tag], LearnerConfig(micro_batch_size=2), seed=1)
         w.load_hf(hf_dir)
         ckpt = f"{out}.{tag}"

@@ -10,6 +10,7 @@ import time
 from types import SimpleNamespace
 import pytest
 import torch
+from megatron_specrl.engines.protocol import InActor
 from megatron_specrl.resync.buckets import Bucket
 from megatron_specrl.resync.group import ResyncTransportError
 from tests.helpers.ray_session import ray_session_for  # noqa: F401
@@ -68,8 +69,8 @@ class _EngineActor:
         return self.engine.loaded
 
 
-class _RayEngine:
-    """The part of engines.ray_engine.RayEngine that the routes use."""
+class _RayEngine(InActor):
+    """The part of engines.ray_engine.RayEngine that the routes use (an engine in an actor: InActor)."""
 
     timeout_s = 30.0
 
@@ -82,6 +83,12 @@ class _RayEngine:
 
     def wait(self, ref, what, expected_version=None, deadline=None):
         return self.ray.get(ref, timeout=self.timeout_s if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def submit(self, method, *args):
+        raise AssertionError("the routes start the actor's own methods (submit_actor), not engine calls")
+
+    def restart(self):
+        raise AssertionError("the routes never restart an engine")
 
 
 def _learner(ray, ranks: list[_LearnerRank]):

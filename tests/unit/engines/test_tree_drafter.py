@@ -51,6 +51,7 @@ from megatron_specrl.engines import tree_proposer as tp
 from megatron_specrl.bench_rollout import per_epoch, summarize
 from megatron_specrl.rollout.dynamic import _merge
 from megatron_specrl.rollout.speculative import tree_metrics
+from tests.helpers.capabilities import DraftsNothing
 import os
 from collections import Counter
 from tests.helpers.proposer import Batch, EOS, _proposer  # noqa: F401
@@ -573,7 +574,7 @@ def test_proposer_reads_the_scheduled_drafts_from_the_input_batch(monkeypatch):
 
 # ---- Steps a request ran against the batch's steps: the tail that sets a drafted rollout's time.
 
-class _Engine:
+class _Engine(DraftsNothing):
     def __init__(self, stats):
         self.stats = stats
 
@@ -699,7 +700,7 @@ _PREFILL_PROMPTS = [("p", [5, 6]), ("q", [7])]
 N = 5
 
 
-class TreeEngine:
+class TreeEngine(DraftsNothing):
     """A deterministic policy (every sample's response is CASES' third entry) behind the protocol,
     drafting as the engines do: each generate request feeds the real TreeDrafter as a request that
     starts (its prompt's response part, an extension's prefix, enters the trees) and then gains its
@@ -846,7 +847,7 @@ def test_rollout_without_tree_engine_method_still_runs():
 
 
 # -- the engines' API: router, Ray wrapper, SGLang ----------------------------------------------------
-class Recorder:
+class Recorder(DraftsNothing):
     def __init__(self, name):
         self.name, self.calls, self.generated = name, [], []
 
@@ -878,6 +879,7 @@ def test_ray_engine_forwards_the_call_to_its_actor():
     from megatron_specrl.engines.ray_engine import EngineActor, RayEngine
     eng = RayEngine.__new__(RayEngine)
     eng.name, eng.timeout_s, sent = "ray-0", 5.0, []
+    eng.engine_cls = Recorder                              # an engine class that drafts from trees
     eng.submit = lambda method, *args: sent.append((method, args)) or len(sent)
     eng._get = lambda ref, timeout, what: None
     responses = [DraftResponse("p", [3, 4])]

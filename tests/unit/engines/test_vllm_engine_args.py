@@ -130,7 +130,7 @@ def test_sglang_gets_the_keys_in_its_own_names():
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from megatron_specrl.engines.protocol import GenerateResult  # noqa: E402
+from megatron_specrl.engines.protocol import EngineCapabilities, GenerateResult  # noqa: E402
 from megatron_specrl.engines.vllm_engine import verify_columns  # noqa: E402
 from megatron_specrl.rollout.speculative import SpeculativeRollout  # noqa: E402
 from megatron_specrl.rollout.store import Trajectory, TrajectoryStore  # noqa: E402
@@ -144,7 +144,7 @@ from megatron_specrl.rollout.store import Trajectory, TrajectoryStore  # noqa: E
 from tests.helpers.vllm_rows import EOS, S, _args, _columns, _logits  # noqa: F401
 
 
-class _Engine:
+class _Engine(EngineCapabilities):
     """score() through the patch's math and verify_columns: row 0 keeps the draft token, row 1 is
     non-finite; generate() a fixed finite continuation."""
 
