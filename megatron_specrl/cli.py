@@ -35,7 +35,9 @@ def cmd_train(args) -> int:
     from megatron_specrl.resolve import resolve
     resolved = resolve(cfg, log_choices=False)   # train() logs them; reward.name is checked here
     from megatron_specrl.plan import build_plan, print_plan
-    plan = build_plan(cfg)    # layout, model, data and memory, before anything is written
+    # layout, model, data and memory, before anything is written; a run loads model.path now, so a
+    # shape-only config (examples/models/) passes the dry-run only
+    plan = build_plan(cfg, loads_model=not args.dry_run)
     if args.dry_run:   # the engine and trainer.resume (read only), as the run checks them first (run.build.build_run)
         from megatron_specrl.run.build import check_engine_installed
         from megatron_specrl.run.checkpointing import find_resume

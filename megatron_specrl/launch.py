@@ -196,7 +196,9 @@ def launch_main(argv: list[str]) -> int:
     if args.gpus_per_node is not None:
         overrides.append(f"cluster.gpus_per_node={args.gpus_per_node}")
     cfg = load_config(recipe, overrides)
-    plan = build_plan(cfg)                 # raises PlanError before anything is written
+    # raises PlanError before anything is written; a submitted job loads model.path as it is, a rendered
+    # script may yet get the checkpoint's (SPECRL_MODEL at sbatch time), so only --submit refuses a shape-only one
+    plan = build_plan(cfg, loads_model=args.submit)
     out = Path(args.out or Path(cfg.output_dir) / "launch.sbatch")
     out.parent.mkdir(parents=True, exist_ok=True)
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)    # #SBATCH --output's directory: Slurm creates none

@@ -498,10 +498,9 @@ def _memory(cfg: RunConfig, lm: LearnerMemory, em: EngineMemory) -> list[str]:
     return out
 
 
-def _data(cfg: RunConfig) -> list[str]:
+def _data(cfg: RunConfig, tokenizer) -> list[str]:
     from megatron_specrl.data.datasets import DatasetError, load_records, render_all
     d, out = cfg.data, []
-    tokenizer = _tokenizer_of(cfg.model.path)
     for key, split in (("data.source", "train"), ("data.eval_source", "eval")):
         value = getattr(d, key.split(".")[1])
         if value is None or value == "synthetic":
@@ -519,17 +518,45 @@ def _data(cfg: RunConfig) -> list[str]:
     return out
 
 
-def _tokenizer_of(model_path: str):
-    """The model directory's tokenizer, or None where it has none (a shape-only config, or a tiny model
-    built when the run starts): prompt lengths are then checked when the run starts."""
-    path = Path(model_path)
-    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
-        return None
-    from transformers import AutoTokenizer
+WEIGHT_FILES = ("*.safetensors", "*.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def is_shape_only(model_path: str) -> bool:
+    """A config.json without weights beside it (none of WEIGHT_FILES): the shapes in examples/models/,
+    which the cluster recipes' plan checks read offline until the run is given the checkpoint. A tiny
+    model (built when the run starts) is not one."""
+    from megatron_specrl.models.resolve import TINY
+    return model_path not in TINY and not any(any(Path(model_path).glob(p)) for p in WEIGHT_FILES)
+
+
+def _model_files(cfg: RunConfig, loads_model: bool):
+    """(tokenizer or None, failures) of model.path. A real checkpoint (weights present) is resolved and
+    its tokenizer loaded as the run does (models/resolve.resolve_model, run/build.load_tokenizer); a
+    shape-only config has neither, and is refused where `loads_model` (the run loads this very path)."""
+    from megatron_specrl.models.resolve import TINY, read_hf_config, resolve_model
+    path = cfg.model.path
+    if path in TINY:
+        return None, []   # built, with its tokenizer, when the run starts
+    if is_shape_only(path):
+        return None, [f"model.path={path!r}: no weights beside config.json (*.safetensors): a shape-only config, "
+                      "which the run cannot load; pass the checkpoint's directory"] if loads_model else []
     try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError):
-        return None
+        resolve_model(cfg.model)      # a local directory: checks only (config.json, *.safetensors)
+    except ConfigError as e:
+        return None, [str(e)]
+    model_dir = Path(path)
+    if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
+        return None, [f"model.path={path!r}: no tokenizer.json or tokenizer_config.json beside config.json (the run "
+                      "loads its tokenizer from there)"]
+    from megatron_specrl.run.build import load_tokenizer
+    try:
+        return load_tokenizer(path, model_dir, read_hf_config(model_dir)), []
+    except ConfigError as e:   # quoted again, whole: load_tokenizer's message cuts transformers' at 300 characters
+        cause = e.__context__
+        if cause is None or isinstance(cause, ConfigError):
+            return None, [str(e)]
+        return None, [f"model.path={path!r}: cannot load its tokenizer ({quote_exception(cause)})"]
 
 
 # --------------------------------------------------------------------------- the plan
@@ -542,6 +569,7 @@ class Plan:
     learner: LearnerMemory
     engine: EngineMemory
     failures: list[str] = field(default_factory=list)
+    shape_only: bool = False      # model.path holds config.json only (is_shape_only)
 
     def rows(self) -> list[tuple[str, str]]:
         cfg, s, c, le, r = self.cfg, self.shape, self.cfg.cluster, self.cfg.learner, self.cfg.rollout
@@ -552,7 +580,9 @@ class Plan:
         gb = lambda b: f"{b / GB:.1f} GB" if b >= GB / 10 else f"{b / 2**20:.2f} MiB"
         return [
             ("model", f"{cfg.model.path} ({s.model_type}: {s.layers} layers, hidden {s.hidden}, heads {s.heads}/"
-                      f"{s.kv_heads} kv, ffn {s.ffn}, {full_parameters(s):,} params)"),
+                      f"{s.kv_heads} kv, ffn {s.ffn}, {full_parameters(s):,} params)"
+                      + ("; shape only (no weights beside config.json): the run needs the checkpoint's path, whose "
+                         "tokenizer and prompt lengths it checks when it starts" if self.shape_only else "")),
             ("vocab", f"{s.vocab} -> {self.padded_vocab} padded (multiple of 128 x tp)"),
             ("cluster", gpu),
             ("learner", f"tp {le.tp} x pp {le.pp} x dp {le.dp} = {learner_gpus} GPUs"),
@@ -619,8 +649,11 @@ class Plan:
         return t
 
 
-def build_plan(cfg: RunConfig, check_data: bool = True) -> Plan:
-    """Every check; raises PlanError with one line per failure."""
+def build_plan(cfg: RunConfig, check_data: bool = True, loads_model: bool = False) -> Plan:
+    """Every check; raises PlanError with one line per failure. `loads_model`: the run loads model.path as
+    it is now (`train`, `launch --submit`), so a shape-only config is refused; elsewhere (`--dry-run`, a
+    rendered script the job may get another path for) it is accepted, and its tokenizer and prompt
+    lengths are checked when the run starts."""
     hf = load_hf_config(cfg.model.path)
     s = ModelShape.from_hf(hf)
     from megatron_specrl.learner.model_provider import padded_vocab_size
@@ -632,11 +665,13 @@ def build_plan(cfg: RunConfig, check_data: bool = True) -> Plan:
     em = engine_memory(cfg, s, gpu_bytes, draft)
     failures = (_hf_support(cfg, hf) + _divisibility(cfg, s) + _layout(cfg) + _transport(cfg) + draft_failures
                 + _memory(cfg, lm, em))
+    tokenizer, model_failures = _model_files(cfg, loads_model)
+    failures += model_failures
     if check_data:
-        failures += _data(cfg)
+        failures += _data(cfg, tokenizer)
     if failures:
         raise PlanError(failures)
-    return Plan(cfg, s, padded, lm, em)
+    return Plan(cfg, s, padded, lm, em, shape_only=is_shape_only(cfg.model.path))
 
 
 def print_plan(plan: Plan) -> None:

@@ -215,6 +215,58 @@ def test_overlong_prompts_are_refused_before_the_run_queues_or_starts(tiny_llama
     assert not (out / "engine_logs").exists()          # refused before any engine started
 
 
+def _checkpoint_copy(src: Path, dst: Path, *names: str) -> Path:
+    dst.mkdir()
+    for name in ("config.json", "model.safetensors", *names):
+        (dst / name).write_bytes((src / name).read_bytes())
+    return dst
+
+
+def test_a_checkpoint_without_its_tokenizer_fails_the_dry_run_and_launch_in_one_line(tiny_llama, tmp_path, capsys):
+    """config.json and weights but no tokenizer files: a real checkpoint (not a shape-only config), whose
+    tokenizer the run would fail to load only after the queue. One line naming the directory and what
+    is missing, exit 2, nothing written."""
+    model = _checkpoint_copy(Path(tiny_llama), tmp_path / "no-tokenizer")
+    out, script = tmp_path / "run", tmp_path / "job.sbatch"
+    want = [f"megatron-specrl: plan error: model.path={str(model)!r}: no tokenizer.json or tokenizer_config.json "
+            "beside config.json (the run loads its tokenizer from there)"]
+    for argv in (["train", "tiny-cpu-grpo", f"model.path={model}", f"output_dir={out}", "--dry-run"],
+                 ["launch", "tiny-cpu-grpo", f"model.path={model}", f"output_dir={out}", "--out", str(script)],
+                 ["train", "tiny-cpu-grpo", f"model.path={model}", f"output_dir={out}"]):
+        assert main(argv) == 2
+        assert capsys.readouterr().err.strip().splitlines() == want, argv
+    assert not out.exists() and not script.exists()
+
+
+def test_a_tokenizer_transformers_cannot_load_is_quoted_whole_without_install_advice(tiny_llama, tmp_path, capsys):
+    model = _checkpoint_copy(Path(tiny_llama), tmp_path / "half-tokenizer", "tokenizer_config.json")
+    assert main(["train", "tiny-cpu-grpo", f"model.path={model}", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"model.path={str(model)!r}: cannot load its tokenizer (" in err[0], err
+    assert err[0].endswith(".)") and "sentencepiece" not in err[0]
+
+
+def test_a_shape_only_config_passes_where_the_run_gets_the_checkpoint_later(tmp_path, capsys):
+    """examples/models/ holds config.json only (no weights: what marks a shape-only config). The dry-run
+    and a rendered script accept it (the job may get SPECRL_MODEL when it is submitted); `train` and
+    `launch --submit`, which load that very path, refuse it before anything is written."""
+    recipe, shape = "qwen2.5-7b-dapo-1node", "examples/models/qwen2.5-7b"
+    assert main(["train", recipe, "--dry-run"]) == 0
+    plan = build_plan(load_config(ROOT / "examples" / f"{recipe}.yaml"))
+    assert plan.shape_only and "shape only (no weights beside config.json)" in dict(plan.rows())["model"]
+    script = tmp_path / "job.sbatch"
+    assert main(["launch", recipe, f"output_dir={tmp_path / 'o'}", "--out", str(script)]) == 0
+    assert script.is_file() and "shape only" in script.with_suffix(".plan.txt").read_text()
+    capsys.readouterr()
+    want = [f"megatron-specrl: plan error: model.path={shape!r}: no weights beside config.json (*.safetensors): a "
+            "shape-only config, which the run cannot load; pass the checkpoint's directory"]
+    for argv in (["train", recipe, f"output_dir={tmp_path / 'r'}"],
+                 ["launch", recipe, f"output_dir={tmp_path / 'r'}", "--out", str(tmp_path / "x.sbatch"), "--submit"]):
+        assert main(argv) == 2
+        assert capsys.readouterr().err.strip().splitlines() == want, argv
+    assert not (tmp_path / "r").exists() and not (tmp_path / "x.sbatch").exists()
+
+
 def test_ppo_critic_and_kl_reference_count_on_the_policy_gpus(capsys):
     """They share the policy ranks' GPUs (actors.learner_bundles) and stay resident: a layout that fits
     the policy alone but not the three is refused before it queues (it ran out of memory on the GPUs)."""
