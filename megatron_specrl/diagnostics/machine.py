@@ -33,12 +33,13 @@ def parse_cpuinfo(text: str) -> dict:
 
 def machine() -> dict:
     """CPU model, cores, instruction sets, GPU and the versions of the engines' libraries."""
-    info = {"cpu": platform.processor() or platform.machine(), "isa": []}
+    info = {"cpu": None, "isa": []}
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
         parsed = parse_cpuinfo(cpuinfo.read_text(errors="replace"))
-        info["cpu"] = parsed["cpu"] or info["cpu"]
-        info["isa"] = parsed["isa"]
+        info["cpu"], info["isa"] = parsed["cpu"], parsed["isa"]
+    # platform.processor() runs `uname -p` in a subprocess on Linux: only where /proc/cpuinfo names nothing
+    info["cpu"] = info["cpu"] or platform.processor() or platform.machine()
     info["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     import torch
     info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
