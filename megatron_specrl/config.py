@@ -508,7 +508,8 @@ class ClusterConfig(_Strict):
     gpus_per_node 0 means a CPU run (no GPU count or memory fit to check)."""
     nodes: int = Field(1, ge=1, description="Nodes of the allocation [trainer.nnodes].")
     gpus_per_node: int = Field(0, ge=0, description="GPUs per node; 0: a CPU run [trainer.n_gpus_per_node].")
-    gpu_memory_gb: float = Field(80.0, gt=0, description="Memory of one GPU in GB, for the plan's memory fit.")
+    gpu_memory_gb: float = Field(79.6, gt=0, description="Memory of one GPU in GiB (2**30 bytes: nvidia-smi's "
+                                 "MiB / 1024), for the plan's memory fit; an \"80 GB\" H100 has 79.6 (81559 MiB).")
 
 
 class RunConfig(_Strict):

@@ -53,7 +53,7 @@ from pathlib import Path
 from megatron_specrl.config import ConfigError, RunConfig, divisibility_failures
 from megatron_specrl.errors import quote_exception
 
-GB = 1024 ** 3
+GB = 1024 ** 3    # GiB: every memory figure of the plan, cluster.gpu_memory_gb included
 FP32 = 4
 ENGINE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -467,7 +467,7 @@ def _memory(cfg: RunConfig, lm: LearnerMemory, em: EngineMemory) -> list[str]:
         return out
     gpu = int(c.gpu_memory_gb * GB)
     if lm.total > gpu:
-        out.append(f"cluster.gpu_memory_gb={c.gpu_memory_gb:g}: the learner needs {lm.total / GB:.1f} GB per GPU "
+        out.append(f"cluster.gpu_memory_gb={c.gpu_memory_gb:g}: the learner needs {lm.total / GB:.1f} GiB per GPU "
                    f"(weights {lm.weights / GB:.1f} + grads {lm.grads / GB:.1f} + optimizer {lm.optimizer / GB:.1f} "
                    + (f"+ PPO critic {lm.critic / GB:.1f} " if lm.critic else "")
                    + (f"+ KL reference {lm.reference / GB:.1f} " if lm.reference else "")
@@ -476,23 +476,23 @@ def _memory(cfg: RunConfig, lm: LearnerMemory, em: EngineMemory) -> list[str]:
                    f"dp={cfg.learner.dp}; raise tp/pp, set learner.distributed_optimizer / learner.recompute, "
                    "or lower learner.micro_batch_size")
     if em.kv_space < em.max_model_len * em.kv_per_token:
-        out.append(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization:g}: vLLM's {em.budget / GB:.1f} GB leave "
-                   f"{max(0, em.kv_space) / GB:.1f} GB of KV cache after {em.weights / GB:.1f} GB of weights per GPU, "
+        out.append(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization:g}: vLLM's {em.budget / GB:.1f} GiB leave "
+                   f"{max(0, em.kv_space) / GB:.1f} GiB of KV cache after {em.weights / GB:.1f} GiB of weights per GPU, "
                    f"less than one {em.max_model_len}-token sequence (the engine's max_model_len) needs "
-                   f"({em.max_model_len * em.kv_per_token / GB:.2f} GB); raise it or rollout.engine_tp")
+                   f"({em.max_model_len * em.kv_per_token / GB:.2f} GiB); raise it or rollout.engine_tp")
     scores_awake = cfg.needs_reference or cfg.algorithm.name == "ppo"
     if r.colocate and scores_awake and lm.static + em.budget <= gpu < lm.static + em.budget + lm.scoring:
         out.append(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization:g}: colocated, the "
                    + ("KL reference's" if cfg.needs_reference else "PPO critic's")
                    + (" (and the policy's, use_kl_in_reward)" if cfg.algorithm.use_kl_in_reward else "")
-                   + f" scoring pass runs before the engines release memory: vLLM's {em.budget / GB:.1f} GB + the "
-                   f"learner's resident {lm.static / GB:.1f} GB + {lm.scoring / GB:.1f} GB for one "
+                   + f" scoring pass runs before the engines release memory: vLLM's {em.budget / GB:.1f} GiB + the "
+                   f"learner's resident {lm.static / GB:.1f} GiB + {lm.scoring / GB:.1f} GiB for one "
                    f"{lm.tokens_per_microbatch}-token microbatch's forward exceed cluster.gpu_memory_gb="
                    f"{c.gpu_memory_gb:g}; lower gpu_memory_utilization or learner.max_tokens_per_microbatch / "
                    "micro_batch_size")
     if r.colocate and lm.static + em.budget > gpu:
         out.append(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization:g}: colocated, vLLM's {em.budget / GB:.1f} "
-                   f"GB plus the learner's resident {lm.static / GB:.1f} GB (weights, grads, optimizer"
+                   f"GiB plus the learner's resident {lm.static / GB:.1f} GiB (weights, grads, optimizer"
                    + (", critic" if lm.critic else "") + (", reference" if lm.reference else "") + ") exceed "
                    f"cluster.gpu_memory_gb={c.gpu_memory_gb:g}")
     return out
@@ -532,7 +532,8 @@ def is_shape_only(model_path: str) -> bool:
 
 def _model_files(cfg: RunConfig, loads_model: bool):
     """(tokenizer or None, failures) of model.path. A real checkpoint (weights present) is resolved and
-    its tokenizer loaded as the run does (models/resolve.resolve_model, run/build.load_tokenizer); a
+    its tokenizer loaded as the run does (models/resolve.resolve_model, run/build.load_tokenizer, whose
+    load and vocabulary check this repeats, its message quoting transformers' first sentence whole); a
     shape-only config has neither, and is refused where `loads_model` (the run loads this very path)."""
     from megatron_specrl.models.resolve import TINY, read_hf_config, resolve_model
     path = cfg.model.path
@@ -549,14 +550,18 @@ def _model_files(cfg: RunConfig, loads_model: bool):
     if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
         return None, [f"model.path={path!r}: no tokenizer.json or tokenizer_config.json beside config.json (the run "
                       "loads its tokenizer from there)"]
-    from megatron_specrl.run.build import load_tokenizer
+    # run/build.load_tokenizer's load and vocabulary check (importing it here would close an import cycle:
+    # learner/convert -> plan -> run)
+    from transformers import AutoTokenizer
     try:
-        return load_tokenizer(path, model_dir, read_hf_config(model_dir)), []
-    except ConfigError as e:   # quoted again, whole: load_tokenizer's message cuts transformers' at 300 characters
-        cause = e.__context__
-        if cause is None or isinstance(cause, ConfigError):
-            return None, [str(e)]
-        return None, [f"model.path={path!r}: cannot load its tokenizer ({quote_exception(cause)})"]
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:   # OSError / ValueError / TypeError, depending on what is missing
+        return None, [f"model.path={path!r}: cannot load its tokenizer ({quote_exception(e)})"]
+    vocab = read_hf_config(model_dir).get("vocab_size")
+    if isinstance(vocab, int) and len(tokenizer) > vocab:
+        return None, [f"model.path={path!r}: the tokenizer has {len(tokenizer)} tokens, more than the model's "
+                      f"vocab_size={vocab} (config.json): a tokenizer of another model?"]
+    return tokenizer, []
 
 
 # --------------------------------------------------------------------------- the plan
@@ -575,9 +580,9 @@ class Plan:
         cfg, s, c, le, r = self.cfg, self.shape, self.cfg.cluster, self.cfg.learner, self.cfg.rollout
         ba = batch_arithmetic(cfg)
         learner_gpus, engine_gpus = gpus_needed(cfg)
-        gpu = f"{c.nodes} x {c.gpus_per_node} = {c.nodes * c.gpus_per_node} ({c.gpu_memory_gb:g} GB)" \
+        gpu = f"{c.nodes} x {c.gpus_per_node} = {c.nodes * c.gpus_per_node} ({c.gpu_memory_gb:g} GiB)" \
             if c.gpus_per_node else f"{c.nodes} node(s), CPU"
-        gb = lambda b: f"{b / GB:.1f} GB" if b >= GB / 10 else f"{b / 2**20:.2f} MiB"
+        gb = lambda b: f"{b / GB:.1f} GiB" if b >= GB / 10 else f"{b / 2**20:.2f} MiB"
         return [
             ("model", f"{cfg.model.path} ({s.model_type}: {s.layers} layers, hidden {s.hidden}, heads {s.heads}/"
                       f"{s.kv_heads} kv, ffn {s.ffn}, {full_parameters(s):,} params)"
@@ -627,7 +632,7 @@ class Plan:
     def _engine_rows(self, gb) -> list[tuple[str, str]]:
         r = self.cfg.rollout
         if self.cfg.cluster.gpus_per_node == 0:
-            return [("engine memory", f"CPU run: rollout.kv_cache_gb={r.kv_cache_gb:g} GB of KV cache per engine, "
+            return [("engine memory", f"CPU run: rollout.kv_cache_gb={r.kv_cache_gb:g} GiB of KV cache per engine, "
                                       f"weights {gb(self.engine.weights)} ({r.engine_dtype}"
                                       + (", with the draft model's" if r.draft == "model" else "") + ")")]
         return [

@@ -75,7 +75,7 @@ BROKEN = [
     ("qwen2.5-7b-dapo-1node", ["learner.tp=1", "learner.dp=5", "trainer.prompts_per_step=40"],
      "cluster.nodes=1: learner.tp x pp x dp = 1 x 1 x 5 = 5 GPUs, but cluster.nodes x gpus_per_node = 1 x 8 = 8"),
     ("llama-3.1-70b-dapo-8node", ["learner.pp=1", "learner.dp=4"],
-     "cluster.gpu_memory_gb=80: the learner needs 12"),   # 110+ GB per GPU
+     "cluster.gpu_memory_gb=79.6: the learner needs 12"),   # 110+ GiB per GPU
     ("qwen2.5-7b-dapo-1node", ["model.path=/nonexistent/qwen"], "model.path='/nonexistent/qwen': no config.json"),
     ("qwen2.5-7b-dapo-1node", ["data.source=/nonexistent/train.parquet"],
      "data.source='/nonexistent/train.parquet': data file not found"),
