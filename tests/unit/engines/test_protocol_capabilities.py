@@ -147,3 +147,40 @@ def test_an_engine_that_does_not_declare_has_no_capability():
     assert not verifies_processed_distribution(Undeclared()) and not samples_coupled(Undeclared)
     assert not isinstance(Undeclared(), DraftsFromTrees)
     assert tree_metrics(Undeclared()) == {}
+
+
+def test_the_test_engines_declare_what_they_implement():
+    from tests.helpers.capabilities import DraftsNothing, Routes
+    from tests.helpers.tabular_engine import TabularEngine, TabularPolicy
+
+    _declares(TabularEngine, EngineCapabilities)
+    assert not issubclass(TabularEngine, DraftsFromTrees)            # no trees: the rollout sends it none
+    full, t1_only = TabularEngine(TabularPolicy(4)), TabularEngine(TabularPolicy(4), replacements=False)
+    assert verifies_processed_distribution(full) and samples_coupled(full)
+    assert not verifies_processed_distribution(t1_only) and not samples_coupled(t1_only)
+    _declares(DraftsNothing, EngineCapabilities, DraftsFromTrees)
+    _declares(Routes, RoutesToEngines)
+    assert engines_behind(Routes([full, t1_only])) == [full, t1_only]
+
+
+def test_tree_drafting_is_what_the_engine_was_built_with():
+    from megatron_specrl.engines.ray_engine import RayEngine
+    from megatron_specrl.engines.router import EngineRouter
+    from megatron_specrl.engines.sglang_engine import SGLangHTTPEngine
+
+    class Trees(_Plain, DraftsFromTrees):
+        draft_stats = draft_state = load_draft_state = add_to_draft_trees = lambda self, *a: None
+
+    def ray(cls, draft):
+        handle = object.__new__(RayEngine)
+        handle.engine_cls, handle.engine_kwargs = cls, {"draft": draft}
+        return handle
+
+    assert ray(Trees, "tree").tree_drafting and not ray(Trees, "none").tree_drafting
+    assert not ray(_Plain, "tree").tree_drafting                   # its class keeps no trees
+    assert EngineRouter([ray(Trees, "tree"), Trees()]).tree_drafting
+    assert not EngineRouter([ray(Trees, "tree"), _Plain()]).tree_drafting
+    sglang = object.__new__(SGLangHTTPEngine)
+    for draft in ("tree", "none"):
+        sglang.draft = draft
+        assert sglang.tree_drafting == (draft == "tree")
