@@ -25,7 +25,6 @@ import pytest
 from megatron_specrl.config import ConfigError, RolloutConfig, load_config, resolve_recipe
 from megatron_specrl.engines import factory
 import os
-import numpy as np
 
 
 
@@ -130,10 +129,6 @@ def test_sglang_gets_the_keys_in_its_own_names():
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from megatron_specrl.engines.protocol import EngineCapabilities, GenerateResult  # noqa: E402
-from megatron_specrl.engines.vllm_engine import verify_columns  # noqa: E402
-from megatron_specrl.rollout.speculative import SpeculativeRollout  # noqa: E402
-from megatron_specrl.rollout.store import Trajectory, TrajectoryStore  # noqa: E402
 
 
 
@@ -144,51 +139,8 @@ from megatron_specrl.rollout.store import Trajectory, TrajectoryStore  # noqa: E
 from tests.helpers.vllm_rows import EOS, S, _args, _columns, _logits  # noqa: F401
 
 
-class _Engine(EngineCapabilities):
-    """score() through the patch's math and verify_columns: row 0 keeps the draft token, row 1 is
-    non-finite; generate() a fixed finite continuation."""
-
-    verifies_processed_distribution = True
-    samples_coupled = True
-    name = "fake-vllm"
-
-    def __init__(self, bad: float):
-        self.bad, self.generated = bad, []
-
-    def score(self, requests, sampling, version):
-        out = []
-        for i, r in enumerate(requests):
-            logits = _logits(len(r.continuation_ids), {1: self.bad}, i)
-            logits[0, r.continuation_ids[0]] = 50.0   # the draft's first token has all the mass: kept
-            cols = _columns(len(r.prompt_ids), r.continuation_ids, logits, r.seed, r.coupled_seed)
-            out.append(verify_columns(cols, len(r.prompt_ids), r.continuation_ids, EOS, version,
-                                      coupled=r.coupled_seed is not None))
-        return out
-
-    def generate(self, requests, sampling, version):
-        self.generated += requests
-        return [GenerateResult([5] * r.max_new_tokens, [-0.5] * r.max_new_tokens, "length", 0, version)
-                for r in requests]
 
 
-@pytest.mark.parametrize("mode", ["exact", "coupled"])
-def test_rollouts_never_take_a_token_drawn_from_nan_probabilities(mode):
-    """Drafts whose verification row 1 is NaN: every sample rejects there (u < NaN is False) and must
-    sample position 1 in the extension, never keep the NaN row's draw and its NaN log-prob."""
-    L = 4
-    store = TrajectoryStore()
-    drafts = [[4 + k, 20 + k, 30, 31] for k in range(6)]
-    for k, d in enumerate(drafts):
-        store.put("p", k, Trajectory(d, [-1.0] * L, "length", 0, noise_seed=100 + k if mode == "coupled" else None))
-    engine = _Engine(float("nan"))
-    roll = SpeculativeRollout(engine, store, mode=mode, lenience=1.0, sampling=S, max_new_tokens=L, seed=3)
-    samples, metrics = roll.run([("p", [2, 3, 6])], len(drafts), 1, step=1)
-    for s, d in zip(samples, drafts):
-        assert all(np.isfinite(s.logprobs)), (s.response_ids, s.logprobs)
-        # d[0] kept, the NaN row rejected: position 1 on are the extension's tokens
-        assert s.response_ids == [d[0]] + [5] * (L - 1), (d, s.response_ids)
-    assert metrics["spec/nonfinite_logprobs"] >= len(drafts)
-    assert all(np.isfinite(store.get("p", k).logprobs).all() for k in range(len(drafts)))
 
 
 
