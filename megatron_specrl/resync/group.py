@@ -17,6 +17,7 @@ NCCL falls back to vLLM's StatelessProcessGroup + PyNcclCommunicator (no op time
 
 from __future__ import annotations
 
+import socket
 from datetime import timedelta
 
 import torch
@@ -161,6 +162,16 @@ def group_class() -> type:
     return NcclGroup if dist.is_nccl_available() else PyncclGroup
 
 
+def listening_socket(host: str) -> socket.socket:
+    """A TCP socket bound to `host` on a free port and listening, for TCPStore's `master_listen_fd`."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(128)
+    return sock
+
+
 class BroadcastEndpoint:
     """One process's membership: learner rank 0 opens the store once, every member `join`s per generation."""
 
@@ -174,10 +185,14 @@ class BroadcastEndpoint:
         self.generation: int | None = None
 
     def open_store(self, host: str, timeout_s: float) -> tuple[str, int]:
-        """Source side: a TCPStore on a free port of this node (kept across generations)."""
+        """Source side: a TCPStore on a free port of this node (kept across generations), listening on `host`
+        (the node's cluster address) only: torch's TCPStore alone binds every interface."""
         if self._store is None or not self._is_master:
-            self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                        timeout=timedelta(seconds=timeout_s))
+            sock = listening_socket(host)
+            port = sock.getsockname()[1]
+            self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                        timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.detach(),
+                                        use_libuv=True)
             self._store_addr, self._is_master = (host, self._store.port), True
         return self._store_addr
 

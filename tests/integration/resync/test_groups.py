@@ -210,3 +210,20 @@ def test_cuda_ipc_push_keeps_no_bucket_that_pack_refused():
     with pytest.raises(ValueError, match="one device"):
         t.push(mixed, lambda payload: None)
     assert t.kept == 0
+
+
+def test_the_broadcast_store_listens_on_the_cluster_address_only():
+    """torch's TCPStore binds every interface; the resync store binds the address it was opened on (the
+    learner node's cluster address), so other interfaces of the node refuse connections."""
+    import socket
+
+    ep = resync_group.BroadcastEndpoint()
+    host, port = ep.open_store("127.0.0.1", 10.0)
+    with socket.create_connection((host, port), timeout=2):
+        pass
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.2", port), timeout=2).close()   # another address of this host
+    member = resync_group.BroadcastEndpoint()
+    member._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10))
+    member._store.set("k", "v")
+    assert ep._store.get("k") == b"v"
