@@ -47,7 +47,8 @@ SECTIONS: dict[str, tuple[str, str]] = {
                "step where a dead engine was restarted"),
     "eval": ("Evaluation", "the run's evaluate() every trainer.eval_every steps (and at step 0): plain generation "
              "on the held-out prompts"),
-    "time": ("Timing", "trainer.train_step"),
+    "time": ("Timing", "trainer.train_step and run/overlap.step_times"),
+    "async": ("Asynchronous rollouts", "run/overlap.staleness (trainer.max_staleness)"),
 }
 
 # key or pattern -> (unit, meaning)
@@ -206,6 +207,18 @@ METRICS: dict[str, tuple[str, str]] = {
     # -- timing ----------------------------------------------------------------------------------------
     "time/step_s": ("s", "Wall time of the training step: rollout, scoring, learning and resync."),
     "time/train_s": ("s", "Of which the learner's (and critic's) train steps."),
+    "time/rollout_s": ("s", "The step's rollout and scoring, in this step or, with trainer.max_staleness, beside "
+                            "the previous step's training."),
+    "time/overlap_s": ("s", "Seconds the next step's rollout ran beside this step's training "
+                            "(trainer.max_staleness; 0 in the synchronous loop)."),
+    "time/learner_idle_s": ("s", "Seconds of the step in which the learner did not train (it waited for the "
+                                 "rollout, the driver or the resync)."),
+    "time/engine_idle_s": ("s", "Seconds of the step in which the engines generated nothing (training they did "
+                                "not overlap, the resync, the driver's work)."),
+    # -- asynchronous rollouts (trainer.max_staleness) ------------------------------------------------
+    "async/staleness_mean": ("versions", "Mean over the trained samples of the weight versions between the "
+                                         "weights that generated them and those the learner trained from."),
+    "async/staleness_max": ("versions", "Largest such lag in the step's batch (never above trainer.max_staleness)."),
 }
 
 

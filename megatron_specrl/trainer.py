@@ -24,15 +24,19 @@ from megatron_specrl.rollout.dynamic import filter_rounds
 from megatron_specrl.run.build import build_run
 from megatron_specrl.run.checkpointing import save_run_checkpoint
 from megatron_specrl.run.evaluation import evaluate
-from megatron_specrl.run.recovery import resync_with_recovery, with_engine_recovery
+from megatron_specrl.run.overlap import Collected, RolloutAhead, staleness, starts_ahead, step_times, timed_collect
+from megatron_specrl.run.recovery import collect_again, resync_with_recovery, with_engine_recovery
 from megatron_specrl.run.state import Run
 
 
-def train_step(run: Run, step: int, hooks: faults.PhaseHooks = faults.PhaseHooks()) -> dict[str, float]:
+def train_step(run: Run, step: int, hooks: faults.PhaseHooks = faults.PhaseHooks(),
+               ahead: RolloutAhead | None = None) -> dict[str, float]:
     t0 = time.perf_counter()
     hooks.before("rollout", step)
-    # 1-3. generate and reward (DAPO: rounds until enough informative groups); a dead engine: restart, retry once
-    samples, rewards, metrics = with_engine_recovery(run, step, lambda: collect(run, step))
+    # 1-3. generate and reward (DAPO: rounds until enough informative groups): the rollout that ran beside
+    #      the previous step's training (trainer.max_staleness), or one now; a dead engine: restart, retry once
+    got = take_rollout(run, step, ahead)
+    samples, rewards, metrics = got.samples, got.rewards, got.metrics
     run.record_data_order(step, samples)
     if run.cfg.trainer.rollout_data_dir:   # verl's rollout dump: the step's samples and rewards as JSON lines
         dump_rollouts(run.cfg.trainer.rollout_data_dir, step, samples, rewards.tolist(), run.tokenizer)
@@ -40,16 +44,28 @@ def train_step(run: Run, step: int, hooks: faults.PhaseHooks = faults.PhaseHooks
     batch["temperature"] = run.cfg.rollout.temperature   # learner log-probs are log_softmax(logits / T)
     metrics.update(advantages(run, batch, samples, rewards))          # 4. advantages (and the KL in the reward)
     hooks.before("train", step)
+    if ahead is not None and starts_ahead(run.cfg, step):   # the next step's rollout beside this train step
+        ahead.start(run, step + 1, lambda: collect(run, step + 1))
     sleeping = run.placement.engines_sleep_during_training
     metrics.update(learn(run, batch, release_engines=sleeping))       # 5. the learners' step
+    next_rollout = ahead.wait() if ahead is not None else None        # engines change weights between batches only
     # 6. resync the engines to the new weights (and wake them first if they slept); an engine that dies
     #    on the way is restarted and synced again
+    metrics.update(staleness(run.version, got.version))
     run.version += 1
     hooks.before("resync", step)
     metrics.update(resync_with_recovery(run, step, wake_engines=sleeping))
-    metrics["time/step_s"] = time.perf_counter() - t0
+    metrics.update(step_times(t0, time.perf_counter(), got, next_rollout, metrics["time/train_s"]))
     metrics["weight_version"] = run.version
     return metrics
+
+
+def take_rollout(run: Run, step: int, ahead: RolloutAhead | None) -> Collected:
+    """The step's rollout: the one in flight for it, else one collected now under the engines' weights."""
+    if ahead is not None and ahead.holds(step):
+        return ahead.take(run, step, lambda state: Collected(*collect_again(run, step, state, lambda: collect(run, step)),
+                                                             version=run.version))
+    return timed_collect(lambda: with_engine_recovery(run, step, lambda: collect(run, step)), run.version)
 
 
 def collect(run: Run, step: int):
@@ -112,14 +128,16 @@ def train(cfg: RunConfig) -> Run:
     resolve(cfg)   # the auto values and experimental features, logged once; reward.name checked
     run = build_run(cfg)
     hooks = faults.from_env(engines=lambda: engines_of(run.engine))   # crash tests only; no-op otherwise
+    ahead = None
     try:
         if cfg.trainer.eval_every and run.step == 0:   # the baseline every later eval is compared with
             run.logger.log(0, evaluate(run))
+        ahead = RolloutAhead() if cfg.trainer.max_staleness else None   # the rollout in flight, if any
         with run.progress:
             task = run.progress.add_task("training", total=cfg.trainer.total_steps, completed=run.step)
             while run.step < cfg.trainer.total_steps:
                 step = run.step + 1
-                metrics = train_step(run, step, hooks)
+                metrics = train_step(run, step, hooks, ahead)
                 run.step = step
                 if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
                     metrics.update(evaluate(run))
@@ -135,5 +153,7 @@ def train(cfg: RunConfig) -> Run:
                 run.progress.update(task, completed=step)
         run.finish()
     finally:
+        if ahead is not None:
+            ahead.shutdown()
         run.shutdown()
     return run

@@ -5,6 +5,7 @@ run's) before the run writes into its output_dir and starts Ray, the learner and
 from __future__ import annotations
 
 import importlib.util
+import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,8 @@ if TYPE_CHECKING:   # types only: these pull in Ray, transformers and the datase
 
     from megatron_specrl.config import RolloutConfig
     from megatron_specrl.data.datasets import PromptLoader, PromptRecord
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -129,7 +132,12 @@ def start_actors(cfg: RunConfig, model: _Model, out: Path):
     """Ray, the placement of learner ranks and engines on its GPUs, the resync transport that placement
     allows, and the actors (actors.build_actors): (actors, placement, transport)."""
     from megatron_specrl.actors import build_actors, init_ray
+    from megatron_specrl.run.overlap import split_cores
 
+    binding = split_cores(cfg)   # trainer.max_staleness on CPU: the engines decode on cores of their own
+    if binding:
+        log.info("trainer.max_staleness=%d: engines bound to CPUs %s, learner ranks on the others",
+                 cfg.trainer.max_staleness, binding)
     init_ray(cfg.ray)
     placement = plan_placement(cfg, cluster_gpus())
     transport = resolve_transport(cfg.trainer.resync_transport, placement, cfg.rollout.num_engines,

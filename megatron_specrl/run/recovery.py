@@ -74,3 +74,16 @@ def restart_engines(run: Run, resync: bool = True) -> dict[str, float]:
     if latest is not None:
         restore_draft_trees(run.engine, latest / "draft_trees")
     return metrics
+
+
+def collect_again(run: Run, step: int, loader_state: dict, collect: Callable[[], tuple[list, T, dict]]) -> tuple[list, T, dict]:
+    """A rollout that ran ahead (trainer.max_staleness) and lost an engine: restart the engines with the
+    learner's current weights, rewind the loader and the store to where that rollout started, collect again."""
+    log.warning("rollout of step %d failed while the learner trained; restarting the engines at weight version %d",
+                step, run.version)
+    restart_engines(run, resync=run.version > 0)
+    run.loader.load_state_dict(loader_state)
+    run.store.undo_step()
+    samples, rewards, metrics = collect()
+    metrics["engine/restarts"] = 1.0
+    return samples, rewards, metrics
