@@ -185,7 +185,8 @@ def learner_hf_state(learner, bucket_bytes: int = 64 << 20, dtype: str | None = 
 
 
 def _learner_fp32_state(learner, bucket_bytes: int) -> dict[str, torch.Tensor]:
-    if hasattr(learner, "iter_hf_state"):        # an in-process LearnerWorker (world 1)
+    from megatron_specrl.learner.worker import LearnerWorker
+    if isinstance(learner, LearnerWorker):       # in process (world 1); otherwise a LearnerGroup of Ray actors
         return {n: t.float() if t.is_floating_point() else t for n, t in learner.iter_hf_state()}
     import ray
     from megatron_specrl.resync.buckets import Bucket
