@@ -342,6 +342,12 @@ class LossConfig(_Strict):
     tis_cap: float = Field(2.0, gt=0, description="Cap of the truncated importance weights.")
     value_clip: float = Field(0.2, gt=0, description="PPO critic's value clip range [critic.cliprange_value].")
 
+    @field_validator("tis", mode="before")
+    @classmethod
+    def _yaml_off(cls, v):
+        """YAML 1.1 reads a bare `off` as False (learner.loss.tis=off on the command line); the user meant the level."""
+        return "off" if v is False else v
+
     @field_validator("kl_type", mode="before")
     @classmethod
     def _old_kl_name(cls, v):

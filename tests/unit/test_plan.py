@@ -475,3 +475,14 @@ def test_a_tp_that_does_not_divide_the_mlp_fails_the_plan(tmp_path):
         "max_position_embeddings": 16384, "tie_word_embeddings": False}))
     with pytest.raises(PlanError, match="learner.tp=4 does not divide intermediate_size=11010"):
         build_plan(_cfg("qwen2.5-7b-dapo-1node", f"model.path={model}"), check_data=False)
+
+
+# --------------------------------------------------------------------------- asynchronous rollouts
+
+def test_staleness_with_colocated_gpu_engines_is_refused_and_disaggregated_passes():
+    """trainer.max_staleness overlaps the engines' rollout with the learner's training: colocated engines
+    sleep on the learner's GPUs while it trains, so the plan refuses the pair in one line naming both keys."""
+    with pytest.raises(PlanError, match=r"trainer.max_staleness=1 with rollout.colocate=true: colocated engines sleep"):
+        build_plan(_cfg("qwen2.5-7b-dapo-1node", "trainer.max_staleness=1"), check_data=False)
+    build_plan(_cfg("qwen2.5-32b-dapo-4node", "trainer.max_staleness=1"), check_data=False)   # colocate=false
+    build_plan(_cfg("tiny-cpu-grpo", "trainer.max_staleness=1"), check_data=False)           # CPU: no GPUs to share
