@@ -33,8 +33,26 @@ def init_ray(cfg: RayConfig | None = None) -> bool:
         # runtime_env, so none runs in them, and on a small machine they took cores from the actors'
         # start (~1 s of the tiny CPU run's start-up on 2 cores)
         kwargs["_system_config"] = {"prestart_worker_first_driver": False}
+    else:
+        _check_ray_token(cfg.address)
     ray.init(**kwargs)
     return True
+
+
+def _check_ray_token(address: str) -> None:
+    """A cluster with token authentication that refuses this driver's token: one line (ray_join.token_refused)
+    instead of ray.init's ConnectionError after its retries. A config error, so launch does not requeue."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    from megatron_specrl.config import ConfigError
+    from megatron_specrl.ray_join import token_refused
+    try:
+        resolved = canonicalize_bootstrap_address(address)
+    except Exception:   # no cluster found for "auto": ray.init says so
+        return
+    refused = token_refused(resolved) if resolved and not resolved.startswith("ray://") else None
+    if refused:
+        raise ConfigError(f"ray.address={address}: {refused}")
 
 
 def learner_bundles(learner: LearnerConfig, rollout: RolloutConfig, learner_gpus_per_rank: float,

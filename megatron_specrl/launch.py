@@ -5,7 +5,10 @@ The plan check (plan.py) runs first, always, and nothing is written when it fail
 cannot run would otherwise fail only after the job left the queue. The script then:
   1. runs the GPU stack check (gpu_stack.py) on every node, so a broken install fails in seconds;
   2. starts the Ray head on the first node and a worker on each other node with `srun`, and waits
-     with ray_join.py until every node's GPUs have joined (a timeout, never a fixed sleep);
+     with ray_join.py until every node's GPUs have joined (a timeout, never a fixed sleep); Ray's token
+     authentication is on for every step, with a fresh token per job attempt in a file only the user can
+     read (RAY_AUTH_TOKEN_PATH; the token itself is never in the script or its log), the dashboard off
+     unless --dashboard (then on the head's localhost only) (docs/cluster.md, "Who can reach a job");
   3. runs `megatron-specrl train ... ray.address=auto trainer.resume=auto` on the head;
   4. stops Ray on exit (an EXIT trap), exits with train's status, and requeues itself after a
      failure other than a config error (2) up to --max-requeues times; resume=auto continues from
@@ -44,8 +47,7 @@ TRAIN_ARGS=({train_args})
 # A port of this job's own (the job id's) unless --ray-port was given: a second job's head on a shared
 # node at the same port fails, and its nodes and driver would join the first job's cluster instead.
 RAY_PORT={ray_port}
-RAY_CLIENT_PORT=$((RAY_PORT + 500))
-GPUS_PER_NODE={gpus_per_node}
+{ray_client_port}GPUS_PER_NODE={gpus_per_node}
 CPUS_PER_NODE={cpus_per_node}
 JOIN_TIMEOUT_S={join_timeout_s}
 MAX_REQUEUES={max_requeues}
@@ -54,12 +56,25 @@ OUTPUT_DIR={output_dir}
 FIRST_RESUME={first_resume}
 
 cd "$WORKDIR"
+# Ray token authentication (Ray's default for a `ray start` cluster is none: anyone who reaches its ports
+# could run code as this user). A fresh token per job attempt, generated into a directory only this user
+# can read, on the shared file system the other nodes read it from; never printed (stdout to /dev/null).
+RAY_AUTH_DIR="$OUTPUT_DIR/.ray-auth/${{SLURM_JOB_ID}}-${{SLURM_RESTART_COUNT:-0}}"
+rm -rf "$RAY_AUTH_DIR"
+(umask 077 && mkdir -p "$RAY_AUTH_DIR" && env -u RAY_AUTH_TOKEN -u RAY_AUTH_TOKEN_PATH HOME="$RAY_AUTH_DIR" \\
+    "$VENV/bin/ray" get-auth-token --generate >/dev/null)
+export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$RAY_AUTH_DIR/.ray/auth_token"
+unset RAY_AUTH_TOKEN
+chmod 600 "$RAY_AUTH_TOKEN_PATH"
+# on every step as well: where srun does not pass the batch environment on (--export=NONE) every node and
+# the driver still start with the token
+RAY_AUTH=(env RAY_AUTH_MODE=token "RAY_AUTH_TOKEN_PATH=$RAY_AUTH_TOKEN_PATH")
 mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 num_nodes=${{#nodes[@]}}
 head_node=${{nodes[0]}}
 # The head's routable address as Ray picks it (the host name can resolve to loopback on Debian hosts).
-head_ip=$(srun --nodes=1 --ntasks=1 -w "$head_node" "$VENV/bin/python" -m megatron_specrl.ray_join --print-head-ip \\
-    --nodes "$num_nodes")
+head_ip=$(srun --nodes=1 --ntasks=1 -w "$head_node" "${{RAY_AUTH[@]}}" \\
+    "$VENV/bin/python" -m megatron_specrl.ray_join --print-head-ip --nodes "$num_nodes")
 export RAY_ADDRESS="$head_ip:$RAY_PORT"
 ray_pids=()
 
@@ -70,25 +85,29 @@ stop_ray() {{
     if [ "${{#ray_pids[@]}}" -gt 0 ]; then
         kill "${{ray_pids[@]}}" 2>/dev/null || true
     fi
+    rm -rf "$RAY_AUTH_DIR"
 }}
 trap stop_ray EXIT
 
 # 1. The GPU stack imports, has the pinned versions and sees its GPUs, on every node.
-srun --nodes="$num_nodes" --ntasks-per-node=1 "$VENV/bin/python" -m megatron_specrl.gpu_stack \\
+srun --nodes="$num_nodes" --ntasks-per-node=1 "${{RAY_AUTH[@]}}" "$VENV/bin/python" -m megatron_specrl.gpu_stack \\
     --gpus "$GPUS_PER_NODE" --engine "$ENGINE"
 
 # 2. Ray: the head on the first node, a worker on each other node; wait until all have joined.
 #    --cpus-per-task on each step: srun of Slurm 22.05+ does not inherit sbatch's (SLURM_CPUS_PER_TASK), and
 #    the step's CPU binding would hold Ray and every learner and engine process under it to one core.
-srun --nodes=1 --ntasks=1 --cpus-per-task="$CPUS_PER_NODE" -w "$head_node" "$VENV/bin/ray" start --head --node-ip-address="$head_ip" \\
-    --port="$RAY_PORT" --ray-client-server-port="$RAY_CLIENT_PORT" --num-gpus="$GPUS_PER_NODE" --num-cpus="$CPUS_PER_NODE" --block &
+#    The dashboard {dashboard_note};
+#    the Ray client server (Ray 2.60 starts one on every head) listens on RAY_CLIENT_PORT, behind the token.
+srun --nodes=1 --ntasks=1 --cpus-per-task="$CPUS_PER_NODE" -w "$head_node" "${{RAY_AUTH[@]}}" "$VENV/bin/ray" start --head \\
+    --node-ip-address="$head_ip" --port="$RAY_PORT" --ray-client-server-port="$RAY_CLIENT_PORT" {dashboard_args} \\
+    --num-gpus="$GPUS_PER_NODE" --num-cpus="$CPUS_PER_NODE" --block &
 ray_pids+=("$!")
 for node in "${{nodes[@]:1}}"; do
-    srun --nodes=1 --ntasks=1 --cpus-per-task="$CPUS_PER_NODE" -w "$node" "$VENV/bin/ray" start --address="$RAY_ADDRESS" \\
+    srun --nodes=1 --ntasks=1 --cpus-per-task="$CPUS_PER_NODE" -w "$node" "${{RAY_AUTH[@]}}" "$VENV/bin/ray" start --address="$RAY_ADDRESS" \\
         --num-gpus="$GPUS_PER_NODE" --num-cpus="$CPUS_PER_NODE" --block &
     ray_pids+=("$!")
 done
-"$VENV/bin/python" -m megatron_specrl.ray_join --address "$RAY_ADDRESS" --nodes "$num_nodes" \\
+"${{RAY_AUTH[@]}}" "$VENV/bin/python" -m megatron_specrl.ray_join --address "$RAY_ADDRESS" --nodes "$num_nodes" \\
     --gpus-per-node "$GPUS_PER_NODE" --timeout-s "$JOIN_TIMEOUT_S"
 
 # 3. Train on the head node; resume=auto continues a requeued job from its newest checkpoint. A restart
@@ -100,7 +119,8 @@ if [ "${{SLURM_RESTART_COUNT:-0}}" -gt 0 ] && [ "$FIRST_RESUME" != auto ] && "$V
     TRAIN_ARGS+=(trainer.resume=auto)
 fi
 rc=0
-srun --overlap --nodes=1 --ntasks=1 -w "$head_node" "$VENV/bin/megatron-specrl" train "$RECIPE" "${{TRAIN_ARGS[@]}}" || rc=$?
+srun --overlap --nodes=1 --ntasks=1 -w "$head_node" "${{RAY_AUTH[@]}}" "$VENV/bin/megatron-specrl" train "$RECIPE" \\
+    "${{TRAIN_ARGS[@]}}" || rc=$?
 
 # 4. Requeue after a failure that is not a config error (exit 2), a bounded number of times.
 if [ "$rc" -ne 0 ] && [ "$rc" -ne 2 ] && [ "${{SLURM_RESTART_COUNT:-0}}" -lt "$MAX_REQUEUES" ]; then
@@ -114,7 +134,8 @@ exit "$rc"
 def render(recipe: str, nodes: int, gpus_per_node: int, cpus_per_node: int, time: str, partition: str | None,
            account: str | None, overrides: list[str], venv: str, log_dir: str, workdir: str, engine: str = "vllm",
            ray_port: int | None = None, join_timeout_s: int = 600, max_requeues: int = 3, plan_file: str = "",
-           output_dir: str | None = None, first_resume: str = "auto") -> str:
+           output_dir: str | None = None, first_resume: str = "auto", ray_client_port: int | None = None,
+           dashboard: bool = False) -> str:
     q = shlex.quote
     extra = "".join(f"#SBATCH --{k}={v}\n" for k, v in (("partition", partition), ("account", account)) if v)
     train_args = ["ray.address=auto", "trainer.resume=auto", *overrides]
@@ -124,6 +145,14 @@ def render(recipe: str, nodes: int, gpus_per_node: int, cpus_per_node: int, time
         extra_sbatch=extra, plan_file=plan_file or "the job's output directory", venv=q(venv), workdir=q(workdir),
         recipe=q(recipe), train_args=" ".join(q(a) for a in train_args),
         ray_port=ray_port if ray_port is not None else "$((6379 + SLURM_JOB_ID % 500))",
+        # Ray 2.60's `ray start --head` opens a client server whenever ray[client] is installed (on 10001 unless
+        # given, which every job on the node would share): the job's own port unless --ray-client-port
+        ray_client_port=(f"RAY_CLIENT_PORT={ray_client_port}\n" if ray_client_port is not None else
+                         "RAY_CLIENT_PORT=$((RAY_PORT + 500))\n"),
+        dashboard_note=("binds to the head's localhost only (reach it through `ssh -L`)" if dashboard else
+                        "is off (launch --dashboard starts it, bound to the head's localhost)"),
+        dashboard_args=("--include-dashboard=true --dashboard-host=127.0.0.1" if dashboard else
+                        "--include-dashboard=false"),
         # the SPECRL_* values the plan was checked with (a later `sbatch` from another shell gets the same run)
         env_exports="".join(f"export {k}={q(v)}\n" for k, v in sorted(os.environ.items()) if k.startswith("SPECRL_")),
         join_timeout_s=join_timeout_s, max_requeues=max_requeues, engine=q(engine),
@@ -176,6 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--account")
     p.add_argument("--venv", default=str(Path(sys.prefix)))
     p.add_argument("--ray-port", type=int, help="the Ray head's GCS port (default: 6379 + the job id mod 500)")
+    p.add_argument("--ray-client-port", type=int,
+                   help="the Ray client server's port, for ray.init('ray://HEAD:PORT') from outside the job "
+                        "(default: the GCS port + 500; Ray 2.60 opens one on every head, behind the job's token)")
+    p.add_argument("--dashboard", action="store_true",
+                   help="start Ray's dashboard, bound to the head node's localhost (default: off)")
     p.add_argument("--join-timeout-s", type=int, default=600, help="how long nodes may take to join Ray")
     p.add_argument("--max-requeues", type=int, default=3)
     p.add_argument("--out", help="where to write the sbatch script (default: <output_dir>/launch.sbatch)")
@@ -207,7 +241,7 @@ def launch_main(argv: list[str]) -> int:
                     args.time, args.partition, args.account, overrides, args.venv,
                     log_dir=str(Path(cfg.output_dir).resolve()), workdir=os.getcwd(), engine=cfg.rollout.engine,
                     ray_port=args.ray_port, join_timeout_s=args.join_timeout_s, max_requeues=args.max_requeues, plan_file=str(plan_file),
-                    first_resume=cfg.trainer.resume)
+                    first_resume=cfg.trainer.resume, ray_client_port=args.ray_client_port, dashboard=args.dashboard)
     out.write_text(script)
     plan_file.write_text("\n".join(f"{k}: {v}" for k, v in plan.rows()) + "\n")
     print(f"wrote {out}")

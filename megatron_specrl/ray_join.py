@@ -9,9 +9,12 @@ long as it needs, a node that never joins ends the job after `--timeout-s` with 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 import time
+
+from megatron_specrl.errors import quote_exception
 
 
 class ClusterJoinTimeout(RuntimeError):
@@ -25,6 +28,25 @@ def _head_reachable(address: str) -> bool:
             return True
     except OSError:
         return False
+
+
+def token_refused(address: str) -> str | None:
+    """Why the Ray head at `address` refuses this process's token (Ray's AuthenticationError, quoted), or
+    None where it accepts it or the head is down. ray.init meets the same refusal only as a ConnectionError
+    after about 20 s of retries, its cause in log lines; a GCS client raises it at once."""
+    from ray._raylet import GcsClient
+    from ray.exceptions import AuthenticationError
+    try:
+        GcsClient(address=address)
+    except AuthenticationError as e:
+        mode = os.environ.get("RAY_AUTH_MODE", "unset")
+        where = os.environ.get("RAY_AUTH_TOKEN_PATH", "~/.ray/auth_token")
+        return (f"the Ray head at {address} refused this process's token ({quote_exception(e)}); RAY_AUTH_MODE="
+                f"{mode}, token from {where}: every node and the driver need the job's token (the launch "
+                "script's RAY_AUTH_TOKEN_PATH)")
+    except Exception:   # not reachable, or no GCS there: ray.init's own error says so
+        return None
+    return None
 
 
 def head_ip(nodes: int) -> str:
@@ -56,13 +78,15 @@ def wait_for_cluster(address: str, nodes: int, gpus_per_node: int, timeout_s: fl
             raise ClusterJoinTimeout(f"--address={address}: the Ray head did not accept connections within "
                                      f"{timeout_s:g} s")
         time.sleep(poll_s)
+    refused = token_refused(address)
+    if refused:
+        raise ClusterJoinTimeout(f"--address={address}: {refused}")
     try:
         ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     except Exception as e:  # ConnectionError, or Ray's AuthenticationError when the token is not shared
-        raise ClusterJoinTimeout(f"--address={address}: cannot connect to the Ray head "
-                                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); with Ray's "
-                                 "token authentication every node needs the head's token (~/.ray/auth_token on a "
-                                 "shared home, or RAY_AUTH_TOKEN_PATH)") from None
+        raise ClusterJoinTimeout(f"--address={address}: cannot connect to the Ray head ({quote_exception(e)}); with "
+                                 "Ray's token authentication every node needs the head's token "
+                                 "(RAY_AUTH_TOKEN_PATH)") from None
     try:
         while True:
             ready = ready_nodes(ray.nodes(), gpus_per_node)

@@ -214,3 +214,120 @@ def launch_main_script(tmp_path) -> str:
     assert launch_main(["tiny-cpu-grpo", f"output_dir={tmp_path / 'o'}", "--nodes", "2", "--gpus-per-node", "0",
                         "--out", str(out)]) == 0
     return out.read_text()
+
+
+# --------------------------------------------------------------------------- Ray token authentication
+
+def _steps(text: str) -> list[str]:
+    """The script's commands that start a process on a node or talk to Ray: every srun and ray_join line."""
+    return [ln.strip() for ln in text.replace("\\\n", " ").splitlines()     # continuation lines joined
+            if not ln.lstrip().startswith("#") and ("srun " in ln or "megatron_specrl.ray_join" in ln)]
+
+
+def test_every_step_runs_with_the_jobs_token_and_the_script_holds_none(tmp_path):
+    """Ray's `ray start` cluster has no authentication by default: anyone reaching its ports runs code as
+    the job's user. The script generates a fresh token per job attempt into a directory of mode 0700,
+    passes its path (never the token) to every step, keeps the dashboard off and removes the token on exit."""
+    text = render(tmp_path, "qwen2.5-32b-dapo-4node")
+    steps = _steps(text)
+    assert len(steps) == 6, steps     # head ip, gpu stack, head, workers, ray_join, train
+    assert all('"${RAY_AUTH[@]}"' in ln for ln in steps), steps
+    assert 'RAY_AUTH=(env RAY_AUTH_MODE=token "RAY_AUTH_TOKEN_PATH=$RAY_AUTH_TOKEN_PATH")' in text
+    assert 'export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$RAY_AUTH_DIR/.ray/auth_token"' in text
+    assert "(umask 077 && mkdir -p \"$RAY_AUTH_DIR\"" in text and "get-auth-token --generate >/dev/null)" in text
+    assert 'chmod 600 "$RAY_AUTH_TOKEN_PATH"' in text and 'rm -rf "$RAY_AUTH_DIR"\n}' in text
+    assert "RAY_AUTH_TOKEN=" not in text
+    assert "--include-dashboard=false" in text and "--dashboard-host" not in text
+    on = render(tmp_path, "qwen2.5-32b-dapo-4node", "--dashboard", "--ray-client-port", "12001")
+    assert "--include-dashboard=true --dashboard-host=127.0.0.1" in on and "RAY_CLIENT_PORT=12001\n" in on
+
+
+def test_the_token_is_generated_private_and_never_printed(tmp_path):
+    """The script's token lines, run: the file is the user's alone (0600 in a 0700 directory), distinct per
+    job attempt, and neither the script's output nor the rendered files contain it."""
+    text = render(tmp_path, "tiny-cpu-grpo", f"output_dir={tmp_path / 'o'}")
+    start, end = text.index('RAY_AUTH_DIR="$OUTPUT_DIR'), text.index("mapfile -t nodes")
+    lines = "\n".join(ln for ln in text.splitlines() if ln.startswith(("VENV=", "OUTPUT_DIR=")))
+    snippet = f"set -euo pipefail\n{lines}\n{text[start:end]}\necho \"$RAY_AUTH_TOKEN_PATH\"\n"
+    tokens = []
+    for restart in ("0", "1"):
+        proc = subprocess.run(["bash", "-c", snippet], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": restart,
+                                   "RAY_AUTH_TOKEN": "from-the-users-shell"})
+        assert proc.returncode == 0, proc.stderr
+        path = Path(proc.stdout.strip().splitlines()[-1])
+        token = path.read_text()
+        assert len(token) >= 32 and token != "from-the-users-shell"
+        assert path.stat().st_mode & 0o777 == 0o600 and path.parent.parent.stat().st_mode & 0o777 == 0o700
+        assert token not in proc.stdout + proc.stderr
+        tokens.append(token)
+    assert tokens[0] != tokens[1]
+    for f in (tmp_path / "job dir").iterdir():
+        assert not any(t in f.read_text() for t in tokens), f
+
+
+FAKE_VENV = {
+    "python": '#!/bin/bash\nexec "$REAL_PYTHON" "$@"\n',
+    "ray": '#!/bin/bash\nexec "$REAL_RAY" "$@"\n',
+    # the job's train step: clients without the job's token (none, another job's), then train with another
+    # job's token and a client with the job's own
+    "megatron-specrl": textwrap.dedent("""\
+        #!/bin/bash
+        probe() { "$REAL_PYTHON" -m megatron_specrl.ray_join --address "$RAY_ADDRESS" --nodes 2 --timeout-s 60; }
+        cp "$RAY_AUTH_TOKEN_PATH" "$PROBE_DIR/token"
+        stat -c %a "$RAY_AUTH_TOKEN_PATH" > "$PROBE_DIR/mode"
+        env -u RAY_AUTH_MODE -u RAY_AUTH_TOKEN_PATH HOME="$PROBE_DIR/outsider" bash -c "$(declare -f probe); probe" \\
+            > "$PROBE_DIR/none.txt" 2>&1; echo "rc=$?" >> "$PROBE_DIR/none.txt"
+        (RAY_AUTH_TOKEN_PATH="$OTHER_TOKEN" probe) > "$PROBE_DIR/other.txt" 2>&1; echo "rc=$?" >> "$PROBE_DIR/other.txt"
+        (RAY_AUTH_TOKEN_PATH="$OTHER_TOKEN" "$REAL_PYTHON" -m megatron_specrl.cli train tiny-cpu-grpo ray.address=auto \\
+            model.warmup_steps=0 output_dir="$PROBE_DIR/train") > "$PROBE_DIR/train.txt" 2>&1
+        echo "rc=$?" >> "$PROBE_DIR/train.txt"
+        probe > "$PROBE_DIR/own.txt" 2>&1; echo "rc=$?" >> "$PROBE_DIR/own.txt"
+        """),
+}
+
+
+@pytest.mark.slow
+def test_the_jobs_ray_cluster_refuses_a_client_without_its_token(tmp_path):
+    """On the two-"node" loopback cluster the rendered script starts (fake srun): a client with no token or
+    another job's is refused in one line (ray_join exit 3, train exit 2 naming the token), the job's own
+    joins; the token file is 0600 and gone after the job, and the job's log never shows it."""
+    bin_dir, venv, probe = tmp_path / "bin", tmp_path / "venv", tmp_path / "probe"
+    for d, files in ((bin_dir, {"srun": FAKE_SRUN, "scontrol": FAKE_SCONTROL}), (venv / "bin", FAKE_VENV)):
+        d.mkdir(parents=True)
+        for name, body in files.items():
+            (d / name).write_text(body)
+            (d / name).chmod(0o755)
+    (probe / "outsider").mkdir(parents=True)
+    other = tmp_path / "other-job" / "auth_token"
+    other.parent.mkdir()
+    other.write_text("0" * 64)
+    out, script = tmp_path / "run out", tmp_path / "job.sbatch"
+    assert launch_main(["tiny-cpu-grpo", f"output_dir={out}", "--nodes", "2", "--gpus-per-node", "0",
+                        "--cpus-per-node", "1", "--venv", str(venv), "--ray-port", str(free_port("127.0.0.1")),
+                        "--join-timeout-s", "180", "--out", str(script)]) == 0
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="node-[a-b]",
+               SLURM_JOB_ID="43", SLURM_RESTART_COUNT="0", FAKE_SLURM_LOG=str(tmp_path / "slurm.log"),
+               REAL_PYTHON=sys.executable, REAL_RAY=str(Path(sys.executable).parent / "ray"), PYTHONPATH=str(ROOT),
+               PROBE_DIR=str(probe), OTHER_TOKEN=str(other), MEGATRON_SPECRL_CACHE=str(tmp_path / "cache"))
+    for k in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        env.pop(k, None)
+    proc = subprocess.Popen(["bash", str(script)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=600)
+    finally:
+        _kill_group(proc.pid)
+    assert proc.returncode == 0, log[-4000:]
+    token = (probe / "token").read_text()
+    assert len(token) >= 32 and token not in log and (probe / "mode").read_text().strip() == "600"
+    assert not (out / ".ray-auth" / "43-0").exists()             # removed by the EXIT trap
+    for name in ("none", "other"):
+        text = (probe / f"{name}.txt").read_text()
+        assert text.endswith("rc=3\n") and "refused this process's token (AuthenticationError: " in text, text
+    train = [ln for ln in (probe / "train.txt").read_text().splitlines() if ln.startswith("megatron-specrl:")]
+    assert (probe / "train.txt").read_text().endswith("rc=2\n"), (probe / "train.txt").read_text()[-3000:]
+    assert len(train) == 1 and train[0].startswith("megatron-specrl: config error: ray.address=auto: the Ray head") \
+        and "refused this process's token" in train[0], train
+    own = (probe / "own.txt").read_text()
+    assert "ray_join: 2 node(s) joined" in own and own.endswith("rc=0\n"), own

@@ -34,6 +34,14 @@ FAKE_PYTHON = textwrap.dedent("""\
 """)
 
 
+# `ray get-auth-token --generate` writes $HOME/.ray/auth_token (the script's private directory); the rest exits
+FAKE_RAY = textwrap.dedent("""\
+    #!/bin/bash
+    if [ "$1" = get-auth-token ]; then mkdir -p "$HOME/.ray" && printf fake-token > "$HOME/.ray/auth_token"; fi
+    exit 0
+""")
+
+
 FAKE_TRAIN = '#!/bin/bash\nprintf "%s\\n" "$@" > "$TRAIN_ARGS_FILE"\nexit 1\n'
 
 
@@ -44,7 +52,7 @@ def run_script(tmp_path, overrides, restart_count):
                         "--max-requeues", "0", "--out", str(script)]) == 0
     bin_dir, venv_bin = tmp_path / "bin", tmp_path / "venv" / "bin"
     for d, name, text in ((bin_dir, "srun", FAKE_SRUN), (bin_dir, "scontrol", "#!/bin/bash\necho node-a\n"),
-                          (venv_bin, "python", FAKE_PYTHON), (venv_bin, "ray", "#!/bin/bash\nexit 0\n"),
+                          (venv_bin, "python", FAKE_PYTHON), (venv_bin, "ray", FAKE_RAY),
                           (venv_bin, "megatron-specrl", FAKE_TRAIN)):
         d.mkdir(parents=True, exist_ok=True)
         (d / name).write_text(text)
