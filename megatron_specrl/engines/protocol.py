@@ -271,6 +271,10 @@ class InActor(ABC):
     @abstractmethod
     def restart(self) -> None: ...
 
+    @abstractmethod
+    def wait_started(self) -> None:
+        """Wait until a launched engine has built (an in-process engine has when its constructor returns)."""
+
 
 class RoutesToEngines(ABC):
     """Capability: the engine spreads its work over `engines` (engines.router.EngineRouter)."""

@@ -90,6 +90,9 @@ class _RayEngine(InActor):
     def restart(self):
         raise AssertionError("the routes never restart an engine")
 
+    def wait_started(self):
+        pass
+
 
 def _learner(ray, ranks: list[_LearnerRank]):
     cls = ray.remote(num_cpus=0)(_LearnerRank)
