@@ -270,7 +270,7 @@ FAKE_VENV = {
     "python": '#!/bin/bash\nexec "$REAL_PYTHON" "$@"\n',
     "ray": '#!/bin/bash\nexec "$REAL_RAY" "$@"\n',
     # the job's train step: clients without the job's token (none, another job's), then train with another
-    # job's token and a client with the job's own
+    # job's token, a client with the job's own and a driver (init_ray, as train's) running a task
     "megatron-specrl": textwrap.dedent("""\
         #!/bin/bash
         probe() { "$REAL_PYTHON" -m megatron_specrl.ray_join --address "$RAY_ADDRESS" --nodes 2 --timeout-s 60; }
@@ -283,6 +283,9 @@ FAKE_VENV = {
             model.warmup_steps=0 output_dir="$PROBE_DIR/train") > "$PROBE_DIR/train.txt" 2>&1
         echo "rc=$?" >> "$PROBE_DIR/train.txt"
         probe > "$PROBE_DIR/own.txt" 2>&1; echo "rc=$?" >> "$PROBE_DIR/own.txt"
+        "$REAL_PYTHON" -c 'import ray; from megatron_specrl.actors import init_ray; from megatron_specrl.config import \
+        RayConfig; init_ray(RayConfig(address="auto")); print(ray.get(ray.remote(lambda: "a task ran").remote()))' \
+            > "$PROBE_DIR/driver.txt" 2>&1
         """),
 }
 
@@ -331,3 +334,4 @@ def test_the_jobs_ray_cluster_refuses_a_client_without_its_token(tmp_path):
         and "refused this process's token" in train[0], train
     own = (probe / "own.txt").read_text()
     assert "ray_join: 2 node(s) joined" in own and own.endswith("rc=0\n"), own
+    assert "a task ran" in (probe / "driver.txt").read_text()     # the driver (init_ray) and its workers
