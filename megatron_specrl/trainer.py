@@ -43,9 +43,9 @@ def train_step(run: Run, step: int, hooks: faults.PhaseHooks = faults.PhaseHooks
     batch = build_batch(samples, torch.zeros(len(samples)), run.pad_id)
     batch["temperature"] = run.cfg.rollout.temperature   # learner log-probs are log_softmax(logits / T)
     metrics.update(advantages(run, batch, samples, rewards))          # 4. advantages (and the KL in the reward)
-    hooks.before("train", step)
     if ahead is not None and starts_ahead(run.cfg, step):   # the next step's rollout beside this train step
         ahead.start(run, step + 1, lambda: collect(run, step + 1))
+    hooks.before("train", step)
     sleeping = run.placement.engines_sleep_during_training
     metrics.update(learn(run, batch, release_engines=sleeping))       # 5. the learners' step
     next_rollout = ahead.wait() if ahead is not None else None        # engines change weights between batches only
