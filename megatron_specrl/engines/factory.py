@@ -89,8 +89,9 @@ def make_engine(rollout_cfg: RolloutConfig, model_path: str, log_dir: str | Path
 def wait_started(engine: RolloutEngine) -> None:
     """Wait for the engine(s) of make_engine(wait=False) to finish starting; a failed start raises
     EngineError, as inside make_engine. Engines that started already return at once."""
+    from megatron_specrl.engines.protocol import InActor
     from megatron_specrl.engines.router import EngineRouter
 
     for e in engine.engines if isinstance(engine, EngineRouter) else [engine]:
-        if hasattr(e, "wait_started"):   # a RayEngine; an in-process engine has started already
+        if isinstance(e, InActor):   # a RayEngine; an in-process engine has started already
             e.wait_started()

@@ -171,9 +171,9 @@ def load_tokenizer(model_path: str, model_dir: Path, hf_config: dict) -> PreTrai
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as e:   # OSError / ValueError / TypeError, depending on what is missing
-        raise ConfigError(f"model.path={model_path!r}: cannot load its tokenizer ({type(e).__name__}: "
-                          f"{' '.join(str(e).split())[:300]}); the directory needs tokenizer.json or "
-                          "tokenizer_config.json beside config.json") from None
+        from megatron_specrl.errors import quote_exception
+        raise ConfigError(f"model.path={model_path!r}: cannot load its tokenizer ({quote_exception(e)}); the "
+                          "directory needs tokenizer.json or tokenizer_config.json beside config.json") from None
     vocab = hf_config.get("vocab_size")
     if isinstance(vocab, int) and len(tokenizer) > vocab:
         raise ConfigError(f"model.path={model_path!r}: the tokenizer has {len(tokenizer)} tokens, more than the "

@@ -21,7 +21,7 @@ CAPABILITY_NAMES = (
     "draft_stats", "draft_state", "load_draft_state", "add_to_draft_trees",     # DraftsFromTrees
     "release_memory", "resume_memory",                                          # SleepsWhileTraining
     "run_in_workers",                                                           # RunsInWorkers
-    "submit", "submit_actor", "actor", "pid",                                   # InActor
+    "submit", "submit_actor", "actor", "pid", "wait_started", "restart",        # InActor
     "engines",                                                                  # RoutesToEngines
     "verifies_processed_distribution", "samples_coupled",                       # EngineCapabilities
 )
