@@ -1,4 +1,5 @@
-"""`megatron-specrl` console entry point: train, convert, check-resync, bench-rollout, bench-resync, doctor, launch."""
+"""`megatron-specrl` console entry point: train, convert, check-resync, bench-rollout, bench-train, bench-resync,
+doctor, launch."""
 
 from __future__ import annotations
 
@@ -123,6 +124,11 @@ def cmd_bench_rollout(args) -> int:
     return bench_rollout_main(args.rest)
 
 
+def cmd_bench_train(args) -> int:
+    from megatron_specrl.bench_train import bench_train_main
+    return bench_train_main(args.rest)
+
+
 def cmd_bench_resync(args) -> int:
     from megatron_specrl.diagnostics.bench_resync import bench_resync_main
     return bench_resync_main(args.rest)
@@ -149,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("convert", cmd_convert, "convert checkpoints between HF safetensors and Megatron TP/PP layouts"),
         ("check-resync", cmd_check_resync, "compare engine weights and log-probs with the learner's"),
         ("bench-rollout", cmd_bench_rollout, "benchmark speculative rollout modes side by side"),
+        ("bench-train", cmd_bench_train, "benchmark the whole step, synchronous and asynchronous, side by side"),
         ("bench-resync", cmd_bench_resync, "benchmark one weight resync from the learner to the engine"),
         ("doctor", cmd_doctor, "check the install (imports, pins, GPUs) and the learner's code paths against HF"),
         ("launch", cmd_launch, "render or submit a Slurm + Ray launch for a recipe"),
@@ -159,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-PASSTHROUGH = ("train", "convert", "check-resync", "bench-rollout", "bench-resync", "doctor", "launch")
+PASSTHROUGH = ("train", "convert", "check-resync", "bench-rollout", "bench-train", "bench-resync", "doctor", "launch")
 
 
 def main(argv: list[str] | None = None) -> int:

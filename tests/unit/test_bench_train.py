@@ -1,0 +1,40 @@
+"""bench-train's bookkeeping: what one run's rows give, the arms' overrides, refused arguments."""
+
+import pytest
+
+from megatron_specrl.bench_train import ARMS, FIRST_TIMED_STEP, _parse, summarize_run
+
+
+def _rows():
+    rows = [{"step": 0, "eval/accuracy": 0.4}]
+    for step in range(1, 9):
+        rows.append({"step": step, "time/step_s": 2.0 if step < FIRST_TIMED_STEP else 1.0 + step / 100,
+                     "time/train_s": 0.5, "time/rollout_s": 0.4, "time/learner_idle_s": 0.5,
+                     "time/engine_idle_s": 0.25, "async/staleness_mean": float(step > 1)})
+    rows.append({"step": 8, "eval/accuracy": 0.5})
+    return rows
+
+
+def test_a_runs_figures_leave_the_warm_up_steps_out_of_the_medians_and_fractions():
+    s = summarize_run(_rows(), wall_s=30.0)
+    assert s["step_s_median"] == pytest.approx(1.065)          # steps 5-8: 1.05, 1.06, 1.07, 1.08
+    assert s["loop_s"] == pytest.approx(4 * 2.0 + 1.05 + 1.06 + 1.07 + 1.08)
+    assert s["learner_idle"] == pytest.approx(4 * 0.5 / (1.05 + 1.06 + 1.07 + 1.08))
+    assert s["engine_idle"] == pytest.approx(4 * 0.25 / (1.05 + 1.06 + 1.07 + 1.08))
+    assert s["staleness_mean"] == pytest.approx(7 / 8)
+    assert (s["eval_start"], s["eval_end"], s["wall_s"]) == (0.4, 0.5, 30.0)
+
+
+def test_the_arms_cross_the_loop_with_plain_and_speculative_rollouts():
+    assert [a for a in ARMS if "trainer.max_staleness=1" in ARMS[a]] == ["async+off", "async+default"]
+    assert all("rollout.spec_mode=off" in ARMS[a] for a in ("sync+off", "async+off"))
+    assert not any(o.startswith("rollout.") for a in ("sync+default", "async+default") for o in ARMS[a])
+
+
+def test_unknown_arms_and_too_few_steps_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        _parse(["--arms", "sync+off,bogus"])
+    assert "unknown arm(s) bogus" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _parse(["--steps", "3"])
+    assert "--steps 3" in capsys.readouterr().err
