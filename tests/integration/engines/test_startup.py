@@ -7,9 +7,12 @@ from __future__ import annotations
 import time
 import pytest
 from megatron_specrl.config import LearnerConfig, RolloutConfig
+from megatron_specrl.engines.protocol import InActor
+
 
 class _FakeRayEngine:
-    """Stands in for RayEngine: records when it is created and when it is waited for."""
+    """Stands in for RayEngine (declared an engine in an actor, InActor, below): records when it is created
+    and when it is waited for."""
 
     def __init__(self, events, cls, kwargs, name, log_dir, wait=True, **kw):
         self.events, self.name, self.num_gpus = events, name, kw.get("num_gpus")
@@ -19,6 +22,9 @@ class _FakeRayEngine:
 
     def wait_started(self):
         self.events.append(("wait", self.name))
+
+
+InActor.register(_FakeRayEngine)
 
 
 def _fake_engines(monkeypatch, events):
