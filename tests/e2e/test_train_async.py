@@ -61,12 +61,12 @@ def test_a_run_killed_with_a_rollout_in_flight_resumes_as_the_uninterrupted_run(
 def test_an_overlapped_run_learns(tmp_path):
     """The tiny GRPO job, asynchronous: held-out accuracy at the end is above the start's, and training
     overlapped rollouts (time/overlap_s) with every batch at most one version behind."""
-    done = _train(tmp_path / "run", None, "trainer.total_steps=16", "trainer.eval_every=16",
-                  "trainer.checkpoint_every=0", "data.num_eval=128")
+    done = _train(tmp_path / "run", None, "trainer.total_steps=32", "trainer.eval_every=32",
+                  "trainer.checkpoint_every=0")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = _rows(tmp_path / "run" / "metrics.jsonl")
     evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
     assert len(evals) == 2 and evals[1] > evals[0], evals
     trained = [r for r in rows if "async/staleness_max" in r]
     assert max(r["async/staleness_max"] for r in trained) == 1
-    assert sum(r["time/overlap_s"] > 0 for r in trained) >= 14    # all but the last step and the eval step
+    assert sum(r["time/overlap_s"] > 0 for r in trained) >= 30    # all but the last (eval) step
