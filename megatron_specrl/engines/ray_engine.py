@@ -27,6 +27,18 @@ from megatron_specrl.engines.logs import tail_lines
 ACTOR_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
 
 
+def cpu_thread_env(binding: str | None) -> dict[str, str]:
+    """The OpenMP threads of a CPU engine's actor. vLLM applies VLLM_CPU_OMP_THREADS_BIND only to the worker
+    processes it spawns; our engines run in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so a one-worker
+    binding ("4,5") is applied here, before the actor's torch starts its thread pool: that many threads,
+    pinned to those CPUs (GOMP_CPU_AFFINITY, the GNU OpenMP of torch's CPU wheel). Without a binding, every
+    core of the node."""
+    if binding and binding not in ("auto", "nobind") and "|" not in binding:
+        cpus = [c for c in binding.split(",") if c.strip()]
+        return {"OMP_NUM_THREADS": str(len(cpus)), "GOMP_CPU_AFFINITY": " ".join(cpus)}
+    return {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}
+
+
 class EngineActor:
     """Runs in the actor process: builds the engine and forwards protocol calls. Weight syncs run
     resync.engine_actor's functions in here through Ray's `__ray_call__`."""
@@ -101,7 +113,7 @@ class RayEngine(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, RunsIn
         decode on one core while the learner sits idle during rollouts. Give it the node's cores."""
         env = dict(ACTOR_ENV)
         if not self.num_gpus:
-            env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+            env.update(cpu_thread_env(os.environ.get("VLLM_CPU_OMP_THREADS_BIND")))
         return env
 
     def restart(self) -> None:

@@ -23,6 +23,9 @@ def _rendezvous() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), free_port()
 
 
+LEARNER_CPUS = "SPECRL_LEARNER_CPUS"   # CPUs the learner ranks' one OpenMP thread each may run on
+
+
 def rank_env(num_gpus_per_rank: float, env: dict | None = None,
              environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The env_vars of each learner rank's actor (set before the process starts, so before CUDA
@@ -36,6 +39,9 @@ def rank_env(num_gpus_per_rank: float, env: dict | None = None,
     out = {"OMP_WAIT_POLICY": "PASSIVE"}
     if num_gpus_per_rank > 0:
         out["CUDA_DEVICE_MAX_CONNECTIONS"] = environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    elif environ.get(LEARNER_CPUS):   # run/overlap.split_cores: the cores the engines do not decode on
+        cpus = environ[LEARNER_CPUS].split(",")
+        out.update(OMP_NUM_THREADS="1", GOMP_CPU_AFFINITY=" ".join(cpus))
     return {**out, **(env or {})}
 
 

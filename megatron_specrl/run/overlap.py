@@ -148,8 +148,11 @@ def split_cores(cfg, environ=None, cpus: list[int] | None = None) -> str | None:
     if (cfg.trainer.max_staleness < 1 or torch.cuda.is_available() or "VLLM_CPU_OMP_THREADS_BIND" in environ
             or len(cpus) < 2 * tp):
         return None
+    from megatron_specrl.learner.group import LEARNER_CPUS
+
     engine_cpus = cpus[len(cpus) - max(tp, len(cpus) // 2):]
     per = len(engine_cpus) // tp
     lists = [engine_cpus[i * per:(i + 1) * per] for i in range(tp)]
     environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, c)) for c in lists)
+    environ[LEARNER_CPUS] = ",".join(map(str, cpus[:len(cpus) - len(engine_cpus)]))
     return environ["VLLM_CPU_OMP_THREADS_BIND"]

@@ -148,3 +148,18 @@ def test_staleness_needs_the_decoupled_correction():
         _cfg("trainer.max_staleness=1", "learner.loss.tis=off")
     with pytest.raises(Exception, match="recompute_old_logprobs=false"):
         _cfg("trainer.max_staleness=1", "learner.recompute_old_logprobs=false")
+
+
+def test_the_split_reaches_the_in_process_engine_and_the_learner_ranks_as_pinned_threads():
+    """vLLM applies its binding only to workers it spawns; ours run in-process, so the engine actor's env
+    pins its OpenMP threads itself, and the learner ranks get the other cores."""
+    from megatron_specrl.engines.ray_engine import cpu_thread_env
+    from megatron_specrl.learner.group import rank_env
+
+    env = {}
+    split_cores(_cfg("trainer.max_staleness=1"), env, cpus=[0, 1, 2, 3])
+    assert cpu_thread_env(env["VLLM_CPU_OMP_THREADS_BIND"]) == {"OMP_NUM_THREADS": "2", "GOMP_CPU_AFFINITY": "2 3"}
+    ranks = rank_env(0.0, environ=env)
+    assert ranks["OMP_NUM_THREADS"] == "1" and ranks["GOMP_CPU_AFFINITY"] == "0 1"
+    assert "GOMP_CPU_AFFINITY" not in rank_env(0.0, environ={})                      # synchronous: unpinned
+    assert set(cpu_thread_env(None)) == {"OMP_NUM_THREADS"} == set(cpu_thread_env("0,1|2,3"))   # TP workers: vLLM's
