@@ -73,7 +73,7 @@ def step_times(start: float, end: float, rollout: Collected, next_rollout: Colle
     own = overlap_s(window, (rollout.started, rollout.finished))
     ahead = overlap_s(window, (next_rollout.started, next_rollout.finished)) if next_rollout is not None else 0.0
     step_s = end - start
-    return {"time/step_s": step_s, "time/rollout_s": rollout.rollout_s, "time/overlap_s": ahead and min(ahead, train_s),
+    return {"time/step_s": step_s, "time/rollout_s": rollout.rollout_s, "time/overlap_s": min(ahead, train_s),
             "time/learner_idle_s": max(0.0, step_s - train_s), "time/engine_idle_s": max(0.0, step_s - own - ahead)}
 
 

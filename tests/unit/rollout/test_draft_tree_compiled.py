@@ -1,16 +1,11 @@
-"""Per-prompt draft trees (rollout/draft_tree.py): counts, matching, proposals, in-flight siblings,
-eviction, persistence. Expectations are computed by hand in the comments, plus one randomized
-cross-check against a brute-force reference of the documented trie semantics. Every test runs on
-both implementations: the Python automata and the compiled ones (rollout/draft_tree_compiled.py).
-
-The compiled draft trees (rollout/draft_tree_compiled.py) against the Python ones: driven by the same
+"""The compiled draft trees (rollout/draft_tree_compiled.py) against the Python ones: driven by the same
 random operations, they must give the same proposals, scores, counts and sizes, also while their
 arrays grow, keys are evicted, frozen requests match from scratch, keep_newest rebuilds a key and
 the pool is compacted. tests/unit/rollout/test_draft_tree.py runs every hand-checked test on both as well.
 
-Review tests for the draft trees: the compiled automata against the Python ones on inputs the
-other tests leave out (token ids at the int32 edges, negative ids, long repetitions, tight bounds,
-save/restore mid-run), and the stored sequences against the automata they were built into.
+Also the compiled automata against the Python ones on inputs the other tests leave out (token ids at
+the int32 edges, negative ids, long repetitions, tight bounds, save/restore mid-run), and the stored
+sequences against the automata they were built into.
 """
 
 import random
