@@ -363,6 +363,9 @@ class LearnerConfig(_Strict):
     tp: int = Field(1, ge=1, description="Tensor-parallel size [actor.megatron.tensor_model_parallel_size].")
     pp: int = Field(1, ge=1, description="Pipeline-parallel size [actor.megatron.pipeline_model_parallel_size].")
     dp: int = Field(1, ge=1, description="Data-parallel size.")
+    ep: int = Field(1, ge=1, description="Expert-parallel size of a mixture-of-experts model: its experts split "
+                    "over ep ranks inside each data-parallel group (must divide learner.dp and the number of "
+                    "experts); dense models: 1 [actor.megatron.expert_model_parallel_size].")
     micro_batch_size: int = Field(32, ge=1, description="Rows per microbatch [ppo_micro_batch_size_per_gpu].")
     max_tokens_per_microbatch: int | None = Field(None, gt=0, description="Token budget of a microbatch (dynamic "
                                                   "batching); unset: micro_batch_size rows "
@@ -654,6 +657,9 @@ class RunConfig(_Strict):
             # run would otherwise stop only after building and warming up the model)
             raise ValueError(f"data.num_synthetic={self.data.num_synthetic} is below {t.round_prompts_key()}: "
                              "a rollout round draws that many distinct prompts")
+        if le.dp % le.ep:
+            raise ValueError(f"learner.ep={le.ep} does not divide learner.dp={le.dp}: Megatron splits the experts "
+                             "over expert-parallel ranks inside each data-parallel group (raise learner.dp)")
         batch = self.trainer.prompts_per_step * r.n_samples
         if batch % (le.dp * le.mini_batches) != 0:
             raise ValueError(f"trainer.prompts_per_step * rollout.n_samples = {batch} is not divisible by "
