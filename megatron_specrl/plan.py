@@ -31,6 +31,12 @@ Memory model (bytes per GPU, the heaviest rank):
            foreach path on GPUs, whose sqrt of the second moments is one fp32 copy of every parameter
            it updates (on an H200 a 0.5B bf16 learner with full recompute peaked 2.0 GiB above its
            static memory in the step, 1.9 GiB of it that copy); TE's FusedAdam updates in place.
+           A mixture-of-experts learner (Qwen3-MoE, every layer an MoE layer) holds num_experts / ep
+           experts a rank, each split over TP (Megatron's expert TP defaults to TP), beside the
+           TP-split attention and the replicated router; the distributed optimizer shards the dense
+           parameters' states over dp and the experts' over the expert-data-parallel group, dp / ep
+           ranks (Megatron's expert_data_parallel_size = world / (expert TP x ep x pp)). The experts'
+           activations assume balanced routing: each token's top-k copies, wherever they are computed.
   scoring  the reference's log-probs, PPO's critic values and (use_kl_in_reward with
            recompute_old_logprobs) the policy's are forward passes over the batch before colocated
            engines release their memory (trainer.train_step): the static memory plus one microbatch's
@@ -82,15 +88,35 @@ class ModelShape:
     tied: bool
     qkv_bias: bool
     max_positions: int
+    qk_norm: bool = False    # Qwen3: an RMSNorm over each head's q and one over each k (head_dim weights each)
+    experts: int = 0         # routed experts of every layer's MoE MLP (0: a dense SwiGLU MLP of width ffn)
+    expert_ffn: int = 0      # each expert's SwiGLU width (moe_intermediate_size)
+    topk: int = 0            # experts each token is routed to (num_experts_per_tok)
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def mlp_width(self) -> tuple[str, int]:
+        """(config field, value) of the width TP splits in the MLP: intermediate_size, or each expert's."""
+        return ("moe_intermediate_size", self.expert_ffn) if self.moe else ("intermediate_size", self.ffn)
 
     @classmethod
     def from_hf(cls, hf) -> ModelShape:
         from megatron_specrl.learner.model_provider import head_dim, qkv_bias
+        moe = hf.model_type in MOE_MODEL_TYPES
         return cls(model_type=hf.model_type, hidden=hf.hidden_size, layers=hf.num_hidden_layers,
                    heads=hf.num_attention_heads, kv_heads=hf.num_key_value_heads or hf.num_attention_heads,
                    head_dim=head_dim(hf), ffn=hf.intermediate_size, vocab=hf.vocab_size,
                    tied=bool(getattr(hf, "tie_word_embeddings", False)), qkv_bias=qkv_bias(hf),
-                   max_positions=hf.max_position_embeddings)
+                   max_positions=hf.max_position_embeddings, qk_norm=hf.model_type in QK_NORM_MODEL_TYPES,
+                   experts=hf.num_experts if moe else 0, expert_ffn=hf.moe_intermediate_size if moe else 0,
+                   topk=hf.num_experts_per_tok if moe else 0)
+
+
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")   # q_norm / k_norm over each head (Megatron's qk_layernorm)
+MOE_MODEL_TYPES = ("qwen3_moe",)               # routed experts in every layer, no shared expert
 
 
 def load_hf_config(model_path: str):
@@ -120,19 +146,36 @@ TINY_VOCAB = 264   # models/tiny.py's tokenizer size
 
 # --------------------------------------------------------------------------- parameter counts
 
-def layer_parameters(s: ModelShape, tp: int) -> int:
-    """One transformer layer's parameters on one TP rank (Megatron's GPT layer: norms replicated)."""
+def dense_layer_parameters(s: ModelShape, tp: int) -> int:
+    """One layer's parameters outside its experts on one TP rank (Megatron's GPT layer): attention (and a
+    dense model's MLP) split over TP; the two layer norms, Qwen3's per-head q / k norms and an MoE
+    layer's router (num_experts x hidden, the same on every TP and EP rank) replicated."""
     qkv_out = (s.heads + 2 * s.kv_heads) * s.head_dim
-    sharded = s.hidden * qkv_out + s.heads * s.head_dim * s.hidden + 3 * s.hidden * s.ffn
+    sharded = s.hidden * qkv_out + s.heads * s.head_dim * s.hidden
+    if not s.moe:
+        sharded += 3 * s.hidden * s.ffn
     if s.qkv_bias:
         sharded += qkv_out
-    return sharded // tp + 2 * s.hidden
+    replicated = 2 * s.hidden + (2 * s.head_dim if s.qk_norm else 0) + s.experts * s.hidden
+    return sharded // tp + replicated
 
 
-def stage_parameters(s: ModelShape, tp: int, pp: int, stage: int, padded_vocab: int, role: str = "policy") -> int:
+def expert_layer_parameters(s: ModelShape, tp: int, ep: int = 1) -> int:
+    """One MoE layer's expert parameters on one rank: num_experts / ep experts, each a SwiGLU MLP (gate,
+    up, down of moe_intermediate_size) split over the expert TP size, Megatron's default: TP."""
+    return s.experts // ep * 3 * s.hidden * s.expert_ffn // tp
+
+
+def layer_parameters(s: ModelShape, tp: int, ep: int = 1) -> int:
+    """One transformer layer's parameters on one TP (and EP) rank."""
+    return dense_layer_parameters(s, tp) + expert_layer_parameters(s, tp, ep)
+
+
+def stage_parameters(s: ModelShape, tp: int, pp: int, stage: int, padded_vocab: int, role: str = "policy",
+                     ep: int = 1) -> int:
     """Parameters of one rank of pipeline stage `stage` (Megatron GPTModel with this project's options).
     A tied embedding is one tensor at pp=1; at pp>1 the last stage keeps its own copy of it."""
-    n = (s.layers // pp) * layer_parameters(s, tp)
+    n = (s.layers // pp) * layer_parameters(s, tp, ep)
     first, last = stage == 0, stage == pp - 1
     if first:
         n += padded_vocab * s.hidden // tp
@@ -145,9 +188,18 @@ def stage_parameters(s: ModelShape, tp: int, pp: int, stage: int, padded_vocab: 
     return n
 
 
-def full_parameters(s: ModelShape) -> int:
-    """The HF model's parameter count (unpadded vocab): what an engine holds."""
+def stage_expert_parameters(s: ModelShape, tp: int, pp: int, ep: int = 1) -> int:
+    """The expert parameters among stage_parameters (the same on every stage): their optimizer states
+    shard over the expert-data-parallel group, not over dp."""
+    return (s.layers // pp) * expert_layer_parameters(s, tp, ep)
+
+
+def full_parameters(s: ModelShape, active: bool = False) -> int:
+    """The HF model's parameter count (unpadded vocab): what an engine holds. `active`: the parameters
+    one token passes through, its num_experts_per_tok experts of each MoE layer instead of all."""
     n = s.layers * layer_parameters(s, 1) + s.vocab * s.hidden + s.hidden
+    if active and s.moe:
+        n -= s.layers * (s.experts - s.topk) * 3 * s.hidden * s.expert_ffn
     return n if s.tied else n + s.vocab * s.hidden
 
 
@@ -171,6 +223,8 @@ class LearnerMemory:
     scoring: int = 0
     # transient bytes of the optimizer step (optimizer_step_bytes), after backward freed the activations
     optimizer_step: int = 0
+    # the expert parameters among `params` (an MoE model: num_experts / ep experts, split over TP)
+    expert_params: int = 0
 
     @property
     def static(self) -> int:
@@ -186,11 +240,18 @@ def activation_elements_per_token_layer(s: ModelShape, tp: int, seq_len: int, fl
     with saved-tensor hooks (tests/unit/test_plan.py): the two norms' inputs and outputs; q after RoPE, q, k
     and v expanded to all heads for the batched matmuls (GQA included), the context and the projection
     input; SwiGLU's fc1 output (gate and up) and three ffn-wide intermediates; the attention scores (s
-    per head) unless flash attention keeps none. TransformerEngine's fused layers save less, so on GPUs
-    this errs high."""
+    per head) unless flash attention keeps none. Qwen3's q / k norms add their inputs and outputs. An
+    MoE layer (balanced routing) keeps each token's top-k copies: the permuted input and the expert
+    output (hidden each) and the expert SwiGLU's five tensors, plus the router's logits and scores.
+    TransformerEngine's fused layers save less, so on GPUs this errs high."""
     n = 4 * s.hidden                                  # norm inputs and outputs
     n += 7 * s.heads * s.head_dim // tp               # q (roped), q/k/v for bmm, context, proj input, ...
-    n += 5 * s.ffn // tp                              # fc1 output (2 ffn) + 3 ffn-wide SwiGLU tensors
+    if s.qk_norm:
+        n += 2 * (s.heads + s.kv_heads) * s.head_dim // tp   # q / k norm inputs and outputs
+    if s.moe:
+        n += s.topk * (5 * s.expert_ffn // tp + 2 * s.hidden) + 2 * s.experts
+    else:
+        n += 5 * s.ffn // tp                          # fc1 output (2 ffn) + 3 ffn-wide SwiGLU tensors
     if not flash:
         n += s.heads * seq_len // tp                  # softmax probabilities
     return n
@@ -205,6 +266,8 @@ def fp32_extra_bytes_per_token_layer(s: ModelShape, tp: int, seq_len: int, atten
     training peak was 13% above the estimate without this term and 3% with it. TransformerEngine's
     fused norms and flash attention (the GPU path the plan assumes for bf16) save neither."""
     extra = 4 * s.hidden * 2
+    if s.qk_norm:
+        extra += 2 * (s.heads + s.kv_heads) * s.head_dim // tp * 2
     if attention_probs:
         extra += s.heads * seq_len // tp * 4
     return extra
@@ -238,14 +301,15 @@ def adam_kind(cfg: RunConfig) -> str:
 def optimizer_step_bytes(s: ModelShape, tp: int, padded_vocab: int, params: int, kind: str) -> int:
     """Temporaries of one AdamW step: torch's foreach path allocates sqrt(exp_avg_sq) for all the
     parameters it updates at once (fp32; the rest of its update is in place), the per-tensor path one
-    tensor's worth (the largest: the vocabulary shard of the embedding or head, or fc1), FusedAdam none.
-    `params` is the optimizer's local parameter count (a DP shard with the distributed optimizer)."""
+    tensor's worth (the largest: the vocabulary shard of the embedding or head, or fc1, an expert's on
+    the local experts), FusedAdam none. `params` is the optimizer's local parameter count (a DP shard
+    with the distributed optimizer)."""
     if kind == "fused":
         return 0
     if kind == "foreach":
         return params * FP32
     if kind == "per_tensor":
-        return FP32 * s.hidden * max(padded_vocab // tp, 2 * s.ffn // tp)
+        return FP32 * s.hidden * max(padded_vocab // tp, 2 * s.mlp_width[1] // tp, s.experts)
     raise ValueError(f"unknown Adam kind {kind!r}")
 
 
@@ -254,7 +318,8 @@ def learner_memory(cfg: RunConfig, s: ModelShape, padded_vocab: int, flash: bool
     """The learner's bytes on its heaviest rank; `adam` overrides adam_kind(cfg) (a GPU without TE)."""
     le = cfg.learner
     w_bytes, g_bytes, o_bytes, a_bytes = learner_bytes(cfg)
-    params = max(stage_parameters(s, le.tp, le.pp, st, padded_vocab) for st in range(le.pp))
+    params = max(stage_parameters(s, le.tp, le.pp, st, padded_vocab, ep=le.ep) for st in range(le.pp))
+    experts = stage_expert_parameters(s, le.tp, le.pp, le.ep)
     seq = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
     rows = batch_arithmetic(cfg)["rows_per_dp_minibatch"]
     tokens = le.max_tokens_per_microbatch or min(le.micro_batch_size, rows) * seq
@@ -275,18 +340,22 @@ def learner_memory(cfg: RunConfig, s: ModelShape, padded_vocab: int, flash: bool
 
     logits = 2 * tokens * (padded_vocab // le.tp) * FP32           # logits + log-softmax, last stage
     acts = stage(in_flight) + logits if le.pp == 1 else max(stage(in_flight), stage(1) + logits)
-    def optimizer(n: int) -> int:
-        return math.ceil(n * o_bytes / le.dp) if le.distributed_optimizer else n * o_bytes
+    def local(n: int, bytes_each: int = 1) -> int:
+        """What one rank's Adam keeps of `n` parameters (bytes_each a parameter): the distributed optimizer
+        shards the dense ones over dp and the experts over the expert-data-parallel group (dp / ep)."""
+        if not le.distributed_optimizer:
+            return n * bytes_each
+        return math.ceil((n - experts) * bytes_each / le.dp) + math.ceil(experts * bytes_each / (le.dp // le.ep))
 
     critic = 0
     if cfg.algorithm.name == "ppo":
-        n = max(stage_parameters(s, le.tp, le.pp, st, padded_vocab, role="critic") for st in range(le.pp))
-        critic = n * (w_bytes + g_bytes) + optimizer(n)
+        n = max(stage_parameters(s, le.tp, le.pp, st, padded_vocab, role="critic", ep=le.ep) for st in range(le.pp))
+        critic = n * (w_bytes + g_bytes) + local(n, o_bytes)
     reference = params * w_bytes if cfg.needs_reference else 0
-    local = math.ceil(params / le.dp) if le.distributed_optimizer else params   # what one rank's Adam updates
-    step = optimizer_step_bytes(s, le.tp, padded_vocab, local, adam or adam_kind(cfg))
-    return LearnerMemory(params, params * w_bytes, params * g_bytes, optimizer(params), acts, tokens, in_flight,
-                         critic, reference, scoring_memory(cfg, s, padded_vocab, tokens, flash), step)
+    step = optimizer_step_bytes(s, le.tp, padded_vocab, local(params), adam or adam_kind(cfg))
+    return LearnerMemory(params, params * w_bytes, params * g_bytes, local(params, o_bytes), acts, tokens, in_flight,
+                         critic, reference, scoring_memory(cfg, s, padded_vocab, tokens, flash), step,
+                         expert_params=experts)
 
 
 def scoring_memory(cfg: RunConfig, s: ModelShape, padded_vocab: int, tokens: int, flash: bool) -> int:
@@ -389,13 +458,45 @@ def gpus_needed(cfg: RunConfig) -> tuple[int, int]:
 
 def _divisibility(cfg: RunConfig, s: ModelShape) -> list[str]:
     """The model's shape against the layout: config.divisibility_failures (the one rule, which the
-    trainer's own start-up check uses too), and the engines' context against its positions."""
+    trainer's own start-up check uses too), and the engines' context against its positions. An MoE
+    model's MLP is its experts: TP (Megatron's expert TP, and vLLM's fused MoE) splits each expert's
+    moe_intermediate_size, not the intermediate_size its config also carries."""
     le, r = cfg.learner, cfg.rollout
-    out = divisibility_failures(s.heads, s.kv_heads, s.layers, s.ffn, tp=le.tp, pp=le.pp, engine_tp=r.engine_tp,
-                                where=f"model.path={cfg.model.path!r}")
+    where = f"model.path={cfg.model.path!r}"
+    out = divisibility_failures(s.heads, s.kv_heads, s.layers, None if s.moe else s.ffn, tp=le.tp, pp=le.pp,
+                                engine_tp=r.engine_tp, where=where)
+    for key, size in (("learner.tp", le.tp), ("rollout.engine_tp", r.engine_tp)):
+        if s.moe and s.expert_ffn % size:    # one line a key, as divisibility_failures writes it
+            head, tail = f"{key}={size} does not divide ", f" of {where}"
+            i = next((i for i, line in enumerate(out) if line.startswith(head)), None)
+            if i is None:
+                out.append(f"{head}moe_intermediate_size={s.expert_ffn}{tail}")
+            else:
+                out[i] = out[i][:-len(tail)] + f" and moe_intermediate_size={s.expert_ffn}{tail}"
     if r.max_model_len > s.max_positions:
         out.append(f"rollout.max_model_len={r.max_model_len} exceeds the model's max_position_embeddings="
                    f"{s.max_positions}")
+    return out
+
+
+def _experts(cfg: RunConfig, hf, s: ModelShape, reported: list[str] = ()) -> list[str]:
+    """learner.ep against the model: the learner builds every layer of an MoE model as an MoE layer
+    (so a config with dense layers among them is refused, not counted as something else), splits the
+    experts evenly over ep ranks, and has no experts to split in a dense model. learner.ep dividing
+    learner.dp is the config's own rule (RunConfig refuses it before the plan runs). A field one of
+    the `reported` lines (the model builder's own check_hf_config) already names is not named twice."""
+    where, ep = f"model.path={cfg.model.path!r}", cfg.learner.ep
+    if not s.moe:
+        return [f"learner.ep={ep}: {where} is a dense model ({s.model_type}, no experts to split); use "
+                "learner.ep=1"] if ep > 1 else []
+    out = []
+    for key, value, allowed in (("decoder_sparse_step", getattr(hf, "decoder_sparse_step", 1), 1),
+                                ("mlp_only_layers", list(getattr(hf, "mlp_only_layers", None) or []), [])):
+        if value != allowed and not any(f"{key}=" in line for line in reported):
+            out.append(f"{where}: {key}={value}: the learner builds every layer as an MoE layer; only "
+                       f"{key}={allowed} is supported")
+    if s.experts % ep:
+        out.append(f"learner.ep={ep} does not divide num_experts={s.experts} of {where}")
     return out
 
 
@@ -477,8 +578,9 @@ def _memory(cfg: RunConfig, lm: LearnerMemory, em: EngineMemory) -> list[str]:
                    + (f"+ KL reference {lm.reference / GB:.1f} " if lm.reference else "")
                    + f"+ the larger of activations {lm.activations / GB:.1f} and the optimizer step's "
                    f"temporaries {lm.optimizer_step / GB:.1f}) at learner.tp={cfg.learner.tp} pp={cfg.learner.pp} "
-                   f"dp={cfg.learner.dp}; raise tp/pp, set learner.distributed_optimizer / learner.recompute, "
-                   "or lower learner.micro_batch_size")
+                   f"dp={cfg.learner.dp}" + (f" ep={cfg.learner.ep}" if lm.expert_params else "")
+                   + "; raise tp/pp" + ("/ep" if lm.expert_params else "") + ", set learner.distributed_optimizer / "
+                   "learner.recompute, or lower learner.micro_batch_size")
     if em.kv_space < em.max_model_len * em.kv_per_token:
         out.append(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization:g}: vLLM's {em.budget / GB:.1f} GiB leave "
                    f"{max(0, em.kv_space) / GB:.1f} GiB of KV cache after {em.weights / GB:.1f} GiB of weights per GPU, "
@@ -587,14 +689,19 @@ class Plan:
         gpu = f"{c.nodes} x {c.gpus_per_node} = {c.nodes * c.gpus_per_node} ({c.gpu_memory_gb:g} GiB)" \
             if c.gpus_per_node else f"{c.nodes} node(s), CPU"
         gb = lambda b: f"{b / GB:.1f} GiB" if b >= GB / 10 else f"{b / 2**20:.2f} MiB"
+        mlp = (f"{s.experts} experts (top {s.topk}) of ffn {s.expert_ffn}, {full_parameters(s):,} params, "
+               f"{full_parameters(s, active=True):,} active" if s.moe else f"ffn {s.ffn}, {full_parameters(s):,} params")
+        lm = self.learner
         return [
             ("model", f"{cfg.model.path} ({s.model_type}: {s.layers} layers, hidden {s.hidden}, heads {s.heads}/"
-                      f"{s.kv_heads} kv, ffn {s.ffn}, {full_parameters(s):,} params)"
+                      f"{s.kv_heads} kv, head_dim {s.head_dim}, {mlp})"
                       + ("; shape only (no weights beside config.json): the run needs the checkpoint's path, whose "
                          "tokenizer and prompt lengths it checks when it starts" if self.shape_only else "")),
             ("vocab", f"{s.vocab} -> {self.padded_vocab} padded (multiple of 128 x tp)"),
             ("cluster", gpu),
-            ("learner", f"tp {le.tp} x pp {le.pp} x dp {le.dp} = {learner_gpus} GPUs"),
+            ("learner", f"tp {le.tp} x pp {le.pp} x dp {le.dp} = {learner_gpus} GPUs"
+                        + (f"; ep {le.ep}: {s.experts // le.ep} of {s.experts} experts a GPU, expert-data-parallel "
+                           f"{le.dp // le.ep}" if s.moe else "")),
             ("engines", f"{r.num_engines} x engine_tp {r.engine_tp}, "
                         + ("colocated" if r.colocate else f"disaggregated ({engine_gpus} GPUs)")),
             ("batch", f"{cfg.trainer.prompts_per_step} prompts x {r.n_samples} = {ba['rows']} sequences; "
@@ -605,10 +712,13 @@ class Plan:
             ("lengths", f"prompt {cfg.data.max_prompt_len} + response {r.max_new_tokens}"
                         + (f" (overlong buffer {cfg.algorithm.overlong_buffer})" if cfg.algorithm.name == "dapo" else "")
                         + f", max_model_len {r.max_model_len}"),
-            ("learner params / GPU", f"{self.learner.params:,} (heaviest stage)"),
+            ("learner params / GPU", f"{lm.params:,} (heaviest stage)"
+                                     + (f", {lm.expert_params:,} of them in experts" if s.moe else "")),
             ("learner memory / GPU", f"weights {gb(self.learner.weights)} + grads {gb(self.learner.grads)} + optimizer "
                                      f"{gb(self.learner.optimizer)}"
-                                     + (" (distributed)" if le.distributed_optimizer else "")
+                                     + ((f" (distributed: dense states over dp {le.dp}, experts' over dp / ep "
+                                         f"{le.dp // le.ep})" if s.moe else " (distributed)")
+                                        if le.distributed_optimizer else "")
                                      + (" (bf16 weights, fp32 grads and master weights)"
                                         if le.precision == "bfloat16" else "")
                                      + (f" + PPO critic {gb(self.learner.critic)}" if self.learner.critic else "")
@@ -672,8 +782,9 @@ def build_plan(cfg: RunConfig, check_data: bool = True, loads_model: bool = Fals
     lm = learner_memory(cfg, s, padded, flash)
     draft, draft_failures = draft_model_shape(cfg, s)
     em = engine_memory(cfg, s, gpu_bytes, draft)
-    failures = (_hf_support(cfg, hf) + _divisibility(cfg, s) + _layout(cfg) + _transport(cfg) + draft_failures
-                + _memory(cfg, lm, em))
+    unsupported = _hf_support(cfg, hf)
+    failures = (unsupported + _divisibility(cfg, s) + _experts(cfg, hf, s, unsupported) + _layout(cfg)
+                + _transport(cfg) + draft_failures + _memory(cfg, lm, em))
     tokenizer, model_failures = _model_files(cfg, loads_model)
     failures += model_failures
     if check_data:
@@ -699,8 +810,9 @@ def check_convert_layout(hf_dir: str | Path, tp: int, pp: int) -> None:
     out = []
     bad = [f"{name}={n}" for name, n in (("num_attention_heads", s.heads), ("num_key_value_heads", s.kv_heads))
            if n % tp]
-    if s.ffn % tp:     # the MLP's column / row-parallel split (Megatron's divide() asserts it)
-        bad.append(f"intermediate_size={s.ffn}")
+    mlp_field, width = s.mlp_width
+    if width % tp:     # the MLP's (each expert's) column / row-parallel split (Megatron's divide() asserts it)
+        bad.append(f"{mlp_field}={width}")
     if bad:
         out.append(f"--tp={tp} does not divide {' and '.join(bad)} of {hf_dir}")
     if s.layers % pp:
