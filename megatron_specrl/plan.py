@@ -487,8 +487,8 @@ def _experts(cfg: RunConfig, hf, s: ModelShape, reported: list[str] = ()) -> lis
     the `reported` lines (the model builder's own check_hf_config) already names is not named twice."""
     where, ep = f"model.path={cfg.model.path!r}", cfg.learner.ep
     if not s.moe:
-        return [f"learner.ep={ep}: {where} is a dense model ({s.model_type}, no experts to split); use "
-                "learner.ep=1"] if ep > 1 else []
+        dense = f"learner.ep={ep}: {where} is a dense model ({s.model_type}, no experts to split); use learner.ep=1"
+        return [dense] if ep > 1 else []
     out = []
     for key, value, allowed in (("decoder_sparse_step", getattr(hf, "decoder_sparse_step", 1), 1),
                                 ("mlp_only_layers", list(getattr(hf, "mlp_only_layers", None) or []), [])):

@@ -35,8 +35,12 @@ from tests.helpers.paths import REPO_ROOT
 # ---- The plan check: the shipped cluster recipes pass it, each broken variant fails with its named
 
 ROOT = REPO_ROOT
-CLUSTER_RECIPES = ["qwen2.5-7b-dapo-1node", "qwen2.5-32b-dapo-4node", "llama-3.1-70b-dapo-8node"]
-MODELS = {"qwen2.5-7b": 7.615616512e9, "qwen2.5-32b": 32.763876352e9, "llama-3.1-70b": 70.553706496e9}
+CLUSTER_RECIPES = ["qwen2.5-7b-dapo-1node", "qwen2.5-32b-dapo-4node", "llama-3.1-70b-dapo-8node",
+                   "qwen3-8b-dapo-1node", "qwen3-30b-a3b-dapo-3node"]
+# the published checkpoints' parameter counts (their safetensors)
+MODELS = {"qwen2.5-7b": 7.615616512e9, "qwen2.5-32b": 32.763876352e9, "llama-3.1-70b": 70.553706496e9,
+          "qwen3-8b": 8.190735360e9, "qwen3-30b-a3b": 30.532122624e9}
+ACTIVE = {"qwen3-30b-a3b": 3.353032704e9}   # Qwen3-30B-A3B: "3.3B activated" (8 of 128 experts a layer)
 
 
 @pytest.fixture(autouse=True)
@@ -61,6 +65,176 @@ def test_shipped_model_shapes_have_the_published_sizes(model, params):
     from megatron_specrl.plan import full_parameters
     s = ModelShape.from_hf(load_hf_config(f"examples/models/{model}"))
     assert full_parameters(s) == params
+    assert full_parameters(s, active=True) == ACTIVE.get(model, params)   # a dense model: all of them active
+
+
+@pytest.mark.parametrize("recipe", CLUSTER_RECIPES)
+def test_cluster_recipes_render_their_launch_scripts(recipe, tmp_path):
+    """`launch` runs the plan and renders the job with the recipe's nodes and GPUs, the plan beside it
+    (tests/e2e/test_launch.py runs bash -n and shellcheck on rendered scripts)."""
+    script = tmp_path / "job.sbatch"
+    assert launch_main([recipe, f"output_dir={tmp_path / 'out'}", "--out", str(script)]) == 0
+    text = script.read_text()
+    cfg = load_config(ROOT / "examples" / f"{recipe}.yaml")
+    sbatch = _sbatch_lines(text)
+    assert sbatch["#SBATCH --nodes"] == [f"--nodes={cfg.cluster.nodes}"]
+    assert sbatch["#SBATCH --gpus-per-node"] == [f"--gpus-per-node={cfg.cluster.gpus_per_node}"]
+    assert f"RECIPE={ROOT / 'examples' / f'{recipe}.yaml'}" in text or f"{recipe}.yaml" in text
+    plan = script.with_suffix(".plan.txt").read_text()
+    assert plan.startswith("model: ") and "learner memory / GPU" in plan
+
+
+# --------------------------------------------------------------------------- Qwen3 and Qwen3-MoE shapes
+
+def _shape_dir(tmp_path: Path, base: str, **fields) -> Path:
+    """A shape-only copy of examples/models/<base> with `fields` changed."""
+    cfg = json.loads((ROOT / "examples" / "models" / base / "config.json").read_text())
+    cfg.update(fields)
+    d = tmp_path / (base + "".join(f"-{k}{v}" for k, v in fields.items()).replace(" ", ""))
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+# Qwen3-30B-A3B by hand: attention (q 32 x 128 and k / v 4 x 128 of hidden 2048, o back) split over TP; the
+# two layer norms, the q / k norms (head_dim 128 each) and the router (128 experts x 2048) replicated; each
+# expert gate / up / down of 768 split over TP (expert TP = TP), num_experts / ep of them a rank.
+H, LAYERS, VOCAB, EXPERTS, TOPK = 2048, 48, 151936, 128, 8
+ATTENTION = H * (32 + 2 * 4) * 128 + 32 * 128 * H
+REPLICATED = 2 * H + 2 * 128 + EXPERTS * H
+EXPERT = 3 * H * 768
+
+
+def test_qwen3_dense_counts_the_qk_norms_the_configs_head_dim_and_tied_embeddings(tmp_path):
+    """Qwen3-4B's shape: head_dim 128 although hidden 2560 / 32 heads is 80, per-head q / k norms, no QKV
+    bias, tied embeddings: 4,022,468,096 parameters (the published checkpoint). At TP 4 a rank holds a
+    quarter of the attention and MLP, the norms whole, and the one (tied) embedding shard at pp 1."""
+    from megatron_specrl.learner.model_provider import padded_vocab_size
+    from megatron_specrl.plan import full_parameters, layer_parameters, stage_parameters
+    d = _shape_dir(tmp_path, "qwen3-8b", hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True)
+    s = ModelShape.from_hf(load_hf_config(str(d)))
+    assert (s.head_dim, s.qk_norm, s.qkv_bias, s.tied) == (128, True, False, True)
+    sharded = 2560 * (32 + 2 * 8) * 128 + 32 * 128 * 2560 + 3 * 2560 * 9728
+    norms = 2 * 2560 + 2 * 128
+    assert layer_parameters(s, 1) == sharded + norms
+    assert full_parameters(s) == 36 * (sharded + norms) + VOCAB * 2560 + 2560 == 4_022_468_096
+    padded = padded_vocab_size(VOCAB, 4)
+    assert stage_parameters(s, 4, 1, 0, padded) == 36 * (sharded // 4 + norms) + padded * 2560 // 4 + 2560
+    untied = ModelShape.from_hf(load_hf_config("examples/models/qwen3-8b"))
+    assert not untied.tied and full_parameters(untied) == 36 * layer_parameters(untied, 1) + 2 * VOCAB * 4096 + 4096
+
+
+def test_moe_parameters_per_gpu_divide_experts_by_ep_and_attention_by_tp():
+    """The 30B-A3B recipe at tp 2 x dp 8, ep 4: 32 experts a rank, each half its width; attention halved;
+    norms and router whole; the untied embedding and head split over TP (vocab padded to 256 x 594)."""
+    cfg = load_config(ROOT / "examples/qwen3-30b-a3b-dapo-3node.yaml", ["learner.tp=2", "learner.dp=8", "learner.ep=4",
+                                                                        "cluster.gpu_memory_gb=10000"])
+    plan = build_plan(cfg, check_data=False)
+    experts = LAYERS * (EXPERTS // 4) * EXPERT // 2
+    padded = 152064
+    assert plan.padded_vocab == padded
+    assert plan.learner.expert_params == experts
+    assert plan.learner.params == LAYERS * (ATTENTION // 2 + REPLICATED) + experts + 2 * padded * H // 2 + H
+    assert (plan.learner.weights, plan.learner.grads) == (2 * plan.learner.params, 4 * plan.learner.params)
+    rows = dict(plan.rows())
+    assert "ep 4: 32 of 128 experts a GPU, expert-data-parallel 2" in rows["learner"]
+    assert f"{plan.learner.params:,} (heaviest stage), {experts:,} of them in experts" in rows["learner params / GPU"]
+
+
+def test_the_distributed_optimizer_shards_expert_states_over_dp_over_ep():
+    """Megatron's distributed optimizer: the dense parameters' fp32 master weights and moments (12 bytes)
+    split over dp 16, the experts' over the expert-data-parallel group, dp / ep ranks; without it every
+    rank keeps its local shards' whole Adam state."""
+    recipe = ROOT / "examples/qwen3-30b-a3b-dapo-3node.yaml"
+    dense = LAYERS * (ATTENTION + REPLICATED) + 2 * VOCAB * H + H
+    for ep in (8, 16, 2):
+        lm = build_plan(load_config(recipe, [f"learner.ep={ep}", "cluster.gpu_memory_gb=10000"]), check_data=False).learner
+        experts = LAYERS * (EXPERTS // ep) * EXPERT
+        assert (lm.params, lm.expert_params) == (dense + experts, experts)
+        assert lm.optimizer == -(-12 * dense // 16) + -(-12 * experts // (16 // ep)), ep
+    fp32 = build_plan(load_config(recipe, ["learner.precision=float32", "learner.distributed_optimizer=false",
+                                           "cluster.gpu_memory_gb=10000"]), check_data=False).learner
+    assert fp32.optimizer == 8 * fp32.params == 8 * (dense + LAYERS * 16 * EXPERT)
+
+
+def test_the_moe_table_shows_total_and_active_parameters():
+    plan = build_plan(load_config(ROOT / "examples/qwen3-30b-a3b-dapo-3node.yaml"), check_data=False)
+    active = LAYERS * (ATTENTION + REPLICATED + TOPK * EXPERT) + 2 * VOCAB * H + H
+    total = active + LAYERS * (EXPERTS - TOPK) * EXPERT
+    assert "128 experts (top 8) of ffn 768, " f"{total:,} params, {active:,} active" in dict(plan.rows())["model"]
+    assert "dense states over dp 16, experts' over dp / ep 2" in dict(plan.rows())["learner memory / GPU"]
+
+
+def _one_plan_line(capsys, argv: list[str], tmp_path: Path) -> str:
+    """`train --dry-run` and `launch` both refuse with the same one line, and launch writes nothing."""
+    assert main(["train", *argv, "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    script = tmp_path / "job.sbatch"
+    assert main(["launch", *argv, "--out", str(script)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == err
+    assert not script.exists() and not script.with_suffix(".plan.txt").exists()
+    return err[0]
+
+
+def test_an_ep_that_does_not_divide_the_experts_is_refused_in_one_line(tmp_path, capsys):
+    model = _shape_dir(tmp_path, "qwen3-30b-a3b", num_experts=60)
+    line = _one_plan_line(capsys, ["qwen3-30b-a3b-dapo-3node", f"model.path={model}"], tmp_path)
+    assert line == f"megatron-specrl: plan error: learner.ep=8 does not divide num_experts=60 of model.path={str(model)!r}"
+
+
+def test_an_ep_on_a_dense_model_is_refused_in_one_line(tmp_path, capsys):
+    line = _one_plan_line(capsys, ["qwen3-8b-dapo-1node", "learner.ep=2"], tmp_path)
+    assert line == ("megatron-specrl: plan error: learner.ep=2: model.path='examples/models/qwen3-8b' is a dense "
+                    "model (qwen3, no experts to split); use learner.ep=1")
+
+
+def test_an_ep_that_does_not_divide_dp_is_refused_in_one_line(tmp_path, capsys):
+    assert main(["train", "qwen3-30b-a3b-dapo-3node", "learner.ep=32", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "learner.ep=32 does not divide learner.dp=16" in err[0], err
+    assert main(["launch", "qwen3-30b-a3b-dapo-3node", "learner.ep=32", "--out", str(tmp_path / "x.sbatch")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == err and not (tmp_path / "x.sbatch").exists()
+
+
+@pytest.mark.parametrize("field, value", [("decoder_sparse_step", 2), ("mlp_only_layers", [0, 47])])
+def test_an_moe_config_with_dense_layers_is_refused_in_one_line(field, value, tmp_path, capsys):
+    """The learner builds every layer of a Qwen3-MoE model as an MoE layer: a config with dense layers among
+    them would be counted (and trained) as something else."""
+    model = _shape_dir(tmp_path, "qwen3-30b-a3b", **{field: value})
+    line = _one_plan_line(capsys, ["qwen3-30b-a3b-dapo-3node", f"model.path={model}"], tmp_path)
+    assert f"model.path={str(model)!r}: {field}={value}" in line and "every layer as an MoE layer" in line, line
+
+
+def test_moe_tp_checks_each_experts_width_not_intermediate_size(tmp_path):
+    """Megatron's expert TP and vLLM's fused MoE split moe_intermediate_size; the intermediate_size a
+    Qwen3-MoE config also carries (for dense layers it has none of) is not split."""
+    odd_dense = _shape_dir(tmp_path, "qwen3-30b-a3b", intermediate_size=6145)
+    build_plan(load_config(ROOT / "examples/qwen3-30b-a3b-dapo-3node.yaml", [f"model.path={odd_dense}"]),
+               check_data=False)
+    odd_expert = _shape_dir(tmp_path, "qwen3-30b-a3b", moe_intermediate_size=102)
+    with pytest.raises(PlanError) as e:
+        build_plan(load_config(ROOT / "examples/qwen3-30b-a3b-dapo-3node.yaml", [f"model.path={odd_expert}"]),
+                   check_data=False)
+    want = f"rollout.engine_tp=4 does not divide moe_intermediate_size=102 of model.path={str(odd_expert)!r}"
+    assert e.value.failures == [want]
+    with pytest.raises(PlanError) as e:
+        build_plan(load_config(ROOT / "examples/qwen3-30b-a3b-dapo-3node.yaml",
+                               ["learner.tp=5"]), check_data=False)
+    assert any(line.startswith("learner.tp=5 does not divide num_attention_heads=32 and num_key_value_heads=4 and "
+                               "moe_intermediate_size=768 of ") for line in e.value.failures), e.value.failures
+
+
+def test_moe_engine_tp_still_follows_the_kv_head_rules():
+    """vLLM serves the experts with its own parallelism; its attention still splits (or, at a multiple of
+    them, replicates) the 4 KV heads: engine_tp 8 replicates them, 3 divides neither way."""
+    recipe = ROOT / "examples/qwen3-30b-a3b-dapo-3node.yaml"
+    plan = build_plan(load_config(recipe, ["rollout.engine_tp=8", "rollout.num_engines=1"]), check_data=False)
+    assert plan.engine.kv_per_token == 2 * LAYERS * 1 * 128 * 2
+    assert plan.engine.weights == (LAYERS * (ATTENTION + REPLICATED + EXPERTS * EXPERT) + 2 * VOCAB * H + H) * 2 // 8
+    with pytest.raises(PlanError, match="rollout.engine_tp=3 does not divide num_attention_heads=32 and "
+                                        "num_key_value_heads=4 of"):
+        build_plan(load_config(recipe, ["rollout.engine_tp=3"]), check_data=False)
 
 
 BROKEN = [
@@ -456,7 +630,7 @@ def test_sbatch_parser_port_matches_the_simple_cases():
 
 # --------------------------------------------------------------------------- recipe pages vs recipes
 
-@pytest.mark.parametrize("recipe", ["qwen2.5-7b-dapo-1node", "qwen2.5-32b-dapo-4node", "llama-3.1-70b-dapo-8node"])
+@pytest.mark.parametrize("recipe", CLUSTER_RECIPES)
 def test_recipe_pages_state_the_recipes_sampling_tries(recipe):
     """The 7B page said dynamic sampling with `<= 4 tries` while the recipe set max_sampling_tries: 30."""
     page = (ROOT / "docs" / "recipes" / f"{recipe}.md").read_text()

@@ -13,7 +13,8 @@ from tests.helpers.paths import REPO_ROOT
 
 ROOT = REPO_ROOT
 RECIPES = sorted(p.stem for p in (ROOT / "examples").glob("*.yaml"))
-CLUSTER_DAPO = ["qwen2.5-7b-dapo-1node", "qwen2.5-32b-dapo-4node", "llama-3.1-70b-dapo-8node"]
+CLUSTER_DAPO = ["qwen2.5-7b-dapo-1node", "qwen2.5-32b-dapo-4node", "llama-3.1-70b-dapo-8node",
+                "qwen3-8b-dapo-1node", "qwen3-30b-a3b-dapo-3node"]
 SECTIONS = {"rollout": RolloutConfig, "learner": LearnerConfig, "algorithm": AlgorithmConfig,
             "learner.loss": LossConfig}
 
@@ -58,6 +59,30 @@ def test_cluster_recipes_give_long_generations_more_than_the_default_engine_time
     cfg = load_config(ROOT / "examples" / f"{recipe}.yaml")
     default = RolloutConfig.model_fields["engine_timeout_s"].default
     assert cfg.rollout.engine_timeout_s > default and cfg.rollout.max_new_tokens >= 8192
+
+
+@pytest.mark.parametrize("recipe", ["qwen3-8b-dapo-1node", "qwen3-30b-a3b-dapo-3node"])
+def test_qwen3_recipes_use_verls_qwen3_dapo_lengths(recipe):
+    """verl recipe/dapo's Qwen3 scripts: max_prompt_length 2048, max_response_length 8192."""
+    cfg = load_config(ROOT / "examples" / f"{recipe}.yaml")
+    assert (cfg.data.max_prompt_len, cfg.rollout.max_new_tokens) == (2048, 8192)
+    assert cfg.rollout.max_model_len == 2048 + 8192
+
+
+def test_the_moe_recipe_splits_its_experts_and_its_page_names_the_token_dispatcher():
+    """The Qwen3-30B-A3B recipe trains with expert parallelism, bf16 and the distributed optimizer; its
+    page names the dispatcher the learner's TransformerConfig uses, and the CPU path's."""
+    from megatron_specrl.learner.model_provider import transformer_config_from_hf
+    from megatron_specrl.plan import load_hf_config
+    cfg = load_config(ROOT / "examples" / "qwen3-30b-a3b-dapo-3node.yaml")
+    le = cfg.learner
+    assert le.ep > 1 and le.dp % le.ep == 0 and le.precision == "bfloat16" and le.distributed_optimizer
+    tc = transformer_config_from_hf(load_hf_config(cfg.model.path), use_cpu=True)
+    page = (ROOT / "docs" / "recipes" / "qwen3-30b-a3b-dapo-3node.md").read_text()
+    assert "**alltoall** token dispatcher" in page and tc.moe_token_dispatcher_type == "alltoall"
+    assert "On CPU over gloo the learner runs the same alltoall dispatcher with\nMegatron's local (SequentialMLP) " \
+           "experts" in page
+    assert f"TP {le.tp} x PP {le.pp} x DP {le.dp} = {le.tp * le.pp * le.dp} GPUs" in page and f"**EP {le.ep}**" in page
 
 
 
