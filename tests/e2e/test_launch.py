@@ -105,42 +105,6 @@ FAKE_SCONTROL = textwrap.dedent("""\
 """)
 
 
-@pytest.mark.slow
-def test_two_node_ray_cluster_runs_a_tiny_job(tmp_path):
-    """The rendered script, under a fake srun, starts a Ray head and a worker on loopback, waits until
-    both joined (ray_join), checks the stack on each "node", trains a tiny GRPO step, and stops."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
-        (bin_dir / name).write_text(body)
-        (bin_dir / name).chmod(0o755)
-    out = tmp_path / "run out"
-    script = tmp_path / "job.sbatch"
-    assert launch_main(["tiny-cpu-grpo", f"output_dir={out}", "trainer.total_steps=1", "model.warmup_steps=0",
-                        "data.num_synthetic=16", "trainer.prompts_per_step=8", "rollout.n_samples=4",
-                        "rollout.max_new_tokens=16", "rollout.kv_cache_gb=0.25", "data.num_eval=0",
-                        "trainer.eval_every=0", "trainer.checkpoint_every=0",
-                        "logging.wandb=false", "logging.plots=false", "trainer.export_hf=false",
-                        "--nodes", "2", "--gpus-per-node", "0", "--cpus-per-node", "2",
-                        "--ray-port", str(free_port("127.0.0.1")), "--join-timeout-s", "180",
-                        "--out", str(script)]) == 0
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="node-[a-b]",
-               SLURM_JOB_ID="42", SLURM_RESTART_COUNT="0", FAKE_SLURM_LOG=str(tmp_path / "slurm.log"),
-               RAY_AUTH_MODE="disabled", MEGATRON_SPECRL_CACHE=str(tmp_path / "cache"))
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.Popen(["bash", str(script)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=900)
-    finally:
-        _kill_group(proc.pid)
-    assert proc.returncode == 0, log[-4000:]
-    assert log.count("gpu_stack[") == 2 and "ray_join: 2 node(s) joined" in log
-    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows][-1] == 1
-    assert not (tmp_path / "slurm.log").exists()       # a finished job does not requeue
-
-
 def _kill_group(pgid: int) -> None:
     """The job's process group (ray start --block and the raylets it spawned), which this test started."""
     for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 0)):
@@ -270,7 +234,8 @@ FAKE_VENV = {
     "python": '#!/bin/bash\nexec "$REAL_PYTHON" "$@"\n',
     "ray": '#!/bin/bash\nexec "$REAL_RAY" "$@"\n',
     # the job's train step: clients without the job's token (none, another job's), then train with another
-    # job's token, a client with the job's own and a driver (init_ray, as train's) running a task
+    # job's token, a client with the job's own and a driver (init_ray, as train's) running a task; then the
+    # job's own train (the real entry point, with the step's arguments)
     "megatron-specrl": textwrap.dedent("""\
         #!/bin/bash
         probe() { "$REAL_PYTHON" -m megatron_specrl.ray_join --address "$RAY_ADDRESS" --nodes 2 --timeout-s 60; }
@@ -286,15 +251,18 @@ FAKE_VENV = {
         "$REAL_PYTHON" -c 'import ray; from megatron_specrl.actors import init_ray; from megatron_specrl.config import \
         RayConfig; init_ray(RayConfig(address="auto")); print(ray.get(ray.remote(lambda: "a task ran").remote()))' \
             > "$PROBE_DIR/driver.txt" 2>&1
+        exec "$REAL_SPECRL" "$@"
         """),
 }
 
 
 @pytest.mark.slow
-def test_the_jobs_ray_cluster_refuses_a_client_without_its_token(tmp_path):
-    """On the two-"node" loopback cluster the rendered script starts (fake srun): a client with no token or
-    another job's is refused in one line (ray_join exit 3, train exit 2 naming the token), the job's own
-    joins; the token file is 0600 and gone after the job, and the job's log never shows it."""
+def test_two_node_ray_cluster_runs_a_tiny_job_and_refuses_a_client_without_its_token(tmp_path):
+    """The rendered script, under a fake srun, starts a Ray head and a worker on loopback, waits until
+    both joined (ray_join), checks the stack on each "node", trains a tiny GRPO step, and stops. On that
+    cluster a client with no token or another job's is refused in one line (ray_join exit 3, train exit 2
+    naming the token), the job's own joins; the token file is 0600 and gone after the job, and the job's
+    log never shows it. One test, so one cluster starts (each took a minute)."""
     bin_dir, venv, probe = tmp_path / "bin", tmp_path / "venv", tmp_path / "probe"
     for d, files in ((bin_dir, {"srun": FAKE_SRUN, "scontrol": FAKE_SCONTROL}), (venv / "bin", FAKE_VENV)):
         d.mkdir(parents=True)
@@ -306,22 +274,34 @@ def test_the_jobs_ray_cluster_refuses_a_client_without_its_token(tmp_path):
     other.parent.mkdir()
     other.write_text("0" * 64)
     out, script = tmp_path / "run out", tmp_path / "job.sbatch"
-    assert launch_main(["tiny-cpu-grpo", f"output_dir={out}", "--nodes", "2", "--gpus-per-node", "0",
-                        "--cpus-per-node", "1", "--venv", str(venv), "--ray-port", str(free_port("127.0.0.1")),
-                        "--join-timeout-s", "180", "--out", str(script)]) == 0
+    assert launch_main(["tiny-cpu-grpo", f"output_dir={out}", "trainer.total_steps=1", "model.warmup_steps=0",
+                        "data.num_synthetic=16", "trainer.prompts_per_step=8", "rollout.n_samples=4",
+                        "rollout.max_new_tokens=16", "rollout.kv_cache_gb=0.25", "data.num_eval=0",
+                        "trainer.eval_every=0", "trainer.checkpoint_every=0",
+                        "logging.wandb=false", "logging.plots=false", "trainer.export_hf=false",
+                        "--nodes", "2", "--gpus-per-node", "0", "--cpus-per-node", "2", "--venv", str(venv),
+                        "--ray-port", str(free_port("127.0.0.1")), "--join-timeout-s", "180",
+                        "--out", str(script)]) == 0
+    bin_real = Path(sys.executable).parent
+    # RAY_AUTH_MODE=disabled in the user's shell: the script's token mode still holds
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="node-[a-b]",
                SLURM_JOB_ID="43", SLURM_RESTART_COUNT="0", FAKE_SLURM_LOG=str(tmp_path / "slurm.log"),
-               REAL_PYTHON=sys.executable, REAL_RAY=str(Path(sys.executable).parent / "ray"), PYTHONPATH=str(ROOT),
-               PROBE_DIR=str(probe), OTHER_TOKEN=str(other), MEGATRON_SPECRL_CACHE=str(tmp_path / "cache"))
-    for k in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+               REAL_PYTHON=sys.executable, REAL_RAY=str(bin_real / "ray"), REAL_SPECRL=str(bin_real / "megatron-specrl"),
+               PYTHONPATH=str(ROOT), PROBE_DIR=str(probe), OTHER_TOKEN=str(other),
+               MEGATRON_SPECRL_CACHE=str(tmp_path / "cache"), RAY_AUTH_MODE="disabled")
+    for k in ("RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         env.pop(k, None)
     proc = subprocess.Popen(["bash", str(script)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        log, _ = proc.communicate(timeout=600)
+        log, _ = proc.communicate(timeout=900)
     finally:
         _kill_group(proc.pid)
     assert proc.returncode == 0, log[-4000:]
+    assert log.count("gpu_stack[") == 2 and "ray_join: 2 node(s) joined" in log
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows][-1] == 1
+    assert not (tmp_path / "slurm.log").exists()       # a finished job does not requeue
     token = (probe / "token").read_text()
     assert len(token) >= 32 and token not in log and (probe / "mode").read_text().strip() == "600"
     assert not (out / ".ray-auth" / "43-0").exists()             # removed by the EXIT trap
