@@ -104,6 +104,117 @@ def _wrap_setup_embeddings(orig):
     return setup_embeddings_and_output_layer
 
 
+class _NullStream:
+    """The one CUDA stream a CPU has: waits and events are immediate."""
+
+    def wait_stream(self, _other):
+        return None
+
+    def record_event(self, *_a, **_k):
+        return self
+
+    def synchronize(self):
+        return None
+
+
+class _MoeCpuCuda:
+    """`torch.cuda` of the MoE router and token dispatcher: the router moves its weight to
+    torch.cuda.current_device() on every forward, the alltoall dispatcher copies its token counts to
+    the host on a side stream (torch.cuda.Stream, current_stream, stream(), record_event)."""
+
+    _stream = _NullStream()
+
+    @staticmethod
+    def current_device():
+        return torch.device("cpu")
+
+    def Stream(self, *_a, **_k):   # noqa: N802 (torch.cuda's name)
+        return self._stream
+
+    def current_stream(self, *_a, **_k):
+        return self._stream
+
+    @staticmethod
+    def stream(_s):
+        return contextlib.nullcontext()
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+# + the tensor-parallel linears, whose sequence-parallel backward allocates on torch.cuda.current_device()
+_MOE_MODULES = ("megatron.core.transformer.moe.router", "megatron.core.transformer.moe.token_dispatcher",
+                "megatron.core.transformer.moe.experts", "megatron.core.tensor_parallel.layers")
+
+
+def _moe_torch_proxy():
+    proxy = types.ModuleType("torch_moe_cpu_proxy")
+    proxy.__getattr__ = lambda name: getattr(torch, name)  # PEP 562 module __getattr__
+    proxy.cuda = _MoeCpuCuda()
+    return proxy
+
+
+def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """moe_utils.maybe_move_tensor_to_cpu for tensors already on the host: its `as_numpy` converts only
+    CUDA tensors, so on a CPU the alltoall split sizes stayed tensors, which all_to_all_single refuses."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
+def _wrap_uneven_gather(orig):
+    """gloo's all_gather takes equal sizes only; the MoE dispatcher gathers a TP group's tokens with
+    uneven `output_split_sizes`. Pad each rank's rows to the largest, gather, cut the padding off."""
+    import torch.distributed as dist
+
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or len(set(output_split_sizes)) <= 1 or group.size() == 1:
+            return orig(input_, group, output_split_sizes, use_global_buffer)
+        most = max(output_split_sizes)
+        pad = input_.new_zeros(most, *input_.shape[1:])
+        pad[: input_.shape[0]] = input_
+        parts = [torch.empty_like(pad) for _ in range(group.size())]
+        dist.all_gather(parts, pad.contiguous(), group=group)
+        return torch.cat([t[:n] for t, n in zip(parts, output_split_sizes)], dim=0)
+    gather.__wrapped__ = orig
+    return gather
+
+
+def _wrap_uneven_reduce_scatter(orig):
+    """The reverse of the uneven gather: gloo's reduce_scatter takes equal sizes only, so sum the
+    whole tensor over the group and keep this rank's rows."""
+    import torch.distributed as dist
+
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or len(set(input_split_sizes)) <= 1 or group.size() == 1:
+            return orig(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        start = sum(input_split_sizes[: group.rank()])
+        return total[start: start + input_split_sizes[group.rank()]].clone()
+    reduce_scatter.__wrapped__ = orig
+    return reduce_scatter
+
+
+def _wrap_torch_norm_new(orig):
+    """WrappedTorchNorm (the local spec's norm without apex) refuses sequence parallelism only because
+    it never marks its weight for the TP gradient sum; apex's and TE's norms set
+    `weight.sequence_parallel`, which finalize_model_grads reads. Build it as without, then mark it."""
+    import copy
+
+    def __new__(cls, config, *args, **kwargs):
+        if not config.sequence_parallel:
+            return orig(cls, config, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = orig(cls, plain, *args, **kwargs)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+    __new__.__wrapped__ = orig
+    return __new__
+
+
 def apply() -> bool:
     """Install the shims once (idempotent)."""
     global _APPLIED
@@ -127,6 +238,23 @@ def apply() -> bool:
     tp_random.CudaRNGStatesTracker = _make_cpu_tracker(tp_random.CudaRNGStatesTracker)
     # model_parallel_cuda_manual_seed seeds torch.cuda (a lazy no-op without CUDA) and the tracker.
     tp_random.initialize_rng_tracker(force_reset=True)
+    # 7. MoE layers (router, alltoall token dispatcher, experts): their `torch.cuda` is a CPU stand-in.
+    import importlib
+    for name in _MOE_MODULES:
+        importlib.import_module(name).torch = _moe_torch_proxy()
+    from megatron.core.transformer.moe import token_dispatcher
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
+    from megatron.core.tensor_parallel import mappings
+    mappings._gather_along_first_dim = _wrap_uneven_gather(mappings._gather_along_first_dim)
+    mappings._reduce_scatter_along_first_dim = _wrap_uneven_reduce_scatter(mappings._reduce_scatter_along_first_dim)
+    # 8. Sequence parallelism (MoE with TP needs it) through the torch norms.
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    WrappedTorchNorm.__new__ = staticmethod(_wrap_torch_norm_new(WrappedTorchNorm.__new__))
+    # The fp32 router GEMM tests `te_general_gemm is not None`, a name moe_utils binds only when
+    # TransformerEngine imports: without TE it is unbound (NameError), None is the meant value.
+    from megatron.core.transformer.moe import moe_utils
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
     _APPLIED = True
     return True
 

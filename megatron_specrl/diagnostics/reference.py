@@ -45,8 +45,26 @@ def hf_reference(hf_dir, batch, loss_cfg, device="cpu"):
     full = complete_batch(batch, lp.detach())
     loss, _ = rl_policy_objective(lp, ent, full, loss_cfg)
     loss.backward()
-    grads = {n: p.grad.cpu() for n, p in model.named_parameters()}
+    grads = dict(checkpoint_layout((n, p.grad.cpu()) for n, p in model.named_parameters()))
     return logits.detach().cpu(), (lp.detach() * batch["attention_mask"]).cpu(), grads
+
+
+def checkpoint_layout(named):
+    """HF modules' tensors under the names the checkpoint files use: transformers >= 5 holds an MoE
+    layer's experts fused (mlp.experts.gate_up_proj [E, 2F, H], gate first; down_proj [E, H, F]),
+    its checkpoints one tensor per expert (mlp.experts.{e}.gate_proj.weight ...)."""
+    for name, t in named:
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            base, f = name[: -len("gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                yield f"{base}{e}.gate_proj.weight", t[e, :f]
+                yield f"{base}{e}.up_proj.weight", t[e, f:]
+        elif name.endswith(".mlp.experts.down_proj"):
+            base = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                yield f"{base}{e}.down_proj.weight", t[e]
+        else:
+            yield name, t
 
 
 def complete_batch(batch, logprobs):

@@ -1,4 +1,4 @@
-"""HF <-> Megatron-core weight mapping for the Llama and Qwen2 families (pure torch).
+"""HF <-> Megatron-core weight mapping for the Llama, Qwen2, Qwen3 and Qwen3-MoE families (pure torch).
 
 One declarative table per family says which Megatron parameter holds which HF
 tensors and how it is split across tensor-parallel ranks:
@@ -11,12 +11,18 @@ tensors and how it is split across tensor-parallel ranks:
   fc1     SwiGLU: each TP rank holds [gate_r; up_r] (a chunk of the gathered tensor is NOT this)
 
 Megatron names are stage-local: every pipeline stage numbers its layers from 0.
+Experts (Qwen3-MoE) are named here by their global index, as on one expert-parallel rank: an
+EP rank's model numbers its local experts from 0, and `ep_local` / `ep_global_name` translate
+between the two (expert e lives on EP rank e // (num_experts / ep)). Megatron's expert tensor
+parallel size is the TP size, so an expert's fc1 / fc2 split over TP like a dense MLP's.
 A deliberately wrong table, `miswired(table, MISWIRINGS["swap_kv"])`, lets the resync checker
-prove it detects a wrong mapping: the one injected thing is a renaming of HF module names.
+prove it detects a wrong mapping: the one injected thing is a renaming of HF module names
+(`swap_experts` trades experts 0 and 1 of every MoE layer).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 import torch
@@ -55,7 +61,25 @@ LLAMA = (
 )
 # Qwen2 uses Llama's tensor names; its QKV bias is the optional rule above.
 QWEN2 = LLAMA
-MAPPINGS: dict[str, tuple[Rule, ...]] = {"llama": LLAMA, "qwen2": QWEN2}
+# Qwen3: Llama's tensors plus per-head RMS norms on q and k (Megatron's QK layernorm), no QKV bias.
+_QK_NORMS = (
+    Rule(_LAYER + "self_attention.q_layernorm.weight", (_HF_LAYER + "self_attn.q_norm.weight",), "rep"),
+    Rule(_LAYER + "self_attention.k_layernorm.weight", (_HF_LAYER + "self_attn.k_norm.weight",), "rep"),
+)
+_ATTENTION = LLAMA[1:5]     # input norm, qkv weight and (optional) bias, output projection
+QWEN3 = (LLAMA[0], *_ATTENTION, *_QK_NORMS, *LLAMA[5:])
+# Qwen3-MoE: every layer's MLP is a router (HF mlp.gate) and num_experts SwiGLU experts, no shared
+# expert; "{e}" is the global expert index (expanded per config by get_mapping).
+_EXPERT = _LAYER + "mlp.experts.local_experts.{e}."
+_HF_EXPERT = _HF_LAYER + "mlp.experts.{e}."
+QWEN3_MOE = (
+    LLAMA[0], *_ATTENTION, *_QK_NORMS, LLAMA[5],
+    Rule(_LAYER + "mlp.router.weight", (_HF_LAYER + "mlp.gate.weight",), "rep"),
+    Rule(_EXPERT + "linear_fc1.weight", (_HF_EXPERT + "gate_proj.weight", _HF_EXPERT + "up_proj.weight"), "fc1"),
+    Rule(_EXPERT + "linear_fc2.weight", (_HF_EXPERT + "down_proj.weight",), "row"),
+    *LLAMA[-2:],
+)
+MAPPINGS: dict[str, tuple[Rule, ...]] = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE}
 
 # The TransformerEngine spec fuses the pre-norms into the following linear.
 TE_RENAMES = {
@@ -83,6 +107,15 @@ def _dims(cfg):
                 F=cfg.intermediate_size, V=cfg.vocab_size, L=cfg.num_hidden_layers)
 
 
+def num_experts(cfg) -> int:
+    """Routed experts per layer (0: a dense model)."""
+    return int(getattr(cfg, "num_experts", 0) or 0) if cfg.model_type == "qwen3_moe" else 0
+
+
+def has_qk_norm(cfg) -> bool:
+    return cfg.model_type in ("qwen3", "qwen3_moe")
+
+
 def _tied(cfg) -> bool:
     return bool(getattr(cfg, "tie_word_embeddings", False))
 
@@ -96,9 +129,27 @@ def padded_vocab(cfg, tp: int, divisible_by: int = 128) -> int:
     return ((cfg.vocab_size + m - 1) // m) * m
 
 
-# Debug wirings for the resync checker: HF module names written in place of others.
+# Debug wirings for the resync checker: HF module names written in place of others (a key with a
+# dot renames that run of dotted parts, e.g. experts.0).
 MISWIRINGS = {"swap_kv": {"k_proj": "v_proj", "v_proj": "k_proj"},
-              "swap_gate_up": {"gate_proj": "up_proj", "up_proj": "gate_proj"}}
+              "swap_gate_up": {"gate_proj": "up_proj", "up_proj": "gate_proj"},
+              "swap_experts": {"experts.0": "experts.1", "experts.1": "experts.0"}}
+
+
+def _rename_parts(name: str, renames: dict[str, str]) -> str:
+    parts = name.split(".")
+    out, i = [], 0
+    while i < len(parts):
+        for old, new in renames.items():
+            n = old.count(".") + 1
+            if ".".join(parts[i:i + n]) == old:
+                out.extend(new.split("."))
+                i += n
+                break
+        else:
+            out.append(parts[i])
+            i += 1
+    return ".".join(out)
 
 
 def miswired(mapping, renames: dict[str, str] | None) -> tuple[Rule, ...]:
@@ -106,17 +157,96 @@ def miswired(mapping, renames: dict[str, str] | None) -> tuple[Rule, ...]:
     then travels under the other's name, a wrong mapping that a correct checker must catch."""
     if not renames:
         return tuple(mapping)
-    rename = lambda n: ".".join(renames.get(part, part) for part in n.split("."))  # noqa: E731
-    return tuple(replace(r, hf=tuple(rename(n) for n in r.hf)) for r in mapping)
+    return tuple(replace(r, hf=tuple(_rename_parts(n, renames) for n in r.hf)) for r in mapping)
+
+
+def _expand_experts(mapping, cfg) -> tuple[Rule, ...]:
+    """Rules with "{e}" written once per expert (global index), the other rules as they are."""
+    out = []
+    for r in mapping:
+        if "{e}" not in r.megatron:
+            out.append(r)
+            continue
+        for e in range(num_experts(cfg)):
+            out.append(replace(r, megatron=r.megatron.replace("{e}", str(e)),
+                               hf=tuple(n.replace("{e}", str(e)) for n in r.hf)))
+    return tuple(out)
 
 
 def get_mapping(cfg, mapping=None) -> tuple[Rule, ...]:
     if mapping is not None:
-        return tuple(mapping)
+        return _expand_experts(mapping, cfg)
     if cfg.model_type not in MAPPINGS:
         raise CheckpointError(f"no HF<->Megatron mapping for model_type {cfg.model_type!r}; "
                               f"supported: {sorted(MAPPINGS)}")
-    return MAPPINGS[cfg.model_type]
+    return _expand_experts(MAPPINGS[cfg.model_type], cfg)
+
+
+# ----------------------------------------------------------------------------- expert parallelism
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+# TransformerEngine's grouped-GEMM experts (moe_grouped_gemm): mlp.experts.linear_fc1.weight<j>
+_GROUPED_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)(linear_fc[12]\.weight)(\d+)$")
+
+
+def expert_index(name: str) -> int | None:
+    """The expert number in a Megatron expert parameter's name (local spec or grouped GEMM), else None."""
+    m = _LOCAL_EXPERT.match(name)
+    if m:
+        return int(m.group(2))
+    m = _GROUPED_EXPERT.match(name)
+    return int(m.group(3)) if m else None
+
+
+def grouped_to_local_name(name: str) -> str:
+    """mlp.experts.linear_fc1.weight3 (grouped GEMM) -> mlp.experts.local_experts.3.linear_fc1.weight."""
+    m = _GROUPED_EXPERT.match(name)
+    return f"{m.group(1)}local_experts.{m.group(3)}.{m.group(2)}" if m else name
+
+
+def _with_expert(name: str, e: int) -> str:
+    m = _LOCAL_EXPERT.match(name)
+    return f"{m.group(1)}{e}{m.group(3)}"
+
+
+def experts_per_rank(cfg, ep: int) -> int:
+    n = num_experts(cfg)
+    if n % ep:
+        raise CheckpointError(f"learner.ep={ep} does not divide num_experts={n}")
+    return n // ep
+
+
+def expert_owner(name: str, cfg, ep: int) -> int | None:
+    """The EP rank holding a globally named expert parameter (None: not an expert parameter)."""
+    e = expert_index(name)
+    return None if e is None else e // experts_per_rank(cfg, ep)
+
+
+def ep_local(tensors: dict[str, Tensor], cfg, ep: int, ep_rank: int) -> dict[str, Tensor]:
+    """Globally named tensors -> one EP rank's: its experts, renumbered from 0; the rest as they are."""
+    if ep == 1:
+        return dict(tensors)
+    n = experts_per_rank(cfg, ep)
+    out = {}
+    for name, t in tensors.items():
+        e = expert_index(name)
+        if e is None:
+            out[name] = t
+        elif e // n == ep_rank:
+            out[_with_expert(name, e - ep_rank * n)] = t
+    return out
+
+
+def ep_global_name(name: str, cfg, ep: int, ep_rank: int) -> str:
+    """An EP rank's local expert parameter name -> its global name (other names unchanged)."""
+    name = grouped_to_local_name(name)
+    e = expert_index(name)
+    return name if e is None or ep == 1 else _with_expert(name, ep_rank * experts_per_rank(cfg, ep) + e)
+
+
+def ep_local_name(name: str, cfg, ep: int) -> str:
+    """A globally named expert parameter -> its name on the EP rank that owns it."""
+    e = expert_index(name)
+    return name if e is None or ep == 1 else _with_expert(name, e % experts_per_rank(cfg, ep))
 
 
 def expected_hf_shapes(cfg) -> dict[str, tuple[int, ...]]:
@@ -132,9 +262,19 @@ def expected_hf_shapes(cfg) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
             p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
             p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q),
-            p + "mlp.gate_proj.weight": (F, H), p + "mlp.up_proj.weight": (F, H),
-            p + "mlp.down_proj.weight": (H, F),
         })
+        if has_qk_norm(cfg):
+            out.update({p + "self_attn.q_norm.weight": (d["hd"],), p + "self_attn.k_norm.weight": (d["hd"],)})
+        if num_experts(cfg):
+            E, Fe = num_experts(cfg), cfg.moe_intermediate_size
+            out[p + "mlp.gate.weight"] = (E, H)
+            for e in range(E):
+                x = f"{p}mlp.experts.{e}."
+                out.update({x + "gate_proj.weight": (Fe, H), x + "up_proj.weight": (Fe, H),
+                            x + "down_proj.weight": (H, Fe)})
+        else:
+            out.update({p + "mlp.gate_proj.weight": (F, H), p + "mlp.up_proj.weight": (F, H),
+                        p + "mlp.down_proj.weight": (H, F)})
         if _has_qkv_bias(cfg):
             out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                         p + "self_attn.v_proj.bias": (kv,)})
@@ -216,6 +356,7 @@ def _local_to_rule(name: str, mapping) -> tuple[Rule, int | None]:
     for old_suffix, te_suffix in TE_RENAMES.items():
         if name.endswith(te_suffix):
             name = name[: -len(te_suffix)] + old_suffix
+    name = grouped_to_local_name(name)
     if name.startswith("decoder.layers."):
         parts = name.split(".")
         idx = int(parts[2])
@@ -295,10 +436,13 @@ def stage_rules(cfg, mapping, pp: int, pp_rank: int):
 
 def hf_to_megatron_shards(hf_state: dict[str, Tensor], hf_config, tp: int, pp: int, vocab_divisible_by: int = 128,
                           mapping=None, validate: bool = True,
-                          only: tuple[int, int] | None = None) -> dict[tuple[int, int], dict[str, Tensor]]:
+                          only: tuple[int, int] | None = None, ep: int = 1,
+                          ep_rank: int | None = None) -> dict[tuple[int, int], dict[str, Tensor]]:
     """Full HF state -> {(tp_rank, pp_rank): {stage-local Megatron name: shard}}.
 
     `only=(tp_rank, pp_rank)` builds just that rank's shards (what a loading rank needs).
+    `ep_rank` (with `ep` > 1): only that expert-parallel rank's experts, numbered locally as its
+    model names them; without it every expert, by its global index.
     """
     if validate:
         validate_hf_state(hf_state, hf_config)
@@ -310,6 +454,8 @@ def hf_to_megatron_shards(hf_state: dict[str, Tensor], hf_config, tp: int, pp: i
         if only is not None and p != only[1]:
             continue
         for rule, local, g in stage_rules(hf_config, mapping, pp, p):
+            if ep_rank is not None and ep > 1 and expert_owner(rule.megatron, hf_config, ep) not in (None, ep_rank):
+                continue
             hf_names = [n.format(i=g) for n in rule.hf]
             if rule.megatron == "output_layer.weight" and _tied(hf_config):
                 hf_names = ["model.embed_tokens.weight"]
@@ -319,10 +465,22 @@ def hf_to_megatron_shards(hf_state: dict[str, Tensor], hf_config, tp: int, pp: i
                 raise CheckpointError(f"checkpoint is missing tensor {e.args[0]!r}") from None
             parts = split_for_tp(rule, tensors, hf_config, tp, vocab_divisible_by)
             name = rule.megatron.format(i=local)
+            if ep_rank is not None:
+                name = ep_local_name(name, hf_config, ep)
             for t in range(tp):
                 if (t, p) in shards:
                     shards[(t, p)][name] = parts[t]
     return shards
+
+
+def merge_ep_shards(per_ep_rank: list[dict[str, Tensor]], cfg) -> dict[str, Tensor]:
+    """One (tp, pp) rank's shards from every EP rank (in EP-rank order) -> globally named shards."""
+    ep = len(per_ep_rank)
+    out: dict[str, Tensor] = {}
+    for r, tensors in enumerate(per_ep_rank):
+        for name, t in tensors.items():
+            out.setdefault(ep_global_name(name, cfg, ep, r), t)
+    return out
 
 
 def megatron_shards_to_hf(shards: dict[tuple[int, int], dict[str, Tensor]], hf_config, tp: int, pp: int,

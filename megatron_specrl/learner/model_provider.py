@@ -1,4 +1,4 @@
-"""Build a Megatron GPTModel from a Hugging Face config (Llama / Qwen2 families).
+"""Build a Megatron GPTModel from a Hugging Face config (Llama, Qwen2, Qwen3 and Qwen3-MoE families).
 
 CPU: local spec (plain torch modules) with every fusion off; GPU: the
 TransformerEngine spec when TE is importable. Vocab is padded like Megatron
@@ -37,9 +37,11 @@ def check_hf_config(hf_config) -> None:
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise ValueError(f"only SwiGLU (hidden_act=silu) is supported, got {hf_config.hidden_act!r}")
     # Fields HF honours that the Megatron model built here does not: refuse rather than compute something else.
-    if hf_config.model_type == "llama" and getattr(hf_config, "attention_bias", False):
-        raise ValueError("attention_bias=true is not supported: HF Llama then biases q/k/v and o_proj, "
-                         "Megatron's add_qkv_bias covers q/k/v only")
+    if hf_config.model_type != "qwen2" and getattr(hf_config, "attention_bias", False):
+        raise ValueError(f"attention_bias=true is not supported: HF {hf_config.model_type} then biases q/k/v and "
+                         "o_proj, Megatron's add_qkv_bias covers q/k/v only")
+    if hf_config.model_type == "qwen3_moe":
+        check_moe_config(hf_config)
     if getattr(hf_config, "mlp_bias", False):
         raise ValueError("mlp_bias=true is not supported (the converter builds bias-free MLPs)")
     if getattr(hf_config, "use_sliding_window", False):
@@ -54,6 +56,51 @@ def check_hf_config(hf_config) -> None:
         llama3_rope_factor(hf_config)   # raises unless Megatron's fixed Llama 3.1 constants match
     elif kind not in (None, "default"):
         raise ValueError(f"rope_scaling rope_type={kind!r} is not supported by the converter (only llama3)")
+
+
+def check_moe_config(hf_config) -> None:
+    """Qwen3-MoE fields the learner's all-MoE layers would not honour: refused in one line."""
+    step = getattr(hf_config, "decoder_sparse_step", 1)
+    if step != 1:
+        raise ValueError(f"decoder_sparse_step={step} is not supported: the learner builds every layer as an MoE "
+                         "layer (decoder_sparse_step=1)")
+    if list(getattr(hf_config, "mlp_only_layers", None) or []):
+        raise ValueError(f"mlp_only_layers={list(hf_config.mlp_only_layers)} is not supported: the learner builds "
+                         "every layer as an MoE layer")
+    if getattr(hf_config, "shared_expert_intermediate_size", 0):
+        raise ValueError("shared experts are not supported (Qwen3-MoE has none)")
+
+
+def moe_settings(hf_config, ep: int = 1, aux_loss_scale: float = 1.0, tp: int = 1) -> dict:
+    """TransformerConfig fields of an MoE model (empty for a dense one). HF Qwen3-MoE routes by
+    softmax over all experts, top-k, renormalised when norm_topk_prob; Megatron's softmax after
+    top-k gives the same weights, softmax before top-k (pre_softmax) the unrenormalised ones.
+    `aux_loss_scale` scales router_aux_loss_coef: the AdamW path sums gradients over DP ranks,
+    so it passes 1/dp to keep the load-balancing term the mean Megatron's DDP gives."""
+    if hf_config.model_type != "qwen3_moe":
+        if ep != 1:
+            raise ValueError(f"learner.ep={ep} needs a mixture-of-experts model; model_type "
+                             f"{hf_config.model_type!r} is dense (learner.ep=1)")
+        return {}
+    n = hf_config.num_experts
+    if n % ep:
+        raise ValueError(f"learner.ep={ep} does not divide num_experts={n}")
+    coef = float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0)
+    return dict(
+        num_moe_experts=n,
+        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+        moe_router_topk=hf_config.num_experts_per_tok,
+        moe_router_pre_softmax=not bool(getattr(hf_config, "norm_topk_prob", False)),
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="aux_loss" if coef else "none",
+        moe_aux_loss_coeff=coef * aux_loss_scale,
+        moe_router_dtype="fp32",              # HF Qwen3-MoE computes the routing softmax in fp32
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        expert_model_parallel_size=ep,
+        # Megatron trains MoE with TP only under sequence parallelism (MoELayer refuses otherwise)
+        sequence_parallel=tp > 1,
+    )
 
 
 # Megatron's RotaryEmbedding applies Llama 3.1's RoPE scaling with these constants fixed; only the
@@ -88,8 +135,10 @@ RECOMPUTE = {
 
 
 def transformer_config_from_hf(hf_config, tp: int = 1, pp: int = 1, dtype: torch.dtype = torch.float32,
-                               use_cpu: bool | None = None, recompute: str = "none"):
-    """TransformerConfig equivalent to the HF model (RMSNorm, SwiGLU, GQA, RoPE, no linear bias)."""
+                               use_cpu: bool | None = None, recompute: str = "none", ep: int = 1,
+                               aux_loss_scale: float = 1.0):
+    """TransformerConfig equivalent to the HF model (RMSNorm, SwiGLU, GQA, RoPE, no linear bias;
+    Qwen3: QK layernorm; Qwen3-MoE: routed experts split over `ep` ranks, expert TP = tp)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_hf_config(hf_config)
@@ -128,19 +177,26 @@ def transformer_config_from_hf(hf_config, tp: int = 1, pp: int = 1, dtype: torch
         gradient_accumulation_fusion=False,
         # Microbatches may differ in shape (dynamic batching); p2p sends shapes first.
         variable_seq_lengths=True,
-        moe_token_dispatcher_type="alltoall",  # unused (dense); "allgather" rejects variable lengths
+        qk_layernorm=hf_config.model_type in ("qwen3", "qwen3_moe"),
+        # the alltoall dispatcher for MoE ("allgather" rejects variable sequence lengths), on gloo too
+        moe_token_dispatcher_type="alltoall",
         batch_p2p_comm=True,
         batch_p2p_sync=not cpu,  # the sync is torch.cuda.synchronize()
         deallocate_pipeline_outputs=False,
         **RECOMPUTE[recompute],
+        **{k: v for k, v in moe_settings(hf_config, ep, aux_loss_scale, tp).items()
+           if k != "moe_token_dispatcher_type"},
     )
 
 
-def _layer_spec(use_te: bool):
+def _layer_spec(use_te: bool, config):
+    """The local spec (CPU) or TransformerEngine's; MoE layers use SequentialMLP experts on both
+    (grouped GEMM off: hf_mapping names each expert's linears)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
+    moe = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm)
     if use_te:
-        return specs.get_gpt_layer_with_transformer_engine_spec()
-    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return specs.get_gpt_layer_with_transformer_engine_spec(**moe)
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm", **moe)
 
 
 def te_available() -> bool:
@@ -170,14 +226,15 @@ ROLES = ("policy", "critic", "reference")   # reference: a frozen policy (the KL
 def build_gpt_model(hf_config, tp: int = 1, pp: int = 1, dtype: torch.dtype = torch.float32,
                     pre_process: bool | None = None, post_process: bool | None = None,
                     role: str = "policy", vocab_divisible_by: int = 128, use_te: bool | None = None,
-                    recompute: str = "none"):
+                    recompute: str = "none", ep: int = 1, aux_loss_scale: float = 1.0):
     """GPTModel for this rank's pipeline stage (parallel_state must be initialised)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
     from megatron_specrl.learner.parallel import apply_cpu_patches
     apply_cpu_patches()
-    config = transformer_config_from_hf(hf_config, tp, pp, dtype, recompute=recompute)
+    config = transformer_config_from_hf(hf_config, tp, pp, dtype, recompute=recompute, ep=ep,
+                                        aux_loss_scale=aux_loss_scale)
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage()
     if post_process is None:
@@ -188,7 +245,7 @@ def build_gpt_model(hf_config, tp: int = 1, pp: int = 1, dtype: torch.dtype = to
     tied = bool(getattr(hf_config, "tie_word_embeddings", False)) and role != "critic"
     model = GPTModel(
         config=config,
-        transformer_layer_spec=_layer_spec(te_available() if use_te is None else use_te),
+        transformer_layer_spec=_layer_spec(te_available() if use_te is None else use_te, config),
         vocab_size=padded_vocab_size(hf_config.vocab_size, tp, vocab_divisible_by),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=pre_process,

@@ -68,19 +68,38 @@ def finalize_grads(params: list, model, settings, ps, device, world_size: int, c
             and ps.is_rank_in_embedding_group()):
         w = model.shared_embedding_or_output_weight()
         dist.all_reduce(w.grad, group=ps.get_embedding_group())
-    if settings.dp > 1:
-        grads = [p.grad for p in params]
+    # Replicated over TP but fed a TP rank's part: the per-head q / k norms (each rank holds its heads)
+    # and, under sequence parallelism, the norms and the router (each rank its part of the sequence).
+    # Megatron's finalize_model_grads sums these over TP; so does this path.
+    partial_over_tp = [p for n, p in model.named_parameters() if p.requires_grad
+                       and ("q_layernorm" in n or "k_layernorm" in n or getattr(p, "sequence_parallel", False))]
+    if partial_over_tp and settings.tp > 1:
+        grads = [p.grad for p in partial_over_tp]
         flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=ps.get_data_parallel_group())
+        dist.all_reduce(flat, group=ps.get_tensor_model_parallel_group())
         for g, f in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
             g.copy_(f)
-    sq = torch.zeros(1, dtype=torch.float32, device=device)
+    # Expert-parallel experts (Megatron marks them allreduce=False) already hold the gradient of every
+    # token their EP group routed to them: they sum over the expert-data-parallel ranks only.
+    dense = [p for p in params if getattr(p, "allreduce", True)]
+    experts = [p for p in params if not getattr(p, "allreduce", True)]
+    for group_params, group in ((dense, ps.get_data_parallel_group), (experts, ps.get_expert_data_parallel_group)):
+        if group_params and dist.get_world_size(group()) > 1:
+            grads = [p.grad for p in group_params]
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=group())
+            for g, f in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(f)
+    dense_sq = torch.zeros(1, dtype=torch.float32, device=device)
+    expert_sq = torch.zeros(1, dtype=torch.float32, device=device)
     for p in params:
         if param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False):
-            sq += p.grad.float().pow(2).sum()
+            (dense_sq if getattr(p, "allreduce", True) else expert_sq).add_(p.grad.float().pow(2).sum())
     if world_size > 1:
-        dist.all_reduce(sq, group=ps.get_model_parallel_group())
-    norm = float(sq.sqrt())
+        dist.all_reduce(dense_sq, group=ps.get_model_parallel_group())
+        if ps.get_expert_model_parallel_world_size() > 1:   # experts differ over EP ranks: sum over ETP x EP x PP
+            dist.all_reduce(expert_sq, group=ps.get_expert_tensor_model_pipeline_parallel_group())
+    norm = float((dense_sq + expert_sq).sqrt())
     max_norm = settings.grad_clip
     if clip and max_norm and norm > max_norm and math.isfinite(norm):
         for p in params:

@@ -29,8 +29,9 @@ def cuda_to_cpu():
 
 
 def init_distributed(rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int = 29500,
-                     tp: int = 1, pp: int = 1, seed: int = 1, timeout_s: float = 600.0) -> None:
-    """Join the default group and build Megatron's model-parallel groups (DP = world / (tp*pp))."""
+                     tp: int = 1, pp: int = 1, seed: int = 1, timeout_s: float = 600.0, ep: int = 1) -> None:
+    """Join the default group and build Megatron's model-parallel groups (DP = world / (tp*pp); the
+    experts of an MoE model over `ep` ranks of each DP group, expert TP = tp)."""
     from megatron.core import parallel_state as ps
 
     if world_size % (tp * pp):
@@ -46,7 +47,10 @@ def init_distributed(rank: int, world_size: int, master_addr: str = "127.0.0.1",
         dist.init_process_group(backend="nccl" if cuda else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
                                 rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        if (world_size // (tp * pp)) % ep:
+            raise ValueError(f"learner.ep={ep} does not divide the data-parallel size {world_size // (tp * pp)}")
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=tp)
     seed_everything(seed)
 
 

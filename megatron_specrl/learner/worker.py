@@ -78,6 +78,11 @@ def _model_param_name(name: str, params) -> str:
         return name
 
 
+def _padded(t: Tensor, width: int) -> Tensor:
+    """[B, T'] -> [B, width] with zero columns after T' (padding: masked out of every loss)."""
+    return t if t.shape[1] >= width else torch.nn.functional.pad(t, (0, width - t.shape[1]))
+
+
 def release_cached_gpu_memory(cuda=torch.cuda) -> bool:
     """Hand the blocks torch's caching allocator keeps after a pass back to the driver (empty_cache);
     False without CUDA. Freed tensors stay reserved by this process otherwise, invisible to the other
@@ -126,19 +131,27 @@ class LearnerWorker:
         tp, pp = settings.tp, settings.pp
         if world_size != tp * pp * settings.dp:
             raise ValueError(f"world_size={world_size} != tp*pp*dp = {tp}*{pp}*{settings.dp}")
-        init_distributed(rank, world_size, master_addr, master_port, tp, pp, seed)
+        self.ep = getattr(settings, "ep", 1)
+        init_distributed(rank, world_size, master_addr, master_port, tp, pp, seed, ep=self.ep)
         from megatron.core import parallel_state as ps
         self.ps = ps
         self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         self.dp_rank = ps.get_data_parallel_rank()
+        # an MoE model's experts: this rank's expert-parallel rank, its place among the ranks holding
+        # the same experts (expert data parallel) and its expert-TP rank
+        self.ep_rank, self.edp_rank = ps.get_expert_model_parallel_rank(), ps.get_expert_data_parallel_rank()
+        self.etp_rank = ps.get_expert_tensor_parallel_rank()
         self.first_stage, self.last_stage = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         # collectives on the default group take tensors on self.device: it is NCCL on GPUs, which
         # refuses CPU tensors (gloo on this CPU takes either)
-        coords = torch.tensor([self.pp_rank, self.dp_rank, self.tp_rank], dtype=torch.long, device=self.device)
-        table = [torch.zeros(3, dtype=torch.long, device=self.device) for _ in range(world_size)]
+        coords = torch.tensor([self.pp_rank, self.dp_rank, self.tp_rank, self.ep_rank, self.edp_rank, self.etp_rank],
+                              dtype=torch.long, device=self.device)
+        table = [torch.zeros(6, dtype=torch.long, device=self.device) for _ in range(world_size)]
         dist.all_gather(table, coords)
-        self.rank_of = {tuple(t.tolist()): r for r, t in enumerate(table)}   # (pp, dp, tp) -> global rank
+        self.rank_of = {tuple(t[:3].tolist()): r for r, t in enumerate(table)}   # (pp, dp, tp) -> global rank
+        # (pp, ep, edp, etp) -> global rank: where an expert's shards live
+        self.expert_rank_of = {tuple(t[:1].tolist() + t[3:].tolist()): r for r, t in enumerate(table)}
         self.model = None
         self.f16 = None           # Megatron's Float16Module around self.model (learner.precision=bfloat16)
         self.ddp = None           # Megatron DDP wrapper of self.model (learner.distributed_optimizer)
@@ -169,16 +182,22 @@ class LearnerWorker:
                 raise ValueError("learner.precision=bfloat16 needs learner.distributed_optimizer=true (fp32 master "
                                  "weights live in Megatron's optimizer)")
             self.model = build_gpt_model(self.hf_config, s.tp, s.pp, dtype=torch.bfloat16, role=self.role,
-                                         recompute=s.recompute).to(self.device)
+                                         recompute=s.recompute, **self._moe_args()).to(self.device)
             self.f16 = Float16Module(self.model.config, self.model)   # where Megatron-LM wraps it
         else:
             self.model = build_gpt_model(self.hf_config, s.tp, s.pp, role=self.role,
-                                         recompute=s.recompute).to(self.device)
+                                         recompute=s.recompute, **self._moe_args()).to(self.device)
         if self.frozen:
             self.model.requires_grad_(False)
             self.model.eval()
         else:
             self._build_optimizer()
+
+    def _moe_args(self) -> dict:
+        """The expert-parallel size, and the load-balancing loss's scale: the AdamW path sums
+        gradients over DP ranks (global-denominator losses), Megatron's DDP averages them."""
+        dp = self.settings.dp
+        return dict(ep=self.ep, aux_loss_scale=1.0 if self.settings.distributed_optimizer else 1.0 / dp)
 
     @property
     def bf16(self) -> bool:
@@ -191,9 +210,15 @@ class LearnerWorker:
         s = self.settings
         self.build(hf_dir)
         hf_state = load_hf_state(hf_dir)
-        shards = hm.hf_to_megatron_shards(hf_state, self.hf_config, s.tp, s.pp, only=(self.tp_rank, self.pp_rank))
-        self._load_local_shards(shards[(self.tp_rank, self.pp_rank)])
-        del hf_state, shards
+        shards = hm.hf_to_megatron_shards(hf_state, self.hf_config, s.tp, s.pp, only=(self.tp_rank, self.pp_rank),
+                                          ep=self.ep, ep_rank=self.ep_rank)
+        local = shards[(self.tp_rank, self.pp_rank)]
+        if self.etp_rank != self.tp_rank:   # an expert's TP slice follows the expert-TP rank
+            by_etp = hm.hf_to_megatron_shards(hf_state, self.hf_config, s.tp, s.pp, only=(self.etp_rank, self.pp_rank),
+                                              ep=self.ep, ep_rank=self.ep_rank)[(self.etp_rank, self.pp_rank)]
+            local.update({k: v for k, v in by_etp.items() if hm.expert_index(k) is not None})
+        self._load_local_shards(local)
+        del hf_state, shards, local
         self._reload_main_params()
 
     def _reload_main_params(self) -> None:
@@ -242,10 +267,12 @@ class LearnerWorker:
         groups = split_microbatches(rows, lengths, self.settings.micro_batch_size,
                                     self.settings.max_tokens_per_microbatch)
         out = []
+        sp = self.settings.tp if self.model is not None and self.model.config.sequence_parallel else 1
         for g in groups:
             T = max(lengths[rows.index(r)] for r in g)
+            T = -(-T // sp) * sp    # sequence parallelism splits the sequence over the TP ranks
             idx = torch.tensor(g, dtype=torch.long)
-            mb = {k: v[idx, :T].to(self.device) for k, v in batch.items()
+            mb = {k: _padded(v[idx, :T], T).to(self.device) for k, v in batch.items()
                   if isinstance(v, Tensor) and v.dim() == 2 and k in PER_TOKEN_KEYS}
             mb["rows"] = idx
             mb["temperature"] = float(batch.get("temperature", 1.0))
@@ -293,6 +320,7 @@ class LearnerWorker:
         full = torch.zeros(B, T, dtype=torch.float32, device=self.device)   # the default group's device
         if self.last_stage and self.tp_rank == 0:
             for rows, vals in pieces:
+                vals = vals[:, :T]    # a sequence-parallel microbatch may be padded past the batch
                 full[rows, : vals.shape[1]] = vals.detach().float().to(self.device)
         if self.world_size > 1:
             if to_all:
@@ -478,10 +506,19 @@ class LearnerWorker:
         tp = self.settings.tp
         params = dict(self.model.named_parameters())
         for stage, name, g in self._param_order(mapping):
-            src = self.rank_of[(stage, 0, 0)]
+            owner = hm.expert_owner(name, self.hf_config, self.ep)
+            if owner is None:   # dense: the stage's DP-rank-0 TP group holds it
+                src = self.rank_of[(stage, 0, 0)]
+                holds = self.pp_rank == stage and self.dp_rank == 0
+                tp_group, local_name = ps.get_tensor_model_parallel_group, name
+            else:               # an expert: its EP rank's first expert-data-parallel copy
+                src = self.expert_rank_of[(stage, owner, 0, 0)]
+                holds = self.pp_rank == stage and self.ep_rank == owner and self.edp_rank == 0
+                tp_group, local_name = ps.get_expert_tensor_parallel_group, hm.ep_local_name(name, self.hf_config,
+                                                                                              self.ep)
             shards = None
-            if self.pp_rank == stage and self.dp_rank == 0:
-                param = params[hm.local_param_name(name, params)]
+            if holds:
+                param = params[hm.local_param_name(local_name, params)]
                 src_t = param if not grads else param.grad if param.grad is not None else param.main_grad
                 local = src_t.detach()
                 if dtype is not None and local.is_floating_point():
@@ -489,7 +526,7 @@ class LearnerWorker:
                 local = local.contiguous()
                 if tp > 1:
                     gathered = [torch.empty_like(local) for _ in range(tp)]
-                    dist.all_gather(gathered, local, group=ps.get_tensor_model_parallel_group())
+                    dist.all_gather(gathered, local, group=tp_group())
                     shards = gathered
                 else:
                     shards = [local]

@@ -1,7 +1,7 @@
 """Turn `model.path` into an HF checkpoint directory on disk.
 
-"tiny-llama" / "tiny-qwen2" build the embedded tiny model (and warm it up on the
-synthetic task, cached by config hash); anything else must be a local HF
+A tiny model's name (TINY: tiny-llama, tiny-qwen2, tiny-qwen3, tiny-qwen3-moe) builds that model
+and warms it up on the synthetic task (cached by config hash); anything else must be a local HF
 checkpoint directory: nothing is downloaded.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 from megatron_specrl.config import ConfigError, ModelConfig
 from megatron_specrl.models.cache import build_once
 
-TINY = {"tiny-llama": "llama", "tiny-qwen2": "qwen2"}
+TINY = {"tiny-llama": "llama", "tiny-qwen2": "qwen2", "tiny-qwen3": "qwen3", "tiny-qwen3-moe": "qwen3_moe"}
 
 
 def cache_root() -> Path:

@@ -1,4 +1,4 @@
-"""Tiny Llama / Qwen2 checkpoints built locally from a seed (no hub downloads).
+"""Tiny Llama / Qwen2 / Qwen3 / Qwen3-MoE checkpoints built locally from a seed (no hub downloads).
 
 They are real HF checkpoints (config.json + safetensors + tokenizer files) so
 every loader in the project, vLLM's included, reads them like a 7B model.
@@ -24,6 +24,14 @@ ARCHS = {
     # GQA, QKV bias, tied embeddings.
     "qwen2": dict(model_type="qwen2", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=256, tie_word_embeddings=True),
+    # GQA, q/k RMS norms, head_dim set in the config, tied embeddings (as Qwen3-0.6B to 4B).
+    "qwen3": dict(model_type="qwen3", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  intermediate_size=256, tie_word_embeddings=True),
+    # Qwen3-30B-A3B's layout in small: every layer MoE, 8 experts, top-2 renormalised, untied.
+    "qwen3_moe": dict(model_type="qwen3_moe", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=32, intermediate_size=256, moe_intermediate_size=64, num_experts=8,
+                      num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.001, decoder_sparse_step=1,
+                      mlp_only_layers=[], tie_word_embeddings=False),
 }
 
 
@@ -73,6 +81,11 @@ def build_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, nu
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.02)
+    if arch in ("qwen3", "qwen3_moe"):  # q/k norms away from 1, so a swapped or dropped norm shows
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.normal_(1.0, 0.1)
+                layer.self_attn.k_norm.weight.normal_(1.0, 0.1)
     model.save_pretrained(str(out), safe_serialization=True)
     (out / "specrl_tiny.json").write_text(json.dumps({"arch": arch, "seed": seed, "num_layers": num_layers}))
     return out

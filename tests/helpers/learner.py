@@ -18,9 +18,10 @@ def _child(rank, world, layouts, hf_dir, out_dir, ports, train_and_checkpoint=Fa
     from megatron_specrl.learner.worker import LearnerWorker
 
     ref = torch.load(f"{out_dir}/ref.pt")
-    for (tp, pp, dp, max_tokens), port in zip(layouts, ports):
-        tag = f"tp{tp}pp{pp}dp{dp}"
-        settings = LearnerConfig(tp=tp, pp=pp, dp=dp, micro_batch_size=1, max_tokens_per_microbatch=max_tokens,
+    for layout, port in zip(layouts, ports):
+        tp, pp, dp, max_tokens, ep = (*layout, 1)[:5]
+        tag = layout_tag(layout)
+        settings = LearnerConfig(tp=tp, pp=pp, dp=dp, ep=ep, micro_batch_size=1, max_tokens_per_microbatch=max_tokens,
                                  loss=loss_config())
         w = LearnerWorker(rank, world, "127.0.0.1", port, settings, seed=1)
         w.load_hf(hf_dir)
@@ -36,6 +37,12 @@ def _child(rank, world, layouts, hf_dir, out_dir, ports, train_and_checkpoint=Fa
         if rank == 0:
             torch.save(result, f"{out_dir}/{tag}.pt")
         w.shutdown()
+
+
+def layout_tag(layout) -> str:
+    """(tp, pp, dp, max_tokens[, ep]) -> "tp2pp1dp2" (+ "ep2" when the experts are split)."""
+    tp, pp, dp, _, ep = (*layout, 1)[:5]
+    return f"tp{tp}pp{pp}dp{dp}" + (f"ep{ep}" if ep > 1 else "")
 
 
 def _train_and_checkpoint(w, batch, hf_dir, path):
@@ -85,9 +92,9 @@ def _run(hf_dir, tmp_path, world, layouts, train_and_checkpoint=False):
              nprocs=world, join=True)
     am = batch["attention_mask"].bool()
     results = {}
-    for tp, pp, dp, _ in layouts:
-        r = torch.load(tmp_path / f"tp{tp}pp{pp}dp{dp}.pt")
-        tag = f"tp{tp}pp{pp}dp{dp}"
+    for layout in layouts:
+        tag = layout_tag(layout)
+        r = torch.load(tmp_path / f"{tag}.pt")
         assert (r["logits"][am] - logits[am]).abs().max() <= TOL, tag
         assert (r["lp"] - lp).abs().max() <= TOL, tag
         assert set(r["grads"]) == set(grads), tag
