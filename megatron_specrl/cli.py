@@ -78,7 +78,7 @@ def cmd_convert(args) -> int:
                               if parsed.direction == "hf-to-mcore" else
                               f"--ckpt {parsed.ckpt}: no hf/config.json there; pass a directory written by `convert "
                               "hf-to-mcore` or a training checkpoint's learner/ (checkpoints/step_*/learner)")
-        check_convert_layout(hf_dir, parsed.tp, parsed.pp)
+        check_convert_layout(hf_dir, parsed.tp, parsed.pp, parsed.ep)
         out = Path(parsed.out)
         existed = out.exists()
         if existed and (not out.is_dir() or any(out.iterdir())):   # its files would be overwritten or mixed in

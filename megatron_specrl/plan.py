@@ -799,7 +799,7 @@ def print_plan(plan: Plan) -> None:
     Console(width=160).print(plan.table())
 
 
-def check_convert_layout(hf_dir: str | Path, tp: int, pp: int) -> None:
+def check_convert_layout(hf_dir: str | Path, tp: int, pp: int, ep: int = 1) -> None:
     """`convert`'s check before it spawns tp x pp ranks: the model config is readable and the
     layout divides its heads, KV heads, intermediate_size and layers. (intermediate_size as in
     _divisibility: without it a bad --tp reached the spawned ranks, whose Megatron assert
@@ -817,5 +817,9 @@ def check_convert_layout(hf_dir: str | Path, tp: int, pp: int) -> None:
         out.append(f"--tp={tp} does not divide {' and '.join(bad)} of {hf_dir}")
     if s.layers % pp:
         out.append(f"--pp={pp} does not divide num_hidden_layers={s.layers} of {hf_dir}")
+    if ep < 1 or (ep > 1 and not s.experts):
+        out.append(f"--ep={ep} needs a mixture-of-experts model with --ep >= 1; {hf_dir} is dense (--ep=1)")
+    elif s.experts % ep:
+        out.append(f"--ep={ep} does not divide num_experts={s.experts} of {hf_dir}")
     if out:
         raise PlanError(out)

@@ -21,6 +21,18 @@ def tiny_qwen2(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2", seed=0)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory):
+    from megatron_specrl.models.tiny import build_tiny_model
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), arch="qwen3", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory):
+    from megatron_specrl.models.tiny import build_tiny_model
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-moe"), arch="qwen3_moe", seed=0)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _no_ray_left_to_the_next_module():
     """A test module that leaves Ray initialised in this process (a trainer built in-process, an engine

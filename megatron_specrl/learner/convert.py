@@ -1,6 +1,7 @@
-"""HF safetensors <-> Megatron dist checkpoint at any TP/PP split.
+"""HF safetensors <-> Megatron dist checkpoint at any TP/PP (and, for MoE models, EP) split.
 
-Both directions run the real learner ranks (tp*pp gloo processes on CPU) so the
+Both directions run the real learner ranks (tp*pp*ep gloo processes on CPU; EP ranks are data-parallel
+ranks holding different experts) so the
 checkpoint is exactly what training writes and reads:
 
   hf-to-mcore: load HF weights into each rank's slice, save a dist checkpoint
@@ -19,14 +20,15 @@ from pathlib import Path
 from megatron_specrl.ports import free_port
 
 
-def _rank_main(rank: int, world: int, port: int, direction: str, src: str, out: str, tp: int, pp: int) -> None:
+def _rank_main(rank: int, world: int, port: int, direction: str, src: str, out: str, tp: int, pp: int,
+               ep: int = 1) -> None:
     from megatron_specrl.config import LearnerConfig
     from megatron_specrl.learner.worker import LearnerWorker
 
-    settings = LearnerConfig(tp=tp, pp=pp, dp=1)
+    settings = LearnerConfig(tp=tp, pp=pp, dp=ep, ep=ep)
     if direction == "mcore-to-hf" and _saved_precision(src) == "bfloat16":
         # a learner.precision=bfloat16 checkpoint loads into a bf16 model (its weights export as they trained)
-        settings = LearnerConfig(tp=tp, pp=pp, dp=1, precision="bfloat16", distributed_optimizer=True)
+        settings = LearnerConfig(tp=tp, pp=pp, dp=ep, ep=ep, precision="bfloat16", distributed_optimizer=True)
     w = LearnerWorker(rank, world, "127.0.0.1", port, settings)
     try:
         if direction == "hf-to-mcore":
@@ -66,29 +68,31 @@ def check_hf_dir(hf_dir: Path) -> None:
     check_hf_config(AutoConfig.from_pretrained(str(hf_dir), local_files_only=True))
 
 
-def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1) -> Path:
+def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1, ep: int = 1) -> Path:
     import torch.multiprocessing as mp
     from megatron_specrl.plan import check_convert_layout
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     check_hf_dir(hf_dir)
-    check_convert_layout(hf_dir, tp, pp)   # before tp x pp ranks spawn (as the CLI's `convert` checks it)
+    check_convert_layout(hf_dir, tp, pp, ep)   # before the ranks spawn (as the CLI's `convert` checks it)
     out_dir.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_rank_main, args=(tp * pp, free_port("127.0.0.1"), "hf-to-mcore", str(hf_dir), str(out_dir), tp, pp),
-             nprocs=tp * pp, join=True)
+    world = tp * pp * ep
+    mp.spawn(_rank_main, args=(world, free_port("127.0.0.1"), "hf-to-mcore", str(hf_dir), str(out_dir), tp, pp, ep),
+             nprocs=world, join=True)
     copy_hf_metadata(hf_dir, out_dir / "hf")
     return out_dir
 
 
-def mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1) -> Path:
+def mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1, ep: int = 1) -> Path:
     import torch.multiprocessing as mp
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / "hf" / "config.json").is_file():
         raise FileNotFoundError(f"{ckpt_dir} has no hf/config.json: pass a directory written by `convert "
                                 f"hf-to-mcore` or a training checkpoint's learner/ (checkpoints/step_*/learner)")
     from megatron_specrl.plan import check_convert_layout
-    check_convert_layout(ckpt_dir / "hf", tp, pp)
-    mp.spawn(_rank_main, args=(tp * pp, free_port("127.0.0.1"), "mcore-to-hf", str(ckpt_dir), str(out_dir), tp, pp),
-             nprocs=tp * pp, join=True)
+    check_convert_layout(ckpt_dir / "hf", tp, pp, ep)
+    world = tp * pp * ep
+    mp.spawn(_rank_main, args=(world, free_port("127.0.0.1"), "mcore-to-hf", str(ckpt_dir), str(out_dir), tp, pp, ep),
+             nprocs=world, join=True)
     return Path(out_dir)
 
 
@@ -105,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     for s in (a, b):
         s.add_argument("--tp", type=int, default=1)
         s.add_argument("--pp", type=int, default=1)
+        s.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (mixture-of-experts models)")
     return p
 
 
@@ -112,9 +117,9 @@ def convert_main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.direction == "hf-to-mcore":
-            out = hf_to_mcore(args.hf, args.out, args.tp, args.pp)
+            out = hf_to_mcore(args.hf, args.out, args.tp, args.pp, args.ep)
         else:
-            out = mcore_to_hf(args.ckpt, args.out, args.tp, args.pp)
+            out = mcore_to_hf(args.ckpt, args.out, args.tp, args.pp, args.ep)
     except Exception as e:  # a spawned rank's error arrives with its traceback: its last line is the message
         lines = [line for line in str(e).splitlines() if line.strip()]
         print(f"convert failed: {lines[-1] if lines else type(e).__name__}", file=sys.stderr)

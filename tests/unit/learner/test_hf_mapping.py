@@ -32,6 +32,53 @@ def test_round_trip_bit_exact(fixture, tp, pp, request):
         assert torch.equal(back[k], sd[k]), k
 
 
+@pytest.mark.parametrize("fixture,tp,pp,ep", [("tiny_qwen3", 2, 2, 1), ("tiny_qwen3_moe", 2, 1, 2),
+                                               ("tiny_qwen3_moe", 1, 2, 2), ("tiny_qwen3_moe", 2, 2, 2)])
+def test_qwen3_families_round_trip_bit_exact_through_tp_pp_and_ep(fixture, tp, pp, ep, request):
+    """Each EP rank's shards hold only its experts, numbered from 0; merged back over EP and TP / PP
+    they give the HF tensors bit for bit (q/k norms, router and every expert included)."""
+    cfg, sd = _load(request.getfixturevalue(fixture))
+    per_rank = [hm.hf_to_megatron_shards(sd, cfg, tp, pp, ep=ep, ep_rank=r) for r in range(ep)]
+    n_local = hm.num_experts(cfg) // ep if hm.num_experts(cfg) else 0
+    for shards in per_rank:
+        experts = {hm.expert_index(k) for k in shards[(0, 0)]} - {None}
+        assert experts == set(range(n_local))
+    merged = {k: hm.merge_ep_shards([per_rank[r][k] for r in range(ep)], cfg) for k in per_rank[0]}
+    back = hm.megatron_shards_to_hf(merged, cfg, tp, pp)
+    assert set(back) == set(sd)
+    assert all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+def test_ep_rank_1_holds_the_second_half_of_the_experts(tiny_qwen3_moe):
+    cfg, sd = _load(tiny_qwen3_moe)
+    shards = hm.hf_to_megatron_shards(sd, cfg, 1, 1, ep=2, ep_rank=1)[(0, 0)]
+    local0 = shards["decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight"]
+    assert torch.equal(local0, sd["model.layers.1.mlp.experts.4.down_proj.weight"])
+    assert hm.ep_global_name("decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight", cfg, 2, 1) == \
+        "decoder.layers.1.mlp.experts.local_experts.4.linear_fc2.weight"
+    assert torch.equal(shards["decoder.layers.0.mlp.router.weight"], sd["model.layers.0.mlp.gate.weight"])
+
+
+def test_a_swapped_expert_mapping_moves_exactly_experts_0_and_1(tiny_qwen3_moe):
+    """The resync checker's injected expert bug: experts 0 and 1 of every layer trade places (their
+    tensors differ, so a comparison against the source catches it); nothing else changes."""
+    cfg, sd = _load(tiny_qwen3_moe)
+    shards = hm.hf_to_megatron_shards(sd, cfg, 2, 1)
+    bad = hm.megatron_shards_to_hf(shards, cfg, 2, 1,
+                                   mapping=hm.miswired(hm.get_mapping(cfg), hm.MISWIRINGS["swap_experts"]))
+    wrong = {k for k in sd if not torch.equal(bad[k], sd[k])}
+    assert wrong == {f"model.layers.{i}.mlp.experts.{e}.{p}_proj.weight"
+                     for i in range(2) for e in (0, 1) for p in ("gate", "up", "down")}
+    assert torch.equal(bad["model.layers.0.mlp.experts.0.down_proj.weight"],
+                       sd["model.layers.0.mlp.experts.1.down_proj.weight"])
+
+
+def test_an_ep_that_does_not_divide_the_experts_is_refused(tiny_qwen3_moe):
+    cfg, sd = _load(tiny_qwen3_moe)
+    with pytest.raises(hm.CheckpointError, match="learner.ep=3 does not divide num_experts=8"):
+        hm.hf_to_megatron_shards(sd, cfg, 1, 1, ep=3, ep_rank=0)
+
+
 def test_layout_details(tiny_qwen2):
     """QKV per query group, fc1 = [gate_r; up_r] per TP rank, local layer numbering, tied head on last stage."""
     cfg, sd = _load(tiny_qwen2)
