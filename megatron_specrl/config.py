@@ -65,8 +65,8 @@ def _apply(cfg: BaseModel, choices: list[Choice]) -> None:
 
 class ModelConfig(_Strict):
     """[actor_rollout_ref.model] the policy's weights."""
-    path: str = Field("tiny-llama", description="HF checkpoint directory, or tiny-llama / tiny-qwen2 to build the "
-                      "embedded tiny model [actor_rollout_ref.model.path].")
+    path: str = Field("tiny-llama", description="HF checkpoint directory, or a tiny model to build "
+                      "(tiny-llama, tiny-qwen2, tiny-qwen3, tiny-qwen3-moe) [actor_rollout_ref.model.path].")
     warmup_steps: int = Field(400, ge=0, description="Steps of a short SFT warm-up on the synthetic task before RL "
                               "(tiny models only); 0 disables it.")
     warmup_lr: float = Field(3e-3, gt=0, description="Learning rate of the SFT warm-up (model.warmup_steps).")
