@@ -83,6 +83,11 @@ METRICS: dict[str, tuple[str, str]] = {
                        "(learner.loss.tis; 1 when off)."),
     "train/grad_norm": ("1", "Global gradient norm before clipping, averaged over the step's optimizer steps."),
     "train/lr": ("1", "Learning rate of this step (after learner.lr_warmup_steps)."),
+    "train/rollout_learner_ratio_std": ("ratio", "Spread (std) of the learner / engine probability ratio over "
+                                        "response tokens (learner.recompute_old_logprobs): widens where an MoE "
+                                        "router picks other experts in the engine than in the learner."),
+    "train/moe_load_balancing_loss": ("1", "MoE models: the routers' load-balancing loss before "
+                                      "router_aux_loss_coef, mean over layers, microbatches and DP replicas."),
     "train/rollout_learner_logprob_abs_diff": ("nats", "Mean |learner - engine| log-prob of the response tokens "
                                                "(learner.recompute_old_logprobs): the engine/learner mismatch."),
     # -- critic ----------------------------------------------------------------------------------------
@@ -230,7 +235,8 @@ def families() -> dict[str, list[str]]:
     return {
         # LearnerWorker.train_step: the reduced loss metrics, grad_norm (_reduce_metrics), lr, and for
         # the policy the engine/learner log-prob difference
-        "train/": [f"train/{k}" for k in (*POLICY_METRICS, "grad_norm", "lr", "rollout_learner_logprob_abs_diff")],
+        "train/": [f"train/{k}" for k in (*POLICY_METRICS, "grad_norm", "lr", "rollout_learner_logprob_abs_diff",
+                                          "rollout_learner_ratio_std", "moe_load_balancing_loss")],
         "critic/": [f"critic/{k}" for k in (*CRITIC_METRICS, "grad_norm", "lr")],
         "tree/calibration_": [f"tree/calibration_{s}" for s in SOURCES],
         "tree_calib/": [f"tree_calib/{k.removeprefix('calib_')}" for k in CALIBRATION_SUMS],

@@ -30,6 +30,7 @@ has no optimizer, no gradients and no checkpoint: it is rebuilt from the HF dir.
 from __future__ import annotations
 
 import logging
+import math
 from functools import partial
 from pathlib import Path
 from typing import Iterator
@@ -380,8 +381,14 @@ class LearnerWorker:
                     batch["old_logprobs"] = self._score(batch, to_all=True)
                 if batch.get("rollout_logprobs") is not None:
                     m = batch["loss_mask"].to(torch.float32)
-                    diff = (batch["old_logprobs"] - batch["rollout_logprobs"]).abs() * m
-                    extra["rollout_learner_logprob_abs_diff"] = float(diff.sum() / m.sum().clamp(min=1.0))
+                    delta = batch["old_logprobs"] - batch["rollout_logprobs"]
+                    n = m.sum().clamp(min=1.0)
+                    extra["rollout_learner_logprob_abs_diff"] = float((delta.abs() * m).sum() / n)
+                    # the spread of the learner / engine probability ratio over response tokens: where an
+                    # MoE router picks other experts in the engine than in the learner, it widens
+                    ratio = torch.exp(delta.clamp(max=20.0)) * m
+                    mean = ratio.sum() / n
+                    extra["rollout_learner_ratio_std"] = math.sqrt(float((((ratio - mean) ** 2) * m).sum() / n))
             elif "old_logprobs" not in batch:
                 batch["old_logprobs"] = batch["rollout_logprobs"]
         if B % s.mini_batches:
@@ -437,7 +444,25 @@ class LearnerWorker:
                                                        self._cpu_shims, step)
         else:
             store, grad_norm = optimizer.adamw_step(self.optimizer, schedule, self._finalize_grads, step)
-        return self._reduce_metrics(store, grad_norm)
+        out = self._reduce_metrics(store, grad_norm)
+        if self.model.config.num_moe_experts:
+            out["moe_load_balancing_loss"] = self._load_balancing_loss(n_mb)
+        return out
+
+    def _load_balancing_loss(self, n_microbatches: int) -> float:
+        """The MoE routers' load-balancing loss (before router_aux_loss_coef) of this optimizer step, the
+        mean over layers, microbatches and data-parallel replicas, from Megatron's MoE loss tracker (which
+        the step's forward passes filled; cleared here)."""
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+        entry = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+        local = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if entry is not None:
+            local += entry["values"].double().sum() / max(n_microbatches, 1)
+        clear_aux_losses_tracker()
+        if self.world_size > 1:
+            dist.all_reduce(local)
+        replicas = self.world_size // self.settings.pp    # each layer lives on one stage, in tp x dp copies
+        return float(local) / (replicas * self.hf_config.num_hidden_layers)
 
     def forward_backward(self, batch: dict) -> dict[str, float]:
         """Gradients of the RL loss on the whole batch (finalised over DP/PP, unclipped), no step.
