@@ -26,7 +26,10 @@ def _child(rank, world, layouts, hf_dir, out_dir, ports, train_and_checkpoint=Fa
         w = LearnerWorker(rank, world, "127.0.0.1", port, settings, seed=1)
         w.load_hf(hf_dir)
         batch = complete_batch(ref["batch"], ref["lp"])
+        routing = RoutingCapture(w) if w.model.config.num_moe_experts and tp == 1 else None
         logits = full_logits(w, batch)
+        if routing is not None:
+            torch.save(routing.done(), f"{out_dir}/{tag}-routing-rank{rank}.pt")
         lp = w.compute_logprobs(batch)
         w.forward_backward(batch)
         grads = dict(w.iter_hf_state(grads=True))
@@ -37,6 +40,67 @@ def _child(rank, world, layouts, hf_dir, out_dir, ports, train_and_checkpoint=Fa
         if rank == 0:
             torch.save(result, f"{out_dir}/{tag}.pt")
         w.shutdown()
+
+
+class RoutingCapture:
+    """The experts each MoE router picks for every token of the rows this rank scores, from forward hooks
+    on Megatron's routers: {global layer: {batch row: bool [tokens, experts]}} (TP 1: a router then sees
+    whole sequences)."""
+
+    def __init__(self, w):
+        self.picked: dict[int, dict[int, torch.Tensor]] = {}
+        self.calls: dict[int, int] = {}
+        self.hooks = [m.register_forward_hook(self._hook(m)) for n, m in w.model.named_modules()
+                      if n.endswith("mlp.router")]
+        self._wrap_microbatches(w)
+
+    def _wrap_microbatches(self, w):
+        orig = w._microbatches
+
+        def microbatches(batch, rows):
+            mbs = orig(batch, rows)
+            self.rows_of = [mb["rows"].tolist() for mb in mbs]
+            return mbs
+        w._microbatches = microbatches
+        self.restore = lambda: setattr(w, "_microbatches", orig)
+
+    def _hook(self, router):
+        def hook(_module, inputs, output):
+            S, Bm = inputs[0].shape[:2]
+            layer = router.layer_number - 1
+            seen = self.picked.setdefault(layer, {})
+            self.calls[layer] = self.calls.get(layer, 0) + 1     # one call per microbatch, in order
+            rows = self.rows_of[self.calls[layer] - 1]
+            picked = output[1].reshape(S, Bm, -1).transpose(0, 1).detach().cpu()
+            for b, r in enumerate(rows):
+                seen[r] = picked[b]
+        return hook
+
+    def done(self):
+        for h in self.hooks:
+            h.remove()
+        self.restore()
+        return self.picked
+
+
+def hf_routing(hf_dir, batch) -> dict[int, torch.Tensor]:
+    """HF transformers' picks: {layer: bool [B, T, experts]} from hooks on each layer's mlp.gate."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    B, T = batch["input_ids"].shape
+    out = {}
+
+    def hook(i):
+        def fn(_m, _inputs, output):
+            idx = output[2].reshape(B, T, -1)
+            out[i] = torch.zeros(B, T, model.config.num_experts, dtype=torch.bool).scatter_(2, idx, True)
+        return fn
+    hooks = [layer.mlp.gate.register_forward_hook(hook(i)) for i, layer in enumerate(model.model.layers)]
+    with torch.no_grad():
+        model(batch["input_ids"])
+    for h in hooks:
+        h.remove()
+    return out
 
 
 def layout_tag(layout) -> str:

@@ -30,7 +30,7 @@ import math
 import pytest
 import torch
 from megatron_specrl.ports import free_port
-from tests.helpers.learner import B, T, TOL, make_batch, hf_reference, complete_batch, loss_config, full_logits, _run  # noqa: F401
+from tests.helpers.learner import B, T, TOL, make_batch, hf_reference, hf_routing, complete_batch, loss_config, full_logits, _run  # noqa: F401
 import json
 import shutil
 from pathlib import Path
@@ -400,6 +400,19 @@ def test_qwen3_moe_at_tp2_ep2_and_pp2_ep2_matches_hf_and_gathers_its_experts_exa
         weights = res[tag]["weights"]
         assert set(weights) == set(hf), tag
         assert all(torch.equal(weights[k], hf[k]) for k in hf), tag
+    # every router picks HF's top-2 experts for every real token (PP2 x DP2 x EP2: each rank its rows)
+    batch = make_batch(hf_dir)
+    want, am = hf_routing(hf_dir, batch), batch["attention_mask"].bool()
+    got: dict[int, dict[int, torch.Tensor]] = {}
+    for f in tmp_path.glob("tp1pp2dp2ep2-routing-rank*.pt"):
+        for layer, rows in torch.load(f).items():
+            got.setdefault(layer, {}).update(rows)
+    assert sorted(got) == sorted(want) == [0, 1]
+    for layer, rows in got.items():
+        assert sorted(rows) == list(range(B))
+        for r, picked in rows.items():
+            n = int(am[r].sum())
+            assert torch.equal(picked[:n], want[layer][r, :n]), (layer, r)
 
 
 @pytest.mark.slow
