@@ -142,3 +142,75 @@ def test_bf16_local_spec_activations_match_the_saved_bytes(tiny_llama, tmp_path)
         assert abs(est / saved[tag] - 1) < 0.1, (tag, est, saved[tag])
 
 
+
+
+# ---- A mixture-of-experts learner: DP2 x EP2, each rank 4 of the 8 experts. Two ranks cost half the start-up
+# of four; the distributed optimizer's expert sharding over an expert-data-parallel group of two (DP4 x EP2)
+# is checked against the estimate in tests/integration/learner/test_distributed_optimizer.py, which runs it.
+MOE_LAYOUTS = [("adamw", False, "float32"), ("dist", True, "float32"), ("bf16", True, "bfloat16")]
+
+
+def _measure_moe(rank, world, hf_dir, ports, out_dir):
+    """Bytes one rank's learner holds after a train step: parameters (and the experts among them),
+    gradients (p.grad, or DDP's fp32 main_grad), Adam's moments and (bf16) the fp32 master weights."""
+    from megatron_specrl.config import LearnerConfig
+    from megatron_specrl.learner.megatron_optim import inner_optimizers
+    from megatron_specrl.learner.worker import LearnerWorker
+    from tests.helpers.learner import complete_batch, make_batch
+
+    def nbytes(ts):
+        return sum(t.numel() * t.element_size() for t in ts)
+    for (tag, dist_opt, precision), port in zip(MOE_LAYOUTS, ports):
+        settings = LearnerConfig(dp=world, ep=2, micro_batch_size=1, distributed_optimizer=dist_opt,
+                                 precision=precision)
+        w = LearnerWorker(rank, world, "127.0.0.1", port, settings, seed=1)
+        w.load_hf(hf_dir)
+        batch = make_batch(hf_dir)
+        w.train_step(complete_batch(batch, torch.zeros(batch["input_ids"].shape)))
+        params = list(w.model.parameters())
+        if w.ddp is None:
+            grads = [p.grad for p in params]
+            state = [t for p in params for k, t in w.optimizer.state[p].items() if k in ("exp_avg", "exp_avg_sq")]
+        else:
+            grads = [p.main_grad for p in params]
+            state = [t for o in inner_optimizers(w.optimizer) for st in o.state.values() for k, t in st.items()
+                     if k in ("exp_avg", "exp_avg_sq")]
+            state += [t for c in w.optimizer.chained_optimizers for g in c.shard_fp32_from_float16_groups for t in g]
+        torch.save({"numel": sum(p.numel() for p in params),
+                    "experts": sum(p.numel() for p in params if not getattr(p, "allreduce", True)),
+                    "weights": nbytes(params), "grads": nbytes(grads), "optimizer": nbytes(state)},
+                   f"{out_dir}/moe-{tag}-rank{rank}.pt")
+        w.shutdown()
+
+
+@pytest.mark.slow
+def test_moe_memory_estimate_matches_a_real_expert_parallel_learner(tiny_qwen3_moe, tmp_path):
+    """Qwen3-MoE at DP2 x EP2: stage_parameters (the experts among them too) and the weight, gradient and
+    optimizer bytes of every rank equal the estimate exactly, on the replicated AdamW path (8 bytes of
+    moments a parameter), the distributed optimizer (the dense moments sharded over dp = 2, the experts'
+    over their expert-data-parallel group, dp / ep = 1: not at all) and bf16 (+ fp32 master weights)."""
+    import torch.multiprocessing as mp
+
+    from megatron_specrl.learner.model_provider import padded_vocab_size
+    from megatron_specrl.plan import stage_expert_parameters
+    world = 2
+    mp.spawn(_measure_moe, args=(world, str(tiny_qwen3_moe), [free_port("127.0.0.1") for _ in MOE_LAYOUTS],
+                                 str(tmp_path)), nprocs=world, join=True)
+    s = ModelShape.from_hf(load_hf_config(str(tiny_qwen3_moe)))
+    n = stage_parameters(s, 1, 1, 0, padded_vocab_size(s.vocab, 1), ep=2)
+    n_experts = stage_expert_parameters(s, 1, 1, ep=2)
+    assert 0 < n_experts < n
+    for tag, dist_opt, precision in MOE_LAYOUTS:
+        cfg = load_config(None, [f"model.path={tiny_qwen3_moe}", f"learner.dp={world}", "learner.ep=2",
+                                 "learner.micro_batch_size=1", f"learner.distributed_optimizer={str(dist_opt).lower()}",
+                                 f"learner.precision={precision}", "trainer.prompts_per_step=1",
+                                 "rollout.n_samples=4", "data.max_prompt_len=4", "rollout.max_new_tokens=8"])
+        lm = build_plan(cfg, check_data=False).learner
+        w_bytes, o_bytes = (2, 12) if precision == "bfloat16" else (4, 8)
+        optimizer = o_bytes * ((n - n_experts) // world + n_experts) if dist_opt else o_bytes * n
+        assert (lm.params, lm.expert_params) == (n, n_experts), tag
+        assert (lm.weights, lm.grads, lm.optimizer) == (w_bytes * n, 4 * n, optimizer), tag
+        for r in range(world):
+            m = torch.load(tmp_path / f"moe-{tag}-rank{r}.pt")
+            assert (m["numel"], m["experts"]) == (n, n_experts), (tag, r)
+            assert (m["weights"], m["grads"], m["optimizer"]) == (lm.weights, lm.grads, lm.optimizer), (tag, r, m)
