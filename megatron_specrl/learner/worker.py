@@ -285,7 +285,20 @@ class LearnerWorker:
         B, T = ids.shape
         pos = torch.arange(T, device=ids.device).unsqueeze(0).expand(B, -1)
         causal = torch.triu(torch.ones(T, T, dtype=torch.bool, device=ids.device), diagonal=1)[None, None]
-        return model(ids, pos, causal)
+        if not self.model.config.num_moe_experts:
+            return model(ids, pos, causal)
+        return model(ids, pos, causal, padding_mask=self._padding_mask(mb))
+
+    def _padding_mask(self, mb) -> Tensor:
+        """[B, T] True at padding, for MoE routers: padded positions (a microbatch's shorter rows, the
+        sequence-parallel round-up) then count in no load-balancing loss, as HF's attention mask keeps
+        them out of its. GPTModel splits the mask over the sequence-parallel ranks on the first pipeline
+        stage only; later stages get their part here."""
+        pad = ~mb["attention_mask"].bool()
+        if self.model.config.sequence_parallel and not self.first_stage:
+            tp, r = self.settings.tp, self.tp_rank
+            pad = pad[:, r * pad.shape[1] // tp:(r + 1) * pad.shape[1] // tp]
+        return pad.contiguous()
 
     def _heads(self, output: Tensor, mb: dict, with_entropy: bool, entropy_grad: bool = True):
         """Model output on the last stage -> (per-token values, entropy) aligned with input_ids."""
@@ -461,8 +474,10 @@ class LearnerWorker:
         clear_aux_losses_tracker()
         if self.world_size > 1:
             dist.all_reduce(local)
-        replicas = self.world_size // self.settings.pp    # each layer lives on one stage, in tp x dp copies
-        return float(local) / (replicas * self.hf_config.num_hidden_layers)
+        # each layer lives on one stage, in dp copies, and in tp copies too unless sequence parallelism
+        # splits the tokens over the TP ranks (each then holds its part of the loss)
+        copies = self.settings.dp * (1 if self.model.config.sequence_parallel else self.settings.tp)
+        return float(local) / (copies * self.hf_config.num_hidden_layers)
 
     def forward_backward(self, batch: dict) -> dict[str, float]:
         """Gradients of the RL loss on the whole batch (finalised over DP/PP, unclipped), no step.
