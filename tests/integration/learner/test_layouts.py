@@ -424,3 +424,36 @@ def test_qwen3_moe_convert_round_trip_through_tp2_ep2(tiny_qwen3_moe, tmp_path):
     assert convert_main(["mcore-to-hf", "--ckpt", str(ck), "--out", str(out), "--pp", "2"]) == 0
     a, b = _hf_weights(tiny_qwen3_moe), _hf_weights(out)
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _load_balancing_child(rank, world, ports, layouts, hf_dir, out_dir):
+    from megatron_specrl.config import LearnerConfig
+    from megatron_specrl.learner.worker import LearnerWorker
+    ref = torch.load(f"{out_dir}/ref.pt")
+    res = {}
+    for (tp, dp, ep), port in zip(layouts, ports):
+        w = LearnerWorker(rank, world, "127.0.0.1", port,
+                          LearnerConfig(tp=tp, dp=dp, ep=ep, micro_batch_size=1, loss=loss_config()), seed=1)
+        w.load_hf(hf_dir)
+        m = w.forward_backward(complete_batch(ref["batch"], ref["lp"]))
+        res[(tp, dp, ep)] = (m["moe_load_balancing_loss"], m["grad_norm"])
+        w.shutdown()
+    if rank == 0:
+        torch.save(res, f"{out_dir}/balancing.pt")
+
+
+@pytest.mark.slow
+def test_moe_load_balancing_loss_and_gradients_ignore_padding(tiny_qwen3_moe, tmp_path):
+    """With the load-balancing loss on (router_aux_loss_coef 0.001), TP2 pads every row to an even length
+    for sequence parallelism and TP1 does not: the routers get the padding mask, so both give the same loss
+    and gradient norm (counted in, padding moved both; the pad token's zero embedding gave large gradients)."""
+    batch = make_batch(tiny_qwen3_moe)
+    assert (batch["attention_mask"].sum(1) % 2).any()        # some row has an odd length: TP2 pads it
+    torch.save({"batch": batch, "lp": torch.zeros(batch["input_ids"].shape)}, tmp_path / "ref.pt")
+    layouts = [(1, 4, 2), (2, 2, 2)]
+    mp.spawn(_load_balancing_child, args=(4, [free_port("127.0.0.1") for _ in layouts], layouts,
+                                          str(tiny_qwen3_moe), str(tmp_path)), nprocs=4, join=True)
+    res = torch.load(tmp_path / "balancing.pt")
+    (lb1, norm1), (lb2, norm2) = res[(1, 4, 2)], res[(2, 2, 2)]
+    assert 0.5 < lb1 < 10 and abs(lb1 - lb2) < 1e-6 * lb1, res
+    assert abs(norm1 - norm2) < 1e-5 * norm1, res
