@@ -24,9 +24,10 @@ ARCHS = {
     # GQA, QKV bias, tied embeddings.
     "qwen2": dict(model_type="qwen2", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=256, tie_word_embeddings=True),
-    # GQA, q/k RMS norms, head_dim set in the config, tied embeddings (as Qwen3-0.6B to 4B).
+    # GQA, q/k RMS norms, head_dim set in the config, untied embeddings (as Qwen3-8B and larger; tiny-qwen2
+    # covers a tied head).
     "qwen3": dict(model_type="qwen3", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                  intermediate_size=256, tie_word_embeddings=True),
+                  intermediate_size=256, tie_word_embeddings=False),
     # Qwen3-30B-A3B's layout in small: every layer MoE, 8 experts, top-2 renormalised, untied.
     "qwen3_moe": dict(model_type="qwen3_moe", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=32, intermediate_size=256, moe_intermediate_size=64, num_experts=8,
