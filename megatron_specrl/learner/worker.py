@@ -132,7 +132,7 @@ class LearnerWorker:
         tp, pp = settings.tp, settings.pp
         if world_size != tp * pp * settings.dp:
             raise ValueError(f"world_size={world_size} != tp*pp*dp = {tp}*{pp}*{settings.dp}")
-        self.ep = getattr(settings, "ep", 1)
+        self.ep = settings.ep
         init_distributed(rank, world_size, master_addr, master_port, tp, pp, seed, ep=self.ep)
         from megatron.core import parallel_state as ps
         self.ps = ps
