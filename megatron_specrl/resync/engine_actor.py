@@ -52,7 +52,7 @@ def reload_ipc_in_worker(worker, payload) -> int:
     named = CudaIpcTransport().unpack(payload, device=getattr(worker, "device", None))
     worker.reload_weights(weights_iterator=iter(named))
     from megatron_specrl.engines.vllm_engine import repack_cpu_moe_experts
-    repack_cpu_moe_experts(worker.model_runner.get_model(), [n for n, _ in named])
+    repack_cpu_moe_experts(worker, [n for n, _ in named])
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return len(named)

@@ -217,7 +217,7 @@ def test_a_missing_draft_model_is_one_line_before_anything_starts(tmp_path):
     # the plan that runs before every start (as `--dry-run` and `launch` do) names it
     assert proc.stderr.strip().splitlines() == [
         f"megatron-specrl: plan error: rollout.draft_model='{tmp_path / 'nowhere'}': no config.json there (a local HF "
-        "checkpoint directory, or one of ['tiny-llama', 'tiny-qwen2'])"]
+        "checkpoint directory, or one of ['tiny-llama', 'tiny-qwen2', 'tiny-qwen3', 'tiny-qwen3-moe'])"]
     assert not (tmp_path / "run").exists() and "Ray" not in proc.stderr
 
 

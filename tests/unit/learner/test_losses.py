@@ -297,6 +297,7 @@ def _train_step(entropy_coef: float):
         return [reported]
 
     w = SimpleNamespace(role="policy", hf_config=SimpleNamespace(vocab_size=V), ddp=None,
+                        model=SimpleNamespace(config=SimpleNamespace(num_moe_experts=None)),
                         settings=SimpleNamespace(loss=LossConfig(entropy_coef=entropy_coef, tis="off"), dp=1),
                         _dp_rows=lambda rows: rows, _run_schedule=run_schedule,
                         _microbatches=lambda b, rows: [{**b, "rows": torch.tensor(rows)}],
