@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_specrl.learner.hf_mapping import has_qk_norm, num_experts
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 
@@ -77,7 +79,7 @@ def moe_settings(hf_config, ep: int = 1, aux_loss_scale: float = 1.0, tp: int = 
     top-k gives the same weights, softmax before top-k (pre_softmax) the unrenormalised ones.
     `aux_loss_scale` scales router_aux_loss_coef: the AdamW path sums gradients over DP ranks,
     so it passes 1/dp to keep the load-balancing term the mean Megatron's DDP gives."""
-    if hf_config.model_type != "qwen3_moe":
+    if not num_experts(hf_config):
         if ep != 1:
             raise ValueError(f"learner.ep={ep} needs a mixture-of-experts model; model_type "
                              f"{hf_config.model_type!r} is dense (learner.ep=1)")
@@ -177,7 +179,7 @@ def transformer_config_from_hf(hf_config, tp: int = 1, pp: int = 1, dtype: torch
         gradient_accumulation_fusion=False,
         # Microbatches may differ in shape (dynamic batching); p2p sends shapes first.
         variable_seq_lengths=True,
-        qk_layernorm=hf_config.model_type in ("qwen3", "qwen3_moe"),
+        qk_layernorm=has_qk_norm(hf_config),
         # the alltoall dispatcher for MoE ("allgather" rejects variable sequence lengths), on gloo too
         moe_token_dispatcher_type="alltoall",
         batch_p2p_comm=True,

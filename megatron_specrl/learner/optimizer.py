@@ -57,6 +57,15 @@ def adamw_step(optimizer, run_schedule: Callable[[], list], finalize_grads: Call
     return store, grad_norm
 
 
+def _sum_grads(params: list, group) -> None:
+    """Sum the parameters' gradients over `group` in one all-reduce of their flattened concatenation."""
+    grads = [p.grad for p in params]
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    for g, f in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(f)
+
+
 def finalize_grads(params: list, model, settings, ps, device, world_size: int, clip: bool = True) -> float:
     """Tied-embedding grad sync (PP), DP all-reduce (sum: losses use global denominators), clip;
     returns the global norm (`ps`: megatron.core.parallel_state)."""
@@ -74,22 +83,14 @@ def finalize_grads(params: list, model, settings, ps, device, world_size: int, c
     partial_over_tp = [p for n, p in model.named_parameters() if p.requires_grad
                        and ("q_layernorm" in n or "k_layernorm" in n or getattr(p, "sequence_parallel", False))]
     if partial_over_tp and settings.tp > 1:
-        grads = [p.grad for p in partial_over_tp]
-        flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=ps.get_tensor_model_parallel_group())
-        for g, f in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            g.copy_(f)
+        _sum_grads(partial_over_tp, ps.get_tensor_model_parallel_group())
     # Expert-parallel experts (Megatron marks them allreduce=False) already hold the gradient of every
     # token their EP group routed to them: they sum over the expert-data-parallel ranks only.
     dense = [p for p in params if getattr(p, "allreduce", True)]
     experts = [p for p in params if not getattr(p, "allreduce", True)]
     for group_params, group in ((dense, ps.get_data_parallel_group), (experts, ps.get_expert_data_parallel_group)):
         if group_params and dist.get_world_size(group()) > 1:
-            grads = [p.grad for p in group_params]
-            flat = torch._utils._flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=group())
-            for g, f in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-                g.copy_(f)
+            _sum_grads(group_params, group())
     dense_sq = torch.zeros(1, dtype=torch.float32, device=device)
     expert_sq = torch.zeros(1, dtype=torch.float32, device=device)
     for p in params:

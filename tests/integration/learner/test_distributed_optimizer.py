@@ -253,28 +253,11 @@ def _moe_child(rank, world, hf_dir, out_dir, ports):
         w.shutdown()
 
 
-def _even_length_batch(hf_dir) -> dict:
-    """make_batch with its odd-length rows cut by one token (lengths 12, 8, 10, 6). Megatron's router
-    counts every token of a microbatch in the load-balancing loss, padding included (the learner passes
-    it no padding mask), and sequence parallelism pads a row to a multiple of TP: with odd lengths the
-    TP2 resume would train on another auxiliary loss than DP4 did (measured: grad norm 2.91 against 2.53,
-    through the zero embedding row of the padding token, whose RMSNorm gradient is ~1/sqrt(eps))."""
-    from transformers import AutoConfig
-    batch = make_batch(hf_dir)
-    am = batch["attention_mask"]
-    keep = torch.arange(am.shape[1])[None] < (am.sum(1) // 2 * 2)[:, None]
-    pad = AutoConfig.from_pretrained(str(hf_dir)).pad_token_id
-    batch["input_ids"] = torch.where(keep, batch["input_ids"], torch.full_like(batch["input_ids"], pad))
-    for k in ("attention_mask", "loss_mask", "advantages"):
-        batch[k] = batch[k] * keep
-    return batch
-
-
 @pytest.fixture(scope="module")
 def moe_runs(tiny_qwen3_moe, tmp_path_factory):
     import torch.multiprocessing as mp
     tmp = tmp_path_factory.mktemp("distopt_moe")
-    batch = _even_length_batch(tiny_qwen3_moe)
+    batch = make_batch(tiny_qwen3_moe)   # odd lengths: TP2's sequence-parallel round-up pads them
     _, lp, _ = hf_reference(tiny_qwen3_moe, batch, loss_config())
     torch.save({"batch": batch, "lp": lp}, tmp / "ref.pt")
     ports = [free_port("127.0.0.1") for _ in MOE_LAYOUTS]
