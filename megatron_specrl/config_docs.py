@@ -1,7 +1,8 @@
 """docs/configuration.md, generated from the config schema (config.RunConfig): a table per section
 with each key's type, default and description (its pydantic Field description, the one place it is
 written). `python -m megatron_specrl.config_docs` rewrites the page; `--check` exits 1 when the page
-differs from what it would write (tests/unit/test_configuration_page.py does the same).
+differs from what it would write (tests/unit/test_configuration_page.py does the same). A developer tool:
+its default page is the checkout's; a wheel install has none and needs --out.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from megatron_specrl.config import RunConfig
+from megatron_specrl.shipped import CHECKOUT
 
-PAGE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+PAGE = CHECKOUT / "docs" / "configuration.md" if CHECKOUT is not None else None
 
 HEADER = """# Configuration
 
@@ -106,7 +108,8 @@ def render(model=RunConfig) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m megatron_specrl.config_docs", description=__doc__)
-    ap.add_argument("--out", type=Path, default=PAGE, help="the page to write (default: docs/configuration.md)")
+    ap.add_argument("--out", type=Path, default=PAGE, required=PAGE is None,
+                    help="the page to write (default: the checkout's docs/configuration.md)")
     ap.add_argument("--check", action="store_true", help="exit 1 if the page is not what would be written")
     args = ap.parse_args(argv)
     missing = missing_descriptions()

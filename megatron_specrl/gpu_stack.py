@@ -16,9 +16,10 @@ from importlib import metadata
 from pathlib import Path
 
 from megatron_specrl.errors import quote_exception
+from megatron_specrl.shipped import shipped_path
 
 # One pinned set (the vLLM image); SGLang has no pin there (docker/constraints-gpu.txt says why).
-CONSTRAINTS = Path(__file__).resolve().parent.parent / "docker" / "constraints-gpu.txt"
+CONSTRAINTS = shipped_path("docker/constraints-gpu.txt")
 
 # (distribution, import name, needed on GPU nodes only)
 STACK = {

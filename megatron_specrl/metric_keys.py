@@ -7,8 +7,9 @@ the one registry that docs/metrics.md is generated from.
 A key is exact ("spec/reuse_ratio") or a pattern whose `{name}` part stands for any text
 ("eval/pass@{n}"). Keys the code builds from a prefix and a name (`f"train/{k}"`) are listed one by
 one: `FAMILIES` derives them from the same constants the code iterates over, and the unit tests
-(tests/unit/test_metric_keys_documented.py) check that every key the package emits is documented here
-and that docs/metrics.md is up to date.
+(tests/unit/test_metric_keys.py) check that every key the package emits is documented here
+and that docs/metrics.md is up to date. Writing the page is a developer tool: its default page is the
+checkout's; a wheel install has none and needs --out.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import re
 import sys
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+from megatron_specrl.shipped import CHECKOUT
+
+DOC = CHECKOUT / "docs" / "metrics.md" if CHECKOUT is not None else None
 
 # namespace -> (title, where the keys come from)
 SECTIONS: dict[str, tuple[str, str]] = {
@@ -308,7 +311,8 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m megatron_specrl.metric_keys", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=str(DOC), help="the page to write (default: the repository's docs/metrics.md)")
+    p.add_argument("--out", default=DOC, required=DOC is None,
+                   help="the page to write (default: the checkout's docs/metrics.md)")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if the page differs")
     args = p.parse_args(argv)
     out, text = Path(args.out), render()

@@ -22,7 +22,7 @@ from megatron_specrl.rollout.batch import build_batch
 from megatron_specrl.rollout.dump import dump_rollouts
 from megatron_specrl.rollout.dynamic import filter_rounds
 from megatron_specrl.run.build import build_run
-from megatron_specrl.run.checkpointing import save_run_checkpoint
+from megatron_specrl.run.checkpointing import save_final_checkpoint, save_run_checkpoint
 from megatron_specrl.run.evaluation import evaluate
 from megatron_specrl.run.overlap import Collected, RolloutAhead, staleness, starts_ahead, step_times, timed_collect
 from megatron_specrl.run.recovery import collect_again, resync_with_recovery, with_engine_recovery
@@ -151,6 +151,7 @@ def train(cfg: RunConfig) -> Run:
                     hooks.before("checkpoint", step)
                     save_run_checkpoint(run)
                 run.progress.update(task, completed=step)
+        save_final_checkpoint(run)
         run.finish()
     finally:
         if ahead is not None:

@@ -1,6 +1,7 @@
 """A learner rank's checkpoint I/O: Megatron dist checkpoints (model + optimizer state + RNG, saved at
 one TP / PP / DP layout and loaded at any, dist_checkpointing resharding them) and the HF export.
-Functions of a LearnerWorker `w` (learner/worker.py), which delegates its save / load / export here."""
+Functions of a LearnerState: the rank as its checkpoints see it, which the LearnerWorker
+(learner/worker.py) hands over for each save / load / export; they read nothing else of the worker."""
 
 from __future__ import annotations
 
@@ -8,26 +9,62 @@ import dataclasses
 import json
 import logging
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from megatron_specrl.learner import hf_mapping as hm
+from megatron_specrl.learner import optimizer as optim
 from megatron_specrl.learner.hf_checkpoint import save_hf_shards
-
-if TYPE_CHECKING:
-    from megatron_specrl.learner.worker import LearnerWorker
 
 log = logging.getLogger(__name__)
 
 META = "specrl_learner.json"   # the layout, role, optimizer and precision a checkpoint was saved with
 
 
+@dataclass(frozen=True)
+class LearnerState:
+    """A learner rank as its checkpoints see it: its place in the TP x PP x DP layout, its role and
+    precision, its model slice and optimizer, its step count and the HF directory it was built from.
+
+    LearnerWorker.checkpoint_state() builds one for each call from its own attributes, so the two
+    cannot drift: the model and optimizer are the worker's objects (a load fills them in place), the
+    step count a copy (`load` returns the checkpoint's, for the worker to keep)."""
+    rank: int
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    role: str
+    bf16: bool                  # learner.precision=bfloat16
+    model: Any = None           # the bare GPTModel slice
+    ddp: Any = None             # Megatron's DDP wrapper (learner.distributed_optimizer), else None
+    optimizer: Any = None       # Megatron's distributed optimizer, torch AdamW, or None (a reference)
+    train_steps: int = 0
+    hf_config: Any = None
+    hf_dir: Path | None = None
+
+    @property
+    def frozen(self) -> bool:
+        """A reference: it loads weights, nothing else, and is never saved."""
+        return self.role == "reference"
+
+    def cpu_shims(self):
+        return optim.cpu_shims(self.ddp)
+
+    def ensure_optimizer_state(self) -> None:
+        optim.ensure_state(self.ddp, self.optimizer, optim.trainable(self.model))
+
+
 # -- dist checkpoints -----------------------------------------------------------------------
-def save(w: LearnerWorker, path: str | Path) -> None:
+def save(w: LearnerState, path: str | Path) -> None:
     """Megatron dist checkpoint (model + optimizer state + RNG), synchronous writer."""
     from megatron.core import dist_checkpointing
 
@@ -37,20 +74,20 @@ def save(w: LearnerWorker, path: str | Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
     if w.world_size > 1:
         dist.barrier()
-    w._ensure_optimizer_state()
+    w.ensure_optimizer_state()
     sd = sharded_state_dict(w)
-    with w._cpu_shims(), in_process_results_queue():   # no Manager process for a synchronous save
+    with w.cpu_shims(), in_process_results_queue():   # no Manager process for a synchronous save
         dist_checkpointing.save(sd, str(path), async_sharded_save=False)
     if w.rank == 0:
         (path / META).write_text(json.dumps(
-            {"tp": w.settings.tp, "pp": w.settings.pp, "dp": w.settings.dp, "role": w.role,
+            {"tp": w.tp, "pp": w.pp, "dp": w.dp, "role": w.role,
              "distributed_optimizer": w.ddp is not None, "train_steps": w.train_steps,
              "precision": "bfloat16" if w.bf16 else "float32"}))
     if w.world_size > 1:
         dist.barrier()
 
 
-def read_meta(w: LearnerWorker, path: str | Path, load_optimizer: bool) -> dict:
+def read_meta(w: LearnerState, path: str | Path, load_optimizer: bool) -> dict:
     """The checkpoint's META, refused where this learner cannot load it (its optimizer or precision)."""
     meta_file = Path(path) / META
     if not meta_file.is_file():
@@ -69,31 +106,33 @@ def read_meta(w: LearnerWorker, path: str | Path, load_optimizer: bool) -> dict:
     return meta
 
 
-def load(w: LearnerWorker, path: str | Path, load_optimizer: bool = True) -> None:
+def load(w: LearnerState, path: str | Path, load_optimizer: bool = True) -> int | None:
     """Load a dist checkpoint saved at any TP/PP split (dist_checkpointing reshards the model
-    and optimizer); per-rank RNG state is restored only when the layout is unchanged."""
+    and optimizer); per-rank RNG state is restored only when the layout is unchanged. Returns the
+    checkpoint's step count with the optimizer state (the lr warm-up continues where it was), else None."""
     from megatron.core import dist_checkpointing
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
     if w.model is None:
         raise RuntimeError("call load_hf (or build the model) before load_checkpoint")
     load_optimizer = load_optimizer and not w.frozen   # a reference may load weights, nothing else
     meta = read_meta(w, path, load_optimizer)
-    same_layout = (meta["tp"], meta["pp"], meta["dp"]) == (w.settings.tp, w.settings.pp, w.settings.dp)
+    same_layout = (meta["tp"], meta["pp"], meta["dp"]) == (w.tp, w.pp, w.dp)
+    train_steps = None
     if load_optimizer:
-        w._ensure_optimizer_state()
-        w.train_steps = int(meta.get("train_steps", 0))   # the lr warm-up continues where it was
+        w.ensure_optimizer_state()
+        train_steps = int(meta.get("train_steps", 0))
     sd = sharded_state_dict(w, optimizer=load_optimizer, rng=load_optimizer and same_layout, is_loading=True)
-    with w._cpu_shims():
+    with w.cpu_shims():
         loaded = dist_checkpointing.load(sd, str(path))
     model_sd = {k[len("model."):]: v for k, v in loaded["model"].items()}
     w.model.load_state_dict(model_sd, strict=False)
     if load_optimizer and w.ddp is not None:
         from megatron_specrl.learner import megatron_optim
-        with w._cpu_shims():
+        with w.cpu_shims():
             megatron_optim.load_state_dict(w.optimizer, loaded["optimizer"])
         loaded["optimizer"] = {}
-    elif w.ddp is not None:
-        w._reload_main_params()      # bf16 weights without optimizer state: fresh fp32 master weights
+    elif w.ddp is not None:          # bf16 weights without optimizer state: fresh fp32 master weights
+        optim.reload_main_params(w.ddp, w.optimizer, w.bf16)
     # (without load_optimizer, dist_checkpointing still returns the checkpoint's common, non-sharded
     # optimizer entries: ignore them)
     _load_adamw_state(w, dict(loaded.get("optimizer", {})) if load_optimizer else {})
@@ -101,9 +140,10 @@ def load(w: LearnerWorker, path: str | Path, load_optimizer: bool = True) -> Non
         torch.set_rng_state(loaded["rng"]["cpu"])
         get_cuda_rng_tracker().set_states(loaded["rng"]["tracker"])
         restore_cuda_rng_states(loaded["rng"].get("cuda"))   # absent in older checkpoints
+    return train_steps
 
 
-def _load_adamw_state(w: LearnerWorker, opt: dict) -> None:
+def _load_adamw_state(w: LearnerState, opt: dict) -> None:
     """The AdamW moments of sharded_state_dict's `optimizer` entry back into the torch optimizer."""
     named = dict(w.model.named_parameters())
     step = opt.pop("step", None)
@@ -114,7 +154,7 @@ def _load_adamw_state(w: LearnerWorker, opt: dict) -> None:
         st["step"] = torch.tensor(float(step))
 
 
-def sharded_state_dict(w: LearnerWorker, optimizer: bool = True, rng: bool = True, is_loading: bool = False) -> dict:
+def sharded_state_dict(w: LearnerState, optimizer: bool = True, rng: bool = True, is_loading: bool = False) -> dict:
     model_sd = w.model.sharded_state_dict(prefix="model.")
     sd: dict = {"model": model_sd}
     if not optimizer:
@@ -139,19 +179,19 @@ def sharded_state_dict(w: LearnerWorker, optimizer: bool = True, rng: bool = Tru
     return with_rng(w, sd)
 
 
-def megatron_optimizer_sd(w: LearnerWorker, model_sd: dict, is_loading: bool) -> dict:
+def megatron_optimizer_sd(w: LearnerState, model_sd: dict, is_loading: bool) -> dict:
     """Megatron's distributed optimizer state in its fully-reshardable format: per-parameter
     moments keyed by the model's sharded keys, so any TP / PP / DP layout can load them."""
     from megatron_specrl.learner.megatron_optim import SHARDING_TYPE
-    with w._cpu_shims():
+    with w.cpu_shims():
         return w.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                               metadata={"distrib_optim_sharding_type": SHARDING_TYPE})
 
 
 # -- RNG ------------------------------------------------------------------------------------
-def with_rng(w: LearnerWorker, sd: dict) -> dict:
+def with_rng(w: LearnerState, sd: dict) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
-    pp, tp = w.settings.pp, w.settings.tp
+    pp, tp = w.pp, w.tp
     state = {"cpu": torch.get_rng_state(), "tracker": tracker_states()}
     cuda_states = cuda_rng_states()
     if cuda_states is not None:                 # CUDA's default generators (outside the tracker)
@@ -206,12 +246,12 @@ def checkpoint_dtype(hf_config) -> torch.dtype | None:
     return d if isinstance(d, torch.dtype) else None
 
 
-def export_hf(w: LearnerWorker, out_dir: str | Path) -> None:
+def export_hf(w: LearnerState, tensors: Iterator[tuple[str, Tensor]], out_dir: str | Path) -> None:
     """Write the HF checkpoint on rank 0 (+ config / tokenizer copied from the source HF dir): in the
     source config's dtype (bf16 for published models; the learner's fp32 master weights are not
     what users load), in transformers' 5 GB shards, streamed (hf_checkpoint.save_hf_shards: rank 0
-    held the whole fp32 model, 280 GB for 70B)."""
-    tensors = w.iter_hf_state()     # every rank iterates in lockstep; rank 0 gets the tensors
+    held the whole fp32 model, 280 GB for 70B). `tensors`: the worker's iter_hf_state(), which every
+    rank iterates in lockstep; rank 0 gets the tensors."""
     if w.rank != 0:
         for _ in tensors:
             pass

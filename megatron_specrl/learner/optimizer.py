@@ -21,14 +21,29 @@ NONFINITE = ("non-finite gradients (grad norm {}): the optimizer step was skippe
              "advantage or log-prob in the batch?)")
 
 
+def trainable(model) -> list[torch.nn.Parameter]:
+    """The parameters an optimizer steps (a frozen reference has none)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def build(model, f16, settings):
     """(Megatron DDP wrapper or None, optimizer) for one learner rank's model (`f16`: its Float16Module
     under learner.precision=bfloat16, which Megatron's DDP wraps instead)."""
     if settings.distributed_optimizer:
         from megatron_specrl.learner import megatron_optim
         return megatron_optim.build(f16 if f16 is not None else model, settings)
-    return None, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=settings.lr,
+    return None, torch.optim.AdamW(trainable(model), lr=settings.lr,
                                    weight_decay=settings.weight_decay, betas=(0.9, 0.999), eps=1e-8)
+
+
+def cpu_shims(ddp):
+    """Scoped CUDA -> CPU rewrites around Megatron calls: the schedules', plus DDP's and the
+    optimizer's with Megatron's optimizer (`ddp` not None); null contexts on GPUs."""
+    if ddp is not None:
+        from megatron_specrl.learner.megatron_optim import on_cpu
+        return on_cpu()
+    from megatron_specrl.learner.parallel import cuda_to_cpu
+    return cuda_to_cpu()
 
 
 def set_lr(optimizer, settings, train_steps: int) -> float:
@@ -147,6 +162,15 @@ def megatron_step(ddp, optimizer, params: list, run_schedule: Callable[[], list]
             optimizer.prepare_grads()
             grad_norm = optimizer.get_grad_norm()
     return store, float(grad_norm)
+
+
+def reload_main_params(ddp, optimizer, bf16: bool) -> None:
+    """bf16: copy the model's parameters into the optimizer's fp32 master weights (Megatron's
+    reload_model_params, as Megatron-LM after loading weights without optimizer state); the fp32
+    path's master weights are the parameters themselves, and a reference has no optimizer."""
+    if bf16 and optimizer is not None:
+        with cpu_shims(ddp):
+            optimizer.reload_model_params()
 
 
 def ensure_state(ddp, optimizer, params: list) -> None:

@@ -41,14 +41,11 @@ from torch import Tensor
 
 from megatron_specrl.learner import checkpoint_io, optimizer
 from megatron_specrl.learner import hf_mapping as hm
-from megatron_specrl.learner.checkpoint_io import (  # noqa: F401  (their old home: tests import them here)
-    checkpoint_dtype as _checkpoint_dtype, cuda_rng_states, restore_cuda_rng_states,
-)
 from megatron_specrl.learner.hf_checkpoint import HFCheckpoint
 from megatron_specrl.learner import losses as L
 from megatron_specrl.learner.logprobs import token_logprobs
 from megatron_specrl.learner.model_provider import ROLES
-from megatron_specrl.learner.parallel import cuda_to_cpu, destroy, init_distributed
+from megatron_specrl.learner.parallel import destroy, init_distributed
 
 log = logging.getLogger(__name__)
 
@@ -220,15 +217,7 @@ class LearnerWorker:
             local.update({k: v for k, v in by_etp.items() if hm.expert_index(k) is not None})
         self._load_local_shards(local)
         del hf_state, shards, local
-        self._reload_main_params()
-
-    def _reload_main_params(self) -> None:
-        """bf16: copy the model's parameters into the optimizer's fp32 master weights (Megatron's
-        reload_model_params, as Megatron-LM after loading weights without optimizer state); the fp32
-        path's master weights are the parameters themselves."""
-        if self.bf16 and self.optimizer is not None:
-            with self._cpu_shims():
-                self.optimizer.reload_model_params()
+        optimizer.reload_main_params(self.ddp, self.optimizer, self.bf16)   # bf16: fresh fp32 master weights
 
     def _load_local_shards(self, local: dict[str, Tensor]) -> None:
         params = dict(self.model.named_parameters())
@@ -322,12 +311,8 @@ class LearnerWorker:
                       micro_batch_size=max(m["input_ids"].shape[0] for m in mbs), forward_only=forward_only)
 
     def _cpu_shims(self):
-        """Scoped CUDA -> CPU rewrites around Megatron calls: the schedules', plus DDP's and the
-        optimizer's with Megatron's optimizer (null contexts on GPUs)."""
-        if self.ddp is not None:
-            from megatron_specrl.learner.megatron_optim import on_cpu
-            return on_cpu()
-        return cuda_to_cpu()
+        """Scoped CUDA -> CPU rewrites around Megatron calls (optimizer.cpu_shims; null contexts on GPUs)."""
+        return optimizer.cpu_shims(self.ddp)
 
     def _gather_rows(self, B: int, T: int, pieces: list[tuple[Tensor, Tensor]], to_all: bool) -> Tensor | None:
         """Assemble per-row results from (last stage, tp 0, every DP rank) into one [B, T] tensor."""
@@ -491,7 +476,7 @@ class LearnerWorker:
         return self._optimizer_step(batch, list(range(batch["input_ids"].shape[0])), step=False)
 
     def _params(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad]
+        return optimizer.trainable(self.model)
 
     def _finalize_grads(self, clip: bool = True) -> float:
         """The AdamW path's gradient sync and clip (optimizer.finalize_grads)."""
@@ -594,27 +579,29 @@ class LearnerWorker:
 
     def export_hf(self, out_dir: str | Path) -> None:
         """The HF checkpoint, written on rank 0 (checkpoint_io.export_hf)."""
-        checkpoint_io.export_hf(self, out_dir)
+        checkpoint_io.export_hf(self.checkpoint_state(), self.iter_hf_state(), out_dir)
 
     # ------------------------------------------------------------------ checkpoints
-    def _sharded_state_dict(self, optimizer: bool = True, rng: bool = True, is_loading: bool = False) -> dict:
-        return checkpoint_io.sharded_state_dict(self, optimizer, rng, is_loading)
-
-    def _with_rng(self, sd: dict) -> dict:
-        return checkpoint_io.with_rng(self, sd)
-
-    def _ensure_optimizer_state(self) -> None:
-        """Materialise the optimizer's state (zeros) so that loading has tensors to fill."""
-        optimizer.ensure_state(self.ddp, self.optimizer, self._params())
+    def checkpoint_state(self) -> checkpoint_io.LearnerState:
+        """This rank as checkpoint I/O sees it, built from the attributes each call (their only owner)."""
+        s = self.settings
+        return checkpoint_io.LearnerState(
+            rank=self.rank, world_size=self.world_size, tp=s.tp, pp=s.pp, dp=s.dp, tp_rank=self.tp_rank,
+            pp_rank=self.pp_rank, dp_rank=self.dp_rank, role=self.role, bf16=self.bf16, model=self.model,
+            ddp=self.ddp, optimizer=self.optimizer, train_steps=self.train_steps, hf_config=self.hf_config,
+            hf_dir=self.hf_dir)
 
     def save_checkpoint(self, path: str | Path) -> None:
         """Megatron dist checkpoint (model + optimizer state + RNG; checkpoint_io.save)."""
         self._require_trainable("save_checkpoint")
-        checkpoint_io.save(self, path)
+        checkpoint_io.save(self.checkpoint_state(), path)
 
     def load_checkpoint(self, path: str | Path, load_optimizer: bool = True) -> None:
-        """A dist checkpoint saved at any TP/PP split (checkpoint_io.load)."""
-        checkpoint_io.load(self, path, load_optimizer)
+        """A dist checkpoint saved at any TP/PP split (checkpoint_io.load); with the optimizer state,
+        the step count continues from the checkpoint's."""
+        train_steps = checkpoint_io.load(self.checkpoint_state(), path, load_optimizer)
+        if train_steps is not None:
+            self.train_steps = train_steps
 
     def shutdown(self) -> None:
         """Free the model and optimizer state, then leave the process groups. Every holder of the model

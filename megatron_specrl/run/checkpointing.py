@@ -118,6 +118,14 @@ def save_run_checkpoint(run: Run) -> Path:
     return ckpt.commit(tmp, state, keep=run.cfg.trainer.keep_checkpoints)
 
 
+def save_final_checkpoint(run: Run) -> Path | None:
+    """The last step's checkpoint at the end of a run, unless trainer.checkpoint_every is off or just
+    saved that step; None when nothing was saved."""
+    if not run.cfg.trainer.checkpoint_every or (run.out / "checkpoints" / ckpt.step_dir_name(run.step)).exists():
+        return None
+    return save_run_checkpoint(run)
+
+
 # -- draft trees ----------------------------------------------------------------------------
 ENGINE_TREES = "engine-{}"   # one directory per engine, by its index in the router (0 without one)
 

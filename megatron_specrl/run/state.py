@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from megatron_specrl import checkpoint as ckpt
 from megatron_specrl.algorithms.kl_reward import RewardKLController
 from megatron_specrl.config import RunConfig
 from megatron_specrl.engines.protocol import RolloutEngine
@@ -88,10 +87,7 @@ class Run:
             f.write(json.dumps({"step": step, "prompt_ids": ids}) + "\n")
 
     def finish(self) -> None:
-        """End of run: final checkpoint, HF export, plots."""
-        from megatron_specrl.run.checkpointing import save_run_checkpoint
-        if self.cfg.trainer.checkpoint_every and not (self.out / "checkpoints" / ckpt.step_dir_name(self.step)).exists():
-            save_run_checkpoint(self)
+        """End of run, after its final checkpoint (trainer.train saves it): HF export, plots."""
         if self.cfg.trainer.export_hf:
             self.learner.export_hf(str(self.out / "hf_final"))
         if self.cfg.logging.plots:

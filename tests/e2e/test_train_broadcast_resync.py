@@ -49,7 +49,7 @@ def test_grpo_step_over_broadcast_serves_the_learners_weights(tmp_path, tiny_qwe
     from megatron_specrl.faults import KillAt
     from megatron_specrl.resync.lifecycle import engines_of
     from megatron_specrl.resync.routes import BroadcastRoute
-    from megatron_specrl.run_setup import build_run
+    from megatron_specrl.run.build import build_run
     from megatron_specrl.trainer import train_step
 
     t0 = time.perf_counter()

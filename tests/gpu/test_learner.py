@@ -6,27 +6,21 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.learner import one_rank_state
 
-
-def _bare_worker():
-    from megatron_specrl.config import LearnerConfig
-    from megatron_specrl.learner.worker import LearnerWorker
-    w = object.__new__(LearnerWorker)
-    w.settings, w.pp_rank, w.tp_rank, w.dp_rank = LearnerConfig(), 0, 0, 0
-    return w
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_rng_round_trip_gpu():
-    from megatron_specrl.learner.worker import cuda_rng_states, restore_cuda_rng_states
+    from megatron_specrl.learner.checkpoint_io import cuda_rng_states, restore_cuda_rng_states, with_rng
     saved = cuda_rng_states()
     assert len(saved) == torch.cuda.device_count()
     first = torch.rand(16, device="cuda")
     torch.rand(1000, device="cuda")
     assert restore_cuda_rng_states(saved) == torch.cuda.device_count()
     assert torch.equal(torch.rand(16, device="cuda"), first)
-    state = _bare_worker()._with_rng({})["rng"].data
+    state = with_rng(one_rank_state(), {})["rng"].data
     assert len(state["cuda"]) == torch.cuda.device_count()
 
 

@@ -2,7 +2,11 @@
 between its concerns. tests/unit/test_repository.py runs it on megatron_specrl/ and on planted trees.
 
 Every import counts, including those inside functions: a late import is still a dependency, and
-the cycles issue #14 removed were both late imports.
+the cycles issue #14 removed were both late imports. The two checks differ on imports for annotations
+only (under `if TYPE_CHECKING:`): a cycle counts them, since two modules that name each other's types
+know each other whatever Python loads (issue #56: checkpoint I/O took the learner worker this way);
+the boundary rules do not, since they say what a module needs to run (the speculative core without
+an engine, Ray or Megatron), and an annotation needs nothing at run time.
 """
 
 from __future__ import annotations
@@ -45,26 +49,27 @@ def module_name(root: Path, path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _runtime_nodes(tree: ast.AST):
-    """Every node except those under `if TYPE_CHECKING:` (imports for annotations only)."""
+def _nodes(tree: ast.AST, annotations: bool):
+    """Every node; without `annotations`, none under `if TYPE_CHECKING:` (imports for annotations only)."""
     todo = [tree]
     while todo:
         node = todo.pop()
         yield node
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if not annotations and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             todo.extend(node.orelse)
             continue
         todo.extend(ast.iter_child_nodes(node))
 
 
-def imports_of(root: Path) -> dict[str, set[str]]:
-    """{module: every absolute name it imports} for each .py file under the package dir `root`."""
+def imports_of(root: Path, annotations: bool = False) -> dict[str, set[str]]:
+    """{module: every absolute name it imports} for each .py file under the package dir `root`;
+    `annotations`: those under `if TYPE_CHECKING:` too."""
     graph: dict[str, set[str]] = {}
     for path in sorted(root.rglob("*.py")):
         mod = module_name(root, path)
         is_pkg = path.name == "__init__.py"
         names: set[str] = set()
-        for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+        for node in _nodes(ast.parse(path.read_text(), str(path)), annotations):
             if isinstance(node, ast.Import):
                 names.update(a.name for a in node.names)
             elif isinstance(node, ast.ImportFrom):
@@ -121,8 +126,9 @@ def violations(root: Path, rules=RULES) -> list[str]:
 
 
 def cycles(root: Path) -> list[list[str]]:
-    """Every strongly connected component of more than one module (Tarjan), each sorted."""
-    g = internal_graph(imports_of(root))
+    """Every strongly connected component of more than one module (Tarjan), each sorted; imports for
+    annotations count (the module docstring says why)."""
+    g = internal_graph(imports_of(root, annotations=True))
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []

@@ -13,6 +13,13 @@ from megatron_specrl.diagnostics.reference import B, T, complete_batch, hf_refer
 TOL = 1e-5
 
 
+def one_rank_state():
+    """A learner rank of a world of one as its checkpoint I/O sees it, without a model (for the RNG state)."""
+    from megatron_specrl.learner.checkpoint_io import LearnerState
+    return LearnerState(rank=0, world_size=1, tp=1, pp=1, dp=1, tp_rank=0, pp_rank=0, dp_rank=0, role="policy",
+                        bf16=False)
+
+
 def _child(rank, world, layouts, hf_dir, out_dir, ports, train_and_checkpoint=False):
     from megatron_specrl.config import LearnerConfig
     from megatron_specrl.learner.worker import LearnerWorker

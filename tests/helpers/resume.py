@@ -32,7 +32,7 @@ def _checkpoint(root, model_dir, hf_config=None, loader=None, critic=False, step
 
 def _build(tmp_path, tiny_llama, monkeypatch, *extra):
     import megatron_specrl.actors as actors
-    from megatron_specrl.run_setup import build_run
+    from megatron_specrl.run.build import build_run
 
     def reached(*a, **k):
         raise _ReachedRay

@@ -157,7 +157,7 @@ def test_prompt_rendering_to_no_tokens_is_refused():
 
 def _build(out, model_dir, monkeypatch, *extra):
     import megatron_specrl.actors as actors
-    from megatron_specrl.run_setup import build_run
+    from megatron_specrl.run.build import build_run
 
     def reached(*a, **k):
         raise _Reached
@@ -226,7 +226,7 @@ def _fake_checkpoint(root, step=2):
 
 
 def _resume_problem(tmp_path, resume):
-    from megatron_specrl.run_setup import find_resume
+    from megatron_specrl.run.checkpointing import find_resume
     with pytest.raises(ConfigError) as e:
         find_resume(load_config(None, [f"trainer.resume={resume}"]), tmp_path / "out")
     return _one_line_error(e)

@@ -56,7 +56,7 @@ def test_resume_with_another_tokenizer_is_refused(tmp_path):
 def test_resume_from_a_damaged_path_names_the_problem(tmp_path):
     import pytest
     from megatron_specrl.config import ConfigError, load_config
-    from megatron_specrl.run_setup import find_resume
+    from megatron_specrl.run.checkpointing import find_resume
 
     bad = _write(tmp_path, 10)
     (bad / "learner" / "shard.bin").write_bytes(b"flipped")

@@ -531,7 +531,7 @@ def test_learner_tp_still_has_to_divide_the_kv_heads(tmp_path):
     ("qwen2.5-7b-dapo-1node", ["trainer.resync_transport=broadcast"], "NCCL cannot"),
 ])
 def test_a_transport_the_layout_cannot_use_fails_the_plan(recipe, overrides, needle, tmp_path):
-    """run_setup resolves trainer.resync_transport only after Ray placed the actors, i.e. after the job
+    """run.build resolves trainer.resync_transport only after Ray placed the actors, i.e. after the job
     left the queue; the plan passed these."""
     with pytest.raises(PlanError, match=needle):
         build_plan(_cfg(recipe, *overrides), check_data=False)
@@ -549,7 +549,7 @@ def test_transports_the_layout_can_use_pass():
 
 def test_a_plan_without_cluster_gpus_leaves_the_transport_to_the_run():
     """`train` plans every run; a local one (cluster.gpus_per_node unset) finds its GPUs through Ray, so the
-    plan cannot tell whether cuda_ipc will have them: the run resolves it (run_setup)."""
+    plan cannot tell whether cuda_ipc will have them: the run resolves it (run.build)."""
     build_plan(_cfg("tiny-cpu-grpo", "trainer.resync_transport=cuda_ipc", "rollout.colocate=true"), check_data=False)
 
 

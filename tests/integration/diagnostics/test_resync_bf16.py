@@ -41,7 +41,7 @@ def test_bf16_engine_after_grpo_step_passes_check_resync(tmp_path, tiny_llama):
     from megatron_specrl.diagnostics.check import learner_hf_state, read_engine_weights
     from megatron_specrl.diagnostics.readout import compare_weights
     from megatron_specrl.resync.routes import make_route
-    from megatron_specrl.run_setup import build_run
+    from megatron_specrl.run.build import build_run
     from megatron_specrl.trainer import train_step
 
     t0 = time.perf_counter()

@@ -29,7 +29,7 @@ from megatron_specrl.engines.protocol import (
 )
 from types import SimpleNamespace
 from megatron_specrl.resync.group import ResyncTransportError
-from megatron_specrl.run_setup import resync_with_recovery, with_engine_recovery
+from megatron_specrl.run.recovery import resync_with_recovery, with_engine_recovery
 from tests.helpers.capabilities import DraftsNothing, Routes
 
 
@@ -368,7 +368,7 @@ def test_recovery_restarts_every_engine_and_pushes_the_current_weights_before_th
 
     from megatron_specrl.data.datasets import PromptLoader, PromptRecord
     from megatron_specrl.rollout.store import Trajectory, TrajectoryStore
-    from megatron_specrl.run_setup import with_engine_recovery
+    from megatron_specrl.run.recovery import with_engine_recovery
 
     events = []
 

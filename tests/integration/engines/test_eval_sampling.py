@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from megatron_specrl.config import ConfigError, load_config
 from megatron_specrl.engines.protocol import GenerateResult
-from megatron_specrl.run_setup import evaluate
+from megatron_specrl.run.evaluation import evaluate
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 

@@ -39,7 +39,7 @@ from megatron_specrl.learner import losses as L
 import logging
 import math
 import torch.multiprocessing as mp
-from tests.helpers.learner import complete_batch, loss_config, make_batch
+from tests.helpers.learner import complete_batch, loss_config, make_batch, one_rank_state
 from megatron_specrl.ports import free_port
 from tests.helpers.paths import REPO_ROOT
 
@@ -382,7 +382,7 @@ class FakeCuda:
 
 
 def test_cuda_rng_states_none_without_cuda_and_copies_with():
-    from megatron_specrl.learner.worker import cuda_rng_states
+    from megatron_specrl.learner.checkpoint_io import cuda_rng_states
     assert cuda_rng_states(FakeCuda(2, available=False)) is None
     fake = FakeCuda(2)
     saved = cuda_rng_states(fake)
@@ -392,7 +392,7 @@ def test_cuda_rng_states_none_without_cuda_and_copies_with():
 
 
 def test_restore_cuda_rng_states_same_count_missing_and_no_cuda():
-    from megatron_specrl.learner.worker import cuda_rng_states, restore_cuda_rng_states
+    from megatron_specrl.learner.checkpoint_io import cuda_rng_states, restore_cuda_rng_states
     saved = cuda_rng_states(FakeCuda(2, base=10))
     fake = FakeCuda(2)
     assert restore_cuda_rng_states(saved, fake) == 2
@@ -404,10 +404,10 @@ def test_restore_cuda_rng_states_same_count_missing_and_no_cuda():
 
 
 def test_restore_cuda_rng_states_other_gpu_count_restores_what_fits_and_warns(caplog):
-    from megatron_specrl.learner.worker import cuda_rng_states, restore_cuda_rng_states
+    from megatron_specrl.learner.checkpoint_io import cuda_rng_states, restore_cuda_rng_states
     saved = cuda_rng_states(FakeCuda(2, base=10))
     fewer = FakeCuda(1)
-    with caplog.at_level(logging.WARNING, logger="megatron_specrl.learner.worker"):
+    with caplog.at_level(logging.WARNING, logger="megatron_specrl.learner.checkpoint_io"):
         assert restore_cuda_rng_states(saved, fewer) == 1
     assert [int(s[0]) for s in fewer.states] == [10]
     assert "2 GPU(s), 1 visible" in caplog.text and "\n" not in caplog.records[-1].getMessage()
@@ -416,20 +416,13 @@ def test_restore_cuda_rng_states_other_gpu_count_restores_what_fits_and_warns(ca
     assert [int(s[0]) for s in more.states] == [10, 11, 2]     # device 2 keeps its seeded state
 
 
-def _bare_worker():
-    from megatron_specrl.learner.worker import LearnerWorker
-    w = object.__new__(LearnerWorker)
-    w.settings, w.pp_rank, w.tp_rank, w.dp_rank = LearnerConfig(), 0, 0, 0
-    return w
-
-
 @pytest.mark.parametrize("available", [True, False])
 def test_checkpoint_rng_state_holds_cuda_generators_when_cuda_is_available(monkeypatch, available):
     from megatron_specrl.learner import checkpoint_io
     fake = FakeCuda(2, available=available, base=5)
     real = checkpoint_io.cuda_rng_states
     monkeypatch.setattr(checkpoint_io, "cuda_rng_states", lambda: real(fake))
-    rng = _bare_worker()._with_rng({})["rng"].data
+    rng = checkpoint_io.with_rng(one_rank_state(), {})["rng"].data
     assert set(rng) == ({"cpu", "tracker", "cuda"} if available else {"cpu", "tracker"})   # CPU: as before
     if available:
         assert [int(s[0]) for s in rng["cuda"]] == [5, 6]

@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 from megatron_specrl.cli import main
 from megatron_specrl.config import ConfigError
-from megatron_specrl.run_setup import check_engine_installed
+from megatron_specrl.run.build import check_engine_installed
 
 RECIPE = "examples/tiny-cpu-grpo.yaml"
 

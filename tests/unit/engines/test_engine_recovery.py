@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from megatron_specrl.data.datasets import PromptLoader, PromptRecord
 from megatron_specrl.engines.protocol import EngineError
 from megatron_specrl.rollout.store import Trajectory, TrajectoryStore
-from megatron_specrl.run_setup import with_engine_recovery
+from megatron_specrl.run.recovery import with_engine_recovery
 
 def _traj(tokens, version):
     return Trajectory(list(tokens), [-0.5] * len(tokens), "stop", version)
@@ -50,7 +50,7 @@ def test_a_failed_resync_restarts_the_engines_and_pushes_the_weights_again(tmp_p
     import pytest
 
     from megatron_specrl.resync.group import ResyncTransportError
-    from megatron_specrl.run_setup import resync_with_recovery
+    from megatron_specrl.run.recovery import resync_with_recovery
 
     events = []
     failures = [ResyncTransportError("resync broadcast: timed out waiting for vllm-0")]

@@ -100,7 +100,7 @@ def test_save_hf_shards_streams_transformers_layout_and_reads_back(tiny_llama, t
 
 
 def test_export_dtype_is_the_checkpoints_own():
-    from megatron_specrl.learner.worker import _checkpoint_dtype
-    assert _checkpoint_dtype(AutoConfig.for_model("llama", dtype="bfloat16")) == torch.bfloat16
-    assert _checkpoint_dtype(AutoConfig.for_model("llama", dtype="float32")) == torch.float32
-    assert _checkpoint_dtype(AutoConfig.for_model("llama")) in (None, torch.float32)
+    from megatron_specrl.learner.checkpoint_io import checkpoint_dtype
+    assert checkpoint_dtype(AutoConfig.for_model("llama", dtype="bfloat16")) == torch.bfloat16
+    assert checkpoint_dtype(AutoConfig.for_model("llama", dtype="float32")) == torch.float32
+    assert checkpoint_dtype(AutoConfig.for_model("llama")) in (None, torch.float32)
