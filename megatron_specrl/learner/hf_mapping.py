@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from megatron_specrl.models.families import UnsupportedModelType, family_of
-from megatron_specrl.models.families.base import Rule  # noqa: F401  (custom tables are built of Rules)
+from megatron_specrl.models.families.base import Rule
 from megatron_specrl.models.families.shape import ModelShape
 
 
