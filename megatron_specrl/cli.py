@@ -64,7 +64,7 @@ def print_resolved(resolved) -> None:
 
 
 def cmd_convert(args) -> int:
-    """The plan's divisibility check runs before any rank is spawned, and a failed conversion
+    """The layout check (plan.check_convert_layout) runs before any rank is spawned, and a failed conversion
     leaves no output directory behind that it created."""
     import shutil
 

@@ -1,7 +1,7 @@
 """HF <-> Megatron shard mapping: bit-exact round trips, layout details, clear errors.
 
 Review of HF config -> Megatron shape checks: `convert`'s pre-spawn layout check names every
-config field a --tp must divide (intermediate_size included, as the run plan's _divisibility does).
+config field a --tp must divide (intermediate_size, or an MoE model's moe_intermediate_size, by the one layout rule).
 """
 
 from __future__ import annotations
