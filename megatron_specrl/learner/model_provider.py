@@ -124,7 +124,7 @@ def transformer_config_from_hf(hf_config, tp: int = 1, pp: int = 1, dtype: torch
 
     check_hf_config(hf_config)
     family, s = family_of(hf_config), ModelShape.from_hf(hf_config)
-    failures = layout_failures(s, where=f"this {s.model_type} model", tp=tp, pp=pp, ep=ep)
+    failures = layout_failures(s, where="the model", tp=tp, pp=pp, ep=ep)
     if failures:
         raise ValueError("; ".join(failures))
     cpu = (not torch.cuda.is_available()) if use_cpu is None else use_cpu
