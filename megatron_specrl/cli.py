@@ -64,7 +64,7 @@ def print_resolved(resolved) -> None:
 
 
 def cmd_convert(args) -> int:
-    """The plan's divisibility check runs before any rank is spawned, and a failed conversion
+    """The layout check (plan.check_convert_layout) runs before any rank is spawned, and a failed conversion
     leaves no output directory behind that it created."""
     import shutil
 
@@ -99,24 +99,19 @@ def cmd_check_resync(args) -> int:
 
 
 def check_resync_layout(parsed) -> None:
-    """check-resync's --model / --tp / --pp / --engine-tp checked as `train` checks learner.tp / pp and
-    rollout.engine_tp: otherwise a size that does not divide the model fails in a Megatron or vLLM assert
-    inside a Ray actor, after the model is built."""
-    from megatron_specrl.config import divisibility_failures
+    """check-resync's --model / --tp / --pp / --ep / --engine-tp checked with the rule `train` checks learner.tp /
+    pp / ep and rollout.engine_tp with (shape.layout_failures): otherwise a size that does not fit the model fails
+    in a Megatron or vLLM assert inside a Ray actor, after the model is built."""
+    from megatron_specrl.models.families.shape import CLI_KEYS, layout_failures
     from megatron_specrl.models.resolve import TINY
     from megatron_specrl.plan import ModelShape, load_hf_config
-    sizes = {"--tp": parsed.tp, "--pp": parsed.pp, "--engine-tp": parsed.engine_tp}
-    if any(v < 1 for v in sizes.values()):
-        raise ConfigError(" / ".join(f"{k}={v}" for k, v in sizes.items()) + ": parallel sizes must be >= 1")
     if parsed.model not in TINY and not (Path(parsed.model) / "config.json").is_file():
         raise ConfigError(f"--model {parsed.model}: no config.json there (a local HF checkpoint directory, "
                           f"or one of {sorted(TINY)})")
-    s = ModelShape.from_hf(load_hf_config(parsed.model))
-    failures = divisibility_failures(s.heads, s.kv_heads, s.layers, s.ffn, tp=parsed.tp, pp=parsed.pp,
-                                     engine_tp=parsed.engine_tp, where=parsed.model, tp_key="--tp",
-                                     pp_key="--pp", engine_key="--engine-tp")
+    failures = layout_failures(ModelShape.from_hf(load_hf_config(parsed.model)), where=parsed.model, tp=parsed.tp,
+                               pp=parsed.pp, ep=parsed.ep, engine_tp=parsed.engine_tp, keys=CLI_KEYS)
     if failures:
-        raise ConfigError("; ".join(failures))
+        raise PlanError(failures)
 
 
 def cmd_bench_rollout(args) -> int:

@@ -718,46 +718,6 @@ class RunConfig(_Strict):
         return out
 
 
-def divisibility_failures(heads: int, kv_heads: int, layers: int, ffn: int | None, *, tp: int, pp: int,
-                         engine_tp: int | None, where: str, tp_key: str = "learner.tp", pp_key: str = "learner.pp",
-                         engine_key: str = "rollout.engine_tp") -> list[str]:
-    """One line per parallel size that does not fit the model's shape (the one rule: the plan check,
-    plan._divisibility, the trainer's start-up check and check-resync's use it): a TP size must divide
-    the attention heads, the KV heads (Megatron splits the
-    query groups) and the MLP's intermediate_size (column-parallel split); an engine TP may instead be
-    a multiple of the KV heads (vLLM / SGLang replicate them); PP must divide the layers. `where`
-    names the model ("model.path='...'")."""
-    out = []
-    for key, size in ((tp_key, tp), (engine_key, engine_tp)):
-        if size is None:
-            continue
-        bad = [f"{name}={n}" for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads))
-               if n % size and not (key == engine_key and name == "num_key_value_heads" and size % n == 0)]
-        if ffn is not None and ffn % size:
-            bad.append(f"intermediate_size={ffn}")
-        if bad:
-            out.append(f"{key}={size} does not divide {' and '.join(bad)} of {where}")
-    if layers % pp:
-        out.append(f"{pp_key}={pp} does not divide num_hidden_layers={layers} of {where}")
-    return out
-
-
-def check_model_divisibility(cfg: RunConfig, num_heads: int, num_kv_heads: int, num_layers: int,
-                             intermediate_size: int | None = None, max_positions: int | None = None) -> None:
-    """Parallel sizes must divide the model's heads, KV heads, MLP and layers, and the engines' context
-    fit its positions (checked once the HF config is known): the trainer's own start-up check, the
-    plan check's rules, so a run started without the CLI fails in one line too, not in a Megatron or
-    vLLM assert inside a Ray actor."""
-    failures = divisibility_failures(num_heads, num_kv_heads, num_layers, intermediate_size, tp=cfg.learner.tp,
-                                     pp=cfg.learner.pp, engine_tp=cfg.rollout.engine_tp,
-                                     where=f"model.path={cfg.model.path!r}")
-    if max_positions is not None and cfg.rollout.max_model_len > max_positions:
-        failures.append(f"rollout.max_model_len={cfg.rollout.max_model_len} exceeds the model's "
-                        f"max_position_embeddings={max_positions}")
-    if failures:
-        raise ConfigError("; ".join(failures))
-
-
 def _one_line(e: BaseException) -> str:
     """A YAML / OmegaConf error's text on one line (they span several, with a caret and the location)."""
     return " ".join(str(e).split())

@@ -56,8 +56,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_specrl.config import ConfigError, RunConfig, divisibility_failures
+from megatron_specrl.config import ConfigError, RunConfig
 from megatron_specrl.errors import quote_exception
+from megatron_specrl.models.families.shape import CLI_KEYS, ModelShape, layout_failures
 
 GB = 1024 ** 3    # GiB: every memory figure of the plan, cluster.gpu_memory_gb included
 FP32 = 4
@@ -72,52 +73,7 @@ class PlanError(ConfigError):
         super().__init__("; ".join(self.failures))
 
 
-# --------------------------------------------------------------------------- the model's shape
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the plan needs from an HF config.json (transformers' AutoConfig reads it)."""
-    model_type: str
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    ffn: int
-    vocab: int
-    tied: bool
-    qkv_bias: bool
-    max_positions: int
-    qk_norm: bool = False    # Qwen3: an RMSNorm over each head's q and one over each k (head_dim weights each)
-    experts: int = 0         # routed experts of every layer's MoE MLP (0: a dense SwiGLU MLP of width ffn)
-    expert_ffn: int = 0      # each expert's SwiGLU width (moe_intermediate_size)
-    topk: int = 0            # experts each token is routed to (num_experts_per_tok)
-
-    @property
-    def moe(self) -> bool:
-        return self.experts > 0
-
-    @property
-    def mlp_width(self) -> tuple[str, int]:
-        """(config field, value) of the width TP splits in the MLP: intermediate_size, or each expert's."""
-        return ("moe_intermediate_size", self.expert_ffn) if self.moe else ("intermediate_size", self.ffn)
-
-    @classmethod
-    def from_hf(cls, hf) -> ModelShape:
-        from megatron_specrl.learner.model_provider import head_dim, qkv_bias
-        moe = hf.model_type in MOE_MODEL_TYPES
-        return cls(model_type=hf.model_type, hidden=hf.hidden_size, layers=hf.num_hidden_layers,
-                   heads=hf.num_attention_heads, kv_heads=hf.num_key_value_heads or hf.num_attention_heads,
-                   head_dim=head_dim(hf), ffn=hf.intermediate_size, vocab=hf.vocab_size,
-                   tied=bool(getattr(hf, "tie_word_embeddings", False)), qkv_bias=qkv_bias(hf),
-                   max_positions=hf.max_position_embeddings, qk_norm=hf.model_type in QK_NORM_MODEL_TYPES,
-                   experts=hf.num_experts if moe else 0, expert_ffn=hf.moe_intermediate_size if moe else 0,
-                   topk=hf.num_experts_per_tok if moe else 0)
-
-
-QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")   # q_norm / k_norm over each head (Megatron's qk_layernorm)
-MOE_MODEL_TYPES = ("qwen3_moe",)               # routed experts in every layer, no shared expert
-
+# --------------------------------------------------------------------------- the model's config
 
 def load_hf_config(model_path: str):
     """AutoConfig of `model.path`: the tiny models' config without building them, else the local
@@ -126,10 +82,11 @@ def load_hf_config(model_path: str):
 
     from megatron_specrl.models.resolve import TINY
     if model_path in TINY:
-        from megatron_specrl.models.tiny import ARCHS, DEFAULT_NUM_LAYERS
-        spec = dict(ARCHS[TINY[model_path]])
-        return AutoConfig.for_model(spec.pop("model_type"), vocab_size=TINY_VOCAB,
-                                    num_hidden_layers=DEFAULT_NUM_LAYERS, max_position_embeddings=512, **spec)
+        from megatron_specrl.models.families import family_named
+        from megatron_specrl.models.tiny import DEFAULT_NUM_LAYERS
+        family = family_named(TINY[model_path])
+        return AutoConfig.for_model(family.model_type, vocab_size=TINY_VOCAB, num_hidden_layers=DEFAULT_NUM_LAYERS,
+                                    max_position_embeddings=512, **family.tiny_config)
     config_json = Path(model_path) / "config.json"
     if not config_json.is_file():
         raise PlanError([f"model.path={model_path!r}: no config.json there (a local HF checkpoint directory, "
@@ -456,57 +413,32 @@ def gpus_needed(cfg: RunConfig) -> tuple[int, int]:
 
 # --------------------------------------------------------------------------- checks
 
-def _divisibility(cfg: RunConfig, s: ModelShape) -> list[str]:
-    """The model's shape against the layout: config.divisibility_failures (the one rule, which the
-    trainer's own start-up check uses too), and the engines' context against its positions. An MoE
-    model's MLP is its experts: TP (Megatron's expert TP, and vLLM's fused MoE) splits each expert's
-    moe_intermediate_size, not the intermediate_size its config also carries."""
+def model_fit_failures(cfg: RunConfig, s: ModelShape) -> list[str]:
+    """The model against the run: its shape against the layout (the one rule, shape.layout_failures, with
+    the run's keys) and the engines' context against its positions. The plan check's lines, and the run's
+    own start-up check (check_model_fits) repeats them on the model it resolved."""
     le, r = cfg.learner, cfg.rollout
-    where = f"model.path={cfg.model.path!r}"
-    out = divisibility_failures(s.heads, s.kv_heads, s.layers, None if s.moe else s.ffn, tp=le.tp, pp=le.pp,
-                                engine_tp=r.engine_tp, where=where)
-    for key, size in (("learner.tp", le.tp), ("rollout.engine_tp", r.engine_tp)):
-        if s.moe and s.expert_ffn % size:    # one line a key, as divisibility_failures writes it
-            head, tail = f"{key}={size} does not divide ", f" of {where}"
-            i = next((i for i, line in enumerate(out) if line.startswith(head)), None)
-            if i is None:
-                out.append(f"{head}moe_intermediate_size={s.expert_ffn}{tail}")
-            else:
-                out[i] = out[i][:-len(tail)] + f" and moe_intermediate_size={s.expert_ffn}{tail}"
+    out = layout_failures(s, where=f"model.path={cfg.model.path!r}", tp=le.tp, pp=le.pp, ep=le.ep,
+                          engine_tp=r.engine_tp)
     if r.max_model_len > s.max_positions:
         out.append(f"rollout.max_model_len={r.max_model_len} exceeds the model's max_position_embeddings="
                    f"{s.max_positions}")
     return out
 
 
-def _experts(cfg: RunConfig, hf, s: ModelShape, reported: list[str] = ()) -> list[str]:
-    """learner.ep against the model: the learner builds every layer of an MoE model as an MoE layer
-    (so a config with dense layers among them is refused, not counted as something else), splits the
-    experts evenly over ep ranks, and has no experts to split in a dense model. learner.ep dividing
-    learner.dp is the config's own rule (RunConfig refuses it before the plan runs). A field one of
-    the `reported` lines (the model builder's own check_hf_config) already names is not named twice."""
-    where, ep = f"model.path={cfg.model.path!r}", cfg.learner.ep
-    if not s.moe:
-        dense = f"learner.ep={ep}: {where} is a dense model ({s.model_type}, no experts to split); use learner.ep=1"
-        return [dense] if ep > 1 else []
-    out = []
-    for key, value, allowed in (("decoder_sparse_step", getattr(hf, "decoder_sparse_step", 1), 1),
-                                ("mlp_only_layers", list(getattr(hf, "mlp_only_layers", None) or []), [])):
-        if value != allowed and not any(f"{key}=" in line for line in reported):
-            out.append(f"{where}: {key}={value}: the learner builds every layer as an MoE layer; only "
-                       f"{key}={allowed} is supported")
-    if s.experts % ep:
-        out.append(f"learner.ep={ep} does not divide num_experts={s.experts} of {where}")
-    return out
+def check_model_fits(cfg: RunConfig, model_dir: str | Path) -> None:
+    """The run's start-up check (run/build.prepare_model), on the directory model.path resolved to:
+    model_fit_failures, so a run started without the CLI (`train(cfg)` from Python, which skips the plan)
+    fails in the plan's lines too, not in a Megatron or vLLM assert inside a Ray actor."""
+    failures = model_fit_failures(cfg, ModelShape.from_hf(load_hf_config(str(model_dir))))
+    if failures:
+        raise PlanError(failures)
 
 
 def _hf_support(cfg: RunConfig, hf) -> list[str]:
-    from megatron_specrl.learner.model_provider import check_hf_config
-    try:
-        check_hf_config(hf)
-    except ValueError as e:
-        return [f"model.path={cfg.model.path!r}: {e}"]
-    return []
+    """The model builder's refusals (model_provider.unsupported_fields), one line each."""
+    from megatron_specrl.learner.model_provider import unsupported_fields
+    return [f"model.path={cfg.model.path!r}: {line}" for line in unsupported_fields(hf)]
 
 
 def _layout(cfg: RunConfig) -> list[str]:
@@ -782,9 +714,8 @@ def build_plan(cfg: RunConfig, check_data: bool = True, loads_model: bool = Fals
     lm = learner_memory(cfg, s, padded, flash)
     draft, draft_failures = draft_model_shape(cfg, s)
     em = engine_memory(cfg, s, gpu_bytes, draft)
-    unsupported = _hf_support(cfg, hf)
-    failures = (unsupported + _divisibility(cfg, s) + _experts(cfg, hf, s, unsupported) + _layout(cfg)
-                + _transport(cfg) + draft_failures + _memory(cfg, lm, em))
+    failures = (_hf_support(cfg, hf) + model_fit_failures(cfg, s) + _layout(cfg) + _transport(cfg) + draft_failures
+                + _memory(cfg, lm, em))
     tokenizer, model_failures = _model_files(cfg, loads_model)
     failures += model_failures
     if check_data:
@@ -800,26 +731,11 @@ def print_plan(plan: Plan) -> None:
 
 
 def check_convert_layout(hf_dir: str | Path, tp: int, pp: int, ep: int = 1) -> None:
-    """`convert`'s check before it spawns tp x pp ranks: the model config is readable and the
-    layout divides its heads, KV heads, intermediate_size and layers. (intermediate_size as in
-    _divisibility: without it a bad --tp reached the spawned ranks, whose Megatron assert
-    "255 is not divisible by 2 when instantiating ColumnParallelLinear" names no config field.)"""
-    if tp < 1 or pp < 1:
-        raise PlanError([f"--tp={tp} / --pp={pp}: parallel sizes must be >= 1"])
-    s = ModelShape.from_hf(load_hf_config(str(hf_dir)))
-    out = []
-    bad = [f"{name}={n}" for name, n in (("num_attention_heads", s.heads), ("num_key_value_heads", s.kv_heads))
-           if n % tp]
-    mlp_field, width = s.mlp_width
-    if width % tp:     # the MLP's (each expert's) column / row-parallel split (Megatron's divide() asserts it)
-        bad.append(f"{mlp_field}={width}")
-    if bad:
-        out.append(f"--tp={tp} does not divide {' and '.join(bad)} of {hf_dir}")
-    if s.layers % pp:
-        out.append(f"--pp={pp} does not divide num_hidden_layers={s.layers} of {hf_dir}")
-    if ep < 1 or (ep > 1 and not s.experts):
-        out.append(f"--ep={ep} needs a mixture-of-experts model with --ep >= 1; {hf_dir} is dense (--ep=1)")
-    elif s.experts % ep:
-        out.append(f"--ep={ep} does not divide num_experts={s.experts} of {hf_dir}")
-    if out:
-        raise PlanError(out)
+    """`convert`'s check before it spawns tp x pp x ep ranks: the model config is readable and the layout
+    fits it (shape.layout_failures, with --tp / --pp / --ep). Without it a bad --tp reached the spawned
+    ranks, whose Megatron assert "255 is not divisible by 2 when instantiating ColumnParallelLinear" names
+    no config field."""
+    failures = layout_failures(ModelShape.from_hf(load_hf_config(str(hf_dir))), where=str(hf_dir), tp=tp, pp=pp,
+                               ep=ep, keys=CLI_KEYS)
+    if failures:
+        raise PlanError(failures)

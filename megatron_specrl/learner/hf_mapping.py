@@ -1,14 +1,9 @@
 """HF <-> Megatron-core weight mapping for the Llama, Qwen2, Qwen3 and Qwen3-MoE families (pure torch).
 
-One declarative table per family says which Megatron parameter holds which HF
-tensors and how it is split across tensor-parallel ranks:
-
-  vocab   split dim 0 after padding the vocabulary with zero rows (embedding, output layer)
-  col     split dim 0 (column-parallel)
-  row     split dim 1 (row-parallel: linear_proj, linear_fc2)
-  rep     replicated (norms)
-  qkv     q/k/v interleaved per query group [q_heads_of_group; k; v], groups split over TP
-  fc1     SwiGLU: each TP rank holds [gate_r; up_r] (a chunk of the gathered tensor is NOT this)
+Each family's declarative table (models/families/<family>.py, `Family.rules`; the Rule kinds are
+described in models/families/base.py) says which Megatron parameter holds which HF tensors, how it is
+split across tensor-parallel ranks and the HF tensors' shapes; this module splits, merges and checks
+by those tables and knows no family by name.
 
 Megatron names are stage-local: every pipeline stage numbers its layers from 0.
 Experts (Qwen3-MoE) are named here by their global index, as on one expert-parallel rank: an
@@ -23,63 +18,19 @@ prove it detects a wrong mapping: the one injected thing is a renaming of HF mod
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from torch import Tensor
+
+from megatron_specrl.models.families import UnsupportedModelType, family_of
+from megatron_specrl.models.families.base import Rule
+from megatron_specrl.models.families.shape import ModelShape
 
 
 class CheckpointError(ValueError):
     """A checkpoint does not fit the model; the message names the tensor."""
 
-
-@dataclass(frozen=True)
-class Rule:
-    megatron: str               # stage-local Megatron name; "{i}" = local layer index
-    hf: tuple[str, ...]         # HF names; "{i}" = global layer index
-    kind: str                   # vocab | col | row | rep | qkv | fc1
-    optional: bool = False      # present only for some configs (QKV bias)
-
-
-_LAYER = "decoder.layers.{i}."
-_HF_LAYER = "model.layers.{i}."
-
-LLAMA = (
-    Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
-    Rule(_LAYER + "input_layernorm.weight", (_HF_LAYER + "input_layernorm.weight",), "rep"),
-    Rule(_LAYER + "self_attention.linear_qkv.weight",
-         tuple(_HF_LAYER + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv"),
-    Rule(_LAYER + "self_attention.linear_qkv.bias",
-         tuple(_HF_LAYER + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv", optional=True),
-    Rule(_LAYER + "self_attention.linear_proj.weight", (_HF_LAYER + "self_attn.o_proj.weight",), "row"),
-    Rule(_LAYER + "pre_mlp_layernorm.weight", (_HF_LAYER + "post_attention_layernorm.weight",), "rep"),
-    Rule(_LAYER + "mlp.linear_fc1.weight",
-         (_HF_LAYER + "mlp.gate_proj.weight", _HF_LAYER + "mlp.up_proj.weight"), "fc1"),
-    Rule(_LAYER + "mlp.linear_fc2.weight", (_HF_LAYER + "mlp.down_proj.weight",), "row"),
-    Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "rep"),
-    Rule("output_layer.weight", ("lm_head.weight",), "vocab"),
-)
-# Qwen2 uses Llama's tensor names; its QKV bias is the optional rule above.
-QWEN2 = LLAMA
-# Qwen3: Llama's tensors plus per-head RMS norms on q and k (Megatron's QK layernorm), no QKV bias.
-_QK_NORMS = (
-    Rule(_LAYER + "self_attention.q_layernorm.weight", (_HF_LAYER + "self_attn.q_norm.weight",), "rep"),
-    Rule(_LAYER + "self_attention.k_layernorm.weight", (_HF_LAYER + "self_attn.k_norm.weight",), "rep"),
-)
-_ATTENTION = LLAMA[1:5]     # input norm, qkv weight and (optional) bias, output projection
-QWEN3 = (LLAMA[0], *_ATTENTION, *_QK_NORMS, *LLAMA[5:])
-# Qwen3-MoE: every layer's MLP is a router (HF mlp.gate) and num_experts SwiGLU experts, no shared
-# expert; "{e}" is the global expert index (expanded per config by get_mapping).
-_EXPERT = _LAYER + "mlp.experts.local_experts.{e}."
-_HF_EXPERT = _HF_LAYER + "mlp.experts.{e}."
-QWEN3_MOE = (
-    LLAMA[0], *_ATTENTION, *_QK_NORMS, LLAMA[5],
-    Rule(_LAYER + "mlp.router.weight", (_HF_LAYER + "mlp.gate.weight",), "rep"),
-    Rule(_EXPERT + "linear_fc1.weight", (_HF_EXPERT + "gate_proj.weight", _HF_EXPERT + "up_proj.weight"), "fc1"),
-    Rule(_EXPERT + "linear_fc2.weight", (_HF_EXPERT + "down_proj.weight",), "row"),
-    *LLAMA[-2:],
-)
-MAPPINGS: dict[str, tuple[Rule, ...]] = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "qwen3_moe": QWEN3_MOE}
 
 # The TransformerEngine spec fuses the pre-norms into the following linear.
 TE_RENAMES = {
@@ -101,27 +52,16 @@ def local_param_name(name: str, available) -> str:
 
 
 # ----------------------------------------------------------------------------- config helpers
-def _dims(cfg):
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return dict(H=cfg.hidden_size, nq=cfg.num_attention_heads, nkv=cfg.num_key_value_heads, hd=hd,
-                F=cfg.intermediate_size, V=cfg.vocab_size, L=cfg.num_hidden_layers)
-
-
-def num_experts(cfg) -> int:
-    """Routed experts per layer (0: a dense model)."""
-    return int(getattr(cfg, "num_experts", 0) or 0) if cfg.model_type == "qwen3_moe" else 0
-
-
-def has_qk_norm(cfg) -> bool:
-    return cfg.model_type in ("qwen3", "qwen3_moe")
+def _shape(cfg) -> ModelShape:
+    return ModelShape.from_hf(cfg)
 
 
 def _tied(cfg) -> bool:
-    return bool(getattr(cfg, "tie_word_embeddings", False))
+    return _shape(cfg).tied
 
 
 def _has_qkv_bias(cfg) -> bool:
-    return cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
+    return _shape(cfg).qkv_bias
 
 
 def padded_vocab(cfg, tp: int, divisible_by: int = 128) -> int:
@@ -167,19 +107,21 @@ def _expand_experts(mapping, cfg) -> tuple[Rule, ...]:
         if "{e}" not in r.megatron:
             out.append(r)
             continue
-        for e in range(num_experts(cfg)):
+        for e in range(_shape(cfg).experts):
             out.append(replace(r, megatron=r.megatron.replace("{e}", str(e)),
                                hf=tuple(n.replace("{e}", str(e)) for n in r.hf)))
     return tuple(out)
 
 
 def get_mapping(cfg, mapping=None) -> tuple[Rule, ...]:
+    """The config's family's table (or `mapping`, a custom one) with each expert rule written per expert."""
     if mapping is not None:
         return _expand_experts(mapping, cfg)
-    if cfg.model_type not in MAPPINGS:
-        raise CheckpointError(f"no HF<->Megatron mapping for model_type {cfg.model_type!r}; "
-                              f"supported: {sorted(MAPPINGS)}")
-    return _expand_experts(MAPPINGS[cfg.model_type], cfg)
+    try:
+        family = family_of(cfg)
+    except UnsupportedModelType as e:
+        raise CheckpointError(f"no HF<->Megatron mapping: {e}") from None
+    return _expand_experts(family.rules, cfg)
 
 
 # ----------------------------------------------------------------------------- expert parallelism
@@ -209,7 +151,7 @@ def _with_expert(name: str, e: int) -> str:
 
 
 def experts_per_rank(cfg, ep: int) -> int:
-    n = num_experts(cfg)
+    n = _shape(cfg).experts
     if n % ep:
         raise CheckpointError(f"learner.ep={ep} does not divide num_experts={n}")
     return n // ep
@@ -250,34 +192,14 @@ def ep_local_name(name: str, cfg, ep: int) -> str:
 
 
 def expected_hf_shapes(cfg) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor the model needs, with its shape (lm_head only when untied)."""
-    d = _dims(cfg)
-    H, q, kv, F, V = d["H"], d["nq"] * d["hd"], d["nkv"] * d["hd"], d["F"], d["V"]
-    out = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
-    if not _tied(cfg):
-        out["lm_head.weight"] = (V, H)
-    for i in range(d["L"]):
-        p = f"model.layers.{i}."
-        out.update({
-            p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
-            p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
-            p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q),
-        })
-        if has_qk_norm(cfg):
-            out.update({p + "self_attn.q_norm.weight": (d["hd"],), p + "self_attn.k_norm.weight": (d["hd"],)})
-        if num_experts(cfg):
-            E, Fe = num_experts(cfg), cfg.moe_intermediate_size
-            out[p + "mlp.gate.weight"] = (E, H)
-            for e in range(E):
-                x = f"{p}mlp.experts.{e}."
-                out.update({x + "gate_proj.weight": (Fe, H), x + "up_proj.weight": (Fe, H),
-                            x + "down_proj.weight": (H, Fe)})
-        else:
-            out.update({p + "mlp.gate_proj.weight": (F, H), p + "mlp.up_proj.weight": (F, H),
-                        p + "mlp.down_proj.weight": (H, F)})
-        if _has_qkv_bias(cfg):
-            out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                        p + "self_attn.v_proj.bias": (kv,)})
+    """Every HF tensor the model needs, with its shape (lm_head only when untied): the family's table on
+    one pipeline stage (stage_rules: the QKV bias where the model has one), each rule's hf_shapes in the
+    model's dimensions."""
+    dims = _shape(cfg).dims
+    out = {}
+    for rule, _, g in stage_rules(cfg, get_mapping(cfg), 1, 0):
+        for name, shape in zip(rule.hf, rule.hf_shapes, strict=True):
+            out[name.format(i=g)] = tuple(dims[d] for d in shape)
     return out
 
 
@@ -305,9 +227,9 @@ def validate_hf_state(hf_state: dict[str, Tensor], cfg) -> None:
 # ----------------------------------------------------------------------------- split / merge
 def _qkv_full(q: Tensor, k: Tensor, v: Tensor, cfg) -> Tensor:
     """[q; k; v] (HF) -> per query group [q_g; k_g; v_g] (Megatron), for weights or biases."""
-    d = _dims(cfg)
-    nkv, hd = d["nkv"], d["hd"]
-    qpg = d["nq"] // nkv
+    s = _shape(cfg)
+    nkv, hd = s.kv_heads, s.head_dim
+    qpg = s.heads // nkv
     rest = q.shape[1:]
     qg = q.reshape(nkv, qpg * hd, *rest)
     kg = k.reshape(nkv, hd, *rest)
@@ -316,9 +238,9 @@ def _qkv_full(q: Tensor, k: Tensor, v: Tensor, cfg) -> Tensor:
 
 
 def _qkv_split(full: Tensor, cfg) -> tuple[Tensor, Tensor, Tensor]:
-    d = _dims(cfg)
-    nkv, hd = d["nkv"], d["hd"]
-    qpg = d["nq"] // nkv
+    s = _shape(cfg)
+    nkv, hd = s.kv_heads, s.head_dim
+    qpg = s.heads // nkv
     rest = full.shape[1:]
     g = full.reshape(nkv, (qpg + 2) * hd, *rest)
     q = g[:, : qpg * hd].reshape(-1, *rest)

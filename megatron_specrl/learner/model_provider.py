@@ -3,26 +3,22 @@
 CPU: local spec (plain torch modules) with every fusion off; GPU: the
 TransformerEngine spec when TE is importable. Vocab is padded like Megatron
 does (multiple of `divisible_by * tp`); padded logits are masked in logprobs.
+What differs by family (QK layernorm, QKV bias, the router and experts, the
+fields refused) its module in models/families/ says; this module builds any of them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from megatron_specrl.learner.hf_mapping import has_qk_norm, num_experts
-
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+from megatron_specrl.models.families import UnsupportedModelType, family_of
+from megatron_specrl.models.families.shape import ModelShape, layout_failures
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     """Smallest multiple of divisible_by * tp that holds the vocabulary."""
     multiple = divisible_by * tp
     return ((vocab_size + multiple - 1) // multiple) * multiple
-
-
-def qkv_bias(hf_config) -> bool:
-    """Qwen2 has QKV bias; Llama only if `attention_bias` says so."""
-    return hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False))
 
 
 def rope_theta(hf_config) -> float:
@@ -33,72 +29,57 @@ def rope_theta(hf_config) -> float:
     return float(theta)
 
 
-def check_hf_config(hf_config) -> None:
-    if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"unsupported model_type {hf_config.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+def unsupported_fields(hf_config) -> list[str]:
+    """One line per field of the config that HF honours and the Megatron model built here would not (an
+    unsupported model_type alone, when it is one): refused rather than computing something else. The
+    plan reports every line; check_hf_config raises the first."""
+    try:
+        family = family_of(hf_config)
+    except UnsupportedModelType as e:
+        return [str(e)]
+    out = []
     if getattr(hf_config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"only SwiGLU (hidden_act=silu) is supported, got {hf_config.hidden_act!r}")
-    # Fields HF honours that the Megatron model built here does not: refuse rather than compute something else.
-    if hf_config.model_type != "qwen2" and getattr(hf_config, "attention_bias", False):
-        raise ValueError(f"attention_bias=true is not supported: HF {hf_config.model_type} then biases q/k/v and "
-                         "o_proj, Megatron's add_qkv_bias covers q/k/v only")
-    if hf_config.model_type == "qwen3_moe":
-        check_moe_config(hf_config)
+        out.append(f"only SwiGLU (hidden_act=silu) is supported, got {hf_config.hidden_act!r}")
+    out += family.unsupported(hf_config)
     if getattr(hf_config, "mlp_bias", False):
-        raise ValueError("mlp_bias=true is not supported (the converter builds bias-free MLPs)")
+        out.append("mlp_bias=true is not supported (the converter builds bias-free MLPs)")
     if getattr(hf_config, "use_sliding_window", False):
-        raise ValueError("use_sliding_window=true is not supported (the learner attends over the full sequence)")
+        out.append("use_sliding_window=true is not supported (the learner attends over the full sequence)")
     params = getattr(hf_config, "rope_parameters", None) or {}
     partial = getattr(hf_config, "partial_rotary_factor", None) or params.get("partial_rotary_factor", 1.0)
     if float(partial) != 1.0:
-        raise ValueError(f"partial_rotary_factor={partial} is not supported (RoPE on the whole head_dim only)")
+        out.append(f"partial_rotary_factor={partial} is not supported (RoPE on the whole head_dim only)")
     scaling = getattr(hf_config, "rope_scaling", None) or {}
     kind = scaling.get("rope_type", scaling.get("type")) or params.get("rope_type", "default")
     if kind == "llama3":
-        llama3_rope_factor(hf_config)   # raises unless Megatron's fixed Llama 3.1 constants match
+        try:
+            llama3_rope_factor(hf_config)   # raises unless Megatron's fixed Llama 3.1 constants match
+        except ValueError as e:
+            out.append(str(e))
     elif kind not in (None, "default"):
-        raise ValueError(f"rope_scaling rope_type={kind!r} is not supported by the converter (only llama3)")
+        out.append(f"rope_scaling rope_type={kind!r} is not supported by the converter (only llama3)")
+    return out
 
 
-def check_moe_config(hf_config) -> None:
-    """Qwen3-MoE fields the learner's all-MoE layers would not honour: refused in one line."""
-    step = getattr(hf_config, "decoder_sparse_step", 1)
-    if step != 1:
-        raise ValueError(f"decoder_sparse_step={step} is not supported: the learner builds every layer as an MoE "
-                         "layer (decoder_sparse_step=1)")
-    if list(getattr(hf_config, "mlp_only_layers", None) or []):
-        raise ValueError(f"mlp_only_layers={list(hf_config.mlp_only_layers)} is not supported: the learner builds "
-                         "every layer as an MoE layer")
-    if getattr(hf_config, "shared_expert_intermediate_size", 0):
-        raise ValueError("shared experts are not supported (Qwen3-MoE has none)")
+def check_hf_config(hf_config) -> None:
+    """Raise ValueError with the first of unsupported_fields (the model builder's and convert's check)."""
+    lines = unsupported_fields(hf_config)
+    if lines:
+        raise ValueError(lines[0])
 
 
 def moe_settings(hf_config, ep: int = 1, aux_loss_scale: float = 1.0, tp: int = 1) -> dict:
-    """TransformerConfig fields of an MoE model (empty for a dense one). HF Qwen3-MoE routes by
-    softmax over all experts, top-k, renormalised when norm_topk_prob; Megatron's softmax after
-    top-k gives the same weights, softmax before top-k (pre_softmax) the unrenormalised ones.
-    `aux_loss_scale` scales router_aux_loss_coef: the AdamW path sums gradients over DP ranks,
-    so it passes 1/dp to keep the load-balancing term the mean Megatron's DDP gives."""
-    if not num_experts(hf_config):
-        if ep != 1:
-            raise ValueError(f"learner.ep={ep} needs a mixture-of-experts model; model_type "
-                             f"{hf_config.model_type!r} is dense (learner.ep=1)")
+    """TransformerConfig fields of an MoE model (empty for a dense one): the family's router and experts
+    (its moe_settings says how they match HF's) with the learner's parallel sizes. `aux_loss_scale`
+    scales router_aux_loss_coef: the AdamW path sums gradients over DP ranks, so it passes 1/dp to keep
+    the load-balancing term the mean Megatron's DDP gives."""
+    family = family_of(hf_config)
+    if not family.moe:
         return {}
-    n = hf_config.num_experts
-    if n % ep:
-        raise ValueError(f"learner.ep={ep} does not divide num_experts={n}")
-    coef = float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0)
+    routing = family.moe_settings(hf_config)
     return dict(
-        num_moe_experts=n,
-        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
-        moe_router_topk=hf_config.num_experts_per_tok,
-        moe_router_pre_softmax=not bool(getattr(hf_config, "norm_topk_prob", False)),
-        moe_router_score_function="softmax",
-        moe_router_load_balancing_type="aux_loss" if coef else "none",
-        moe_aux_loss_coeff=coef * aux_loss_scale,
-        moe_router_dtype="fp32",              # HF Qwen3-MoE computes the routing softmax in fp32
-        moe_token_dispatcher_type="alltoall",
-        moe_grouped_gemm=False,
+        routing,
+        moe_aux_loss_coeff=routing["moe_aux_loss_coeff"] * aux_loss_scale,
         expert_model_parallel_size=ep,
         # Megatron trains MoE with TP only under sequence parallelism (MoELayer refuses otherwise)
         sequence_parallel=tp > 1,
@@ -122,10 +103,6 @@ def llama3_rope_factor(hf_config) -> float | None:
     return float(scaling["factor"])
 
 
-def head_dim(hf_config) -> int:
-    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-
-
 # learner.recompute -> Megatron's activation recomputation settings: selective recomputes the attention
 # core, full recomputes each layer from its input in the backward pass. GPU only: Megatron's checkpoint
 # saves and restores CUDA RNG states, which a CPU build of torch does not have.
@@ -139,28 +116,33 @@ RECOMPUTE = {
 def transformer_config_from_hf(hf_config, tp: int = 1, pp: int = 1, dtype: torch.dtype = torch.float32,
                                use_cpu: bool | None = None, recompute: str = "none", ep: int = 1,
                                aux_loss_scale: float = 1.0):
-    """TransformerConfig equivalent to the HF model (RMSNorm, SwiGLU, GQA, RoPE, no linear bias;
-    Qwen3: QK layernorm; Qwen3-MoE: routed experts split over `ep` ranks, expert TP = tp)."""
+    """TransformerConfig equivalent to the HF model (RMSNorm, SwiGLU, GQA, RoPE, no linear bias), with
+    what its family decides (QK layernorm, QKV bias; Qwen3-MoE: routed experts split over `ep` ranks, expert
+    TP = tp). The layout is checked here too, with the rule the entry points checked before the ranks
+    started (shape.layout_failures), for a caller that skipped them."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_hf_config(hf_config)
+    family, s = family_of(hf_config), ModelShape.from_hf(hf_config)
+    failures = layout_failures(s, where="the model", tp=tp, pp=pp, ep=ep)
+    if failures:
+        raise ValueError("; ".join(failures))
     cpu = (not torch.cuda.is_available()) if use_cpu is None else use_cpu
     if recompute != "none" and not torch.cuda.is_available():
         raise ValueError(f"learner.recompute={recompute} needs CUDA: Megatron's activation checkpointing "
                          "saves CUDA RNG states; use learner.recompute=none on CPU")
     return TransformerConfig(
-        num_layers=hf_config.num_hidden_layers,
-        hidden_size=hf_config.hidden_size,
-        ffn_hidden_size=hf_config.intermediate_size,
-        num_attention_heads=hf_config.num_attention_heads,
-        num_query_groups=hf_config.num_key_value_heads,
-        kv_channels=head_dim(hf_config),
+        num_layers=s.layers,
+        hidden_size=s.hidden,
+        ffn_hidden_size=s.ffn,
+        num_attention_heads=s.heads,
+        num_query_groups=s.kv_heads,
+        kv_channels=s.head_dim,
         normalization="RMSNorm",
         layernorm_epsilon=hf_config.rms_norm_eps,
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
-        add_qkv_bias=qkv_bias(hf_config),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
@@ -179,13 +161,13 @@ def transformer_config_from_hf(hf_config, tp: int = 1, pp: int = 1, dtype: torch
         gradient_accumulation_fusion=False,
         # Microbatches may differ in shape (dynamic batching); p2p sends shapes first.
         variable_seq_lengths=True,
-        qk_layernorm=has_qk_norm(hf_config),
         # the alltoall dispatcher for MoE ("allgather" rejects variable sequence lengths), on gloo too
         moe_token_dispatcher_type="alltoall",
         batch_p2p_comm=True,
         batch_p2p_sync=not cpu,  # the sync is torch.cuda.synchronize()
         deallocate_pipeline_outputs=False,
         **RECOMPUTE[recompute],
+        **family.layer_settings(hf_config),   # add_qkv_bias, qk_layernorm
         **{k: v for k, v in moe_settings(hf_config, ep, aux_loss_scale, tp).items()
            if k != "moe_token_dispatcher_type"},
     )

@@ -14,8 +14,9 @@ from pathlib import Path
 
 from megatron_specrl.config import ConfigError, ModelConfig
 from megatron_specrl.models.cache import build_once
+from megatron_specrl.models.families import FAMILIES
 
-TINY = {"tiny-llama": "llama", "tiny-qwen2": "qwen2", "tiny-qwen3": "qwen3", "tiny-qwen3-moe": "qwen3_moe"}
+TINY = {family.tiny_name: model_type for model_type, family in FAMILIES.items()}   # tiny model name -> its family
 
 
 def cache_root() -> Path:
@@ -95,9 +96,3 @@ def check_draft_model(draft_dir: str | Path | None, policy_dir: str | Path) -> N
     if draft.get("vocab_size") != policy.get("vocab_size"):
         raise ConfigError(f"rollout.draft_model={str(draft_dir)!r}: vocab_size {draft.get('vocab_size')} is not the "
                           f"policy's {policy.get('vocab_size')}; the draft model must share the policy's tokenizer")
-
-
-def shape_of(hf_config: dict) -> tuple[int, int, int]:
-    """(attention heads, kv heads, layers) of an HF config.json (no kv heads: plain multi-head)."""
-    heads = hf_config["num_attention_heads"]
-    return heads, hf_config.get("num_key_value_heads") or heads, hf_config["num_hidden_layers"]

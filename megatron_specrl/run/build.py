@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_specrl.algorithms.kl_reward import RewardKLController
-from megatron_specrl.config import ConfigError, RunConfig, check_model_divisibility, to_yaml
+from megatron_specrl.config import ConfigError, RunConfig, to_yaml
 from megatron_specrl.metrics import MetricsLogger
-from megatron_specrl.models.resolve import (read_hf_config, resolve_draft_model, resolve_model, shape_of,
-                                           tokenizer_fingerprint)
+from megatron_specrl.models.resolve import read_hf_config, resolve_draft_model, resolve_model, tokenizer_fingerprint
+from megatron_specrl.plan import check_model_fits
 from megatron_specrl.placement import cluster_gpus, plan_placement
 from megatron_specrl.resync.choose import resolve_transport
 from megatron_specrl.resync.routes import make_route
@@ -95,9 +95,8 @@ def prepare_model(cfg: RunConfig) -> _Model:
     """The model directory (built or fetched), checked against the parallel layout, the draft model's
     directory (rollout.draft=model: checked before Ray and the engines start) and the tokenizer."""
     model_dir = resolve_model(cfg.model, seed=0, task_terms=tuple(cfg.data.synthetic_terms))
+    check_model_fits(cfg, model_dir)   # the plan's layout and context lines, for a run started without the CLI
     hf_config = read_hf_config(model_dir)
-    check_model_divisibility(cfg, *shape_of(hf_config), intermediate_size=hf_config.get("intermediate_size"),
-                             max_positions=hf_config.get("max_position_embeddings"))
     rollout_cfg = cfg.rollout
     if cfg.rollout.draft == "model":   # engines get its directory
         draft_dir = resolve_draft_model(cfg.model, cfg.rollout.draft_model, model_dir, tuple(cfg.data.synthetic_terms))

@@ -9,7 +9,7 @@ import shutil
 import pytest
 from megatron_specrl import checkpoint as ckpt
 from megatron_specrl.cli import main
-from megatron_specrl.config import ConfigError, DataConfig, check_model_divisibility, load_config
+from megatron_specrl.config import ConfigError, DataConfig, load_config
 from megatron_specrl.data.datasets import DatasetError, PromptRecord, load_file, render_all, render_prompt
 
 class _Reached(Exception):
@@ -60,24 +60,30 @@ def test_fewer_synthetic_prompts_than_a_round_is_refused_at_config_time():
 
 # --------------------------------------------------------------------------- the trainer's own layout check
 
+def _fit(overrides, **shape):
+    """plan.model_fit_failures, the lines the run's start-up check (plan.check_model_fits) raises, for a
+    Llama-shaped model with `shape`'s fields changed."""
+    from megatron_specrl.plan import ModelShape, model_fit_failures
+    fields = dict(model_type="llama", hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, ffn=256, vocab=264,
+                  tied=False, qkv_bias=False, max_positions=512)
+    return model_fit_failures(load_config(None, overrides), ModelShape(**dict(fields, **shape)))
+
+
 def test_trainer_divisibility_checks_intermediate_size():
-    cfg = load_config(None, ["learner.tp=2"])
-    with pytest.raises(ConfigError, match=r"^learner.tp=2 does not divide intermediate_size=255 of model.path="):
-        check_model_divisibility(cfg, 4, 2, 2, intermediate_size=255)
+    [line] = _fit(["learner.tp=2"], ffn=255)
+    assert line.startswith("learner.tp=2 does not divide intermediate_size=255 of model.path=")
 
 
 def test_trainer_divisibility_checks_engine_tp_against_kv_heads():
     """vLLM takes engine_tp > kv heads only as a multiple of them; engine_tp < kv heads must divide them."""
-    cfg = load_config(None, ["rollout.engine_tp=2"])
-    with pytest.raises(ConfigError, match=r"rollout.engine_tp=2 does not divide num_key_value_heads=3"):
-        check_model_divisibility(cfg, 6, 3, 2, intermediate_size=256)
-    check_model_divisibility(load_config(None, ["rollout.engine_tp=4"]), 8, 2, 2, intermediate_size=256)  # replicated
+    [line] = _fit(["rollout.engine_tp=2"], heads=6, kv_heads=3)
+    assert line.startswith("rollout.engine_tp=2 does not divide num_key_value_heads=3")
+    assert _fit(["rollout.engine_tp=4"], heads=8, kv_heads=2) == []   # replicated
 
 
 def test_trainer_divisibility_checks_max_model_len_against_positions():
-    cfg = load_config(None, ["rollout.max_model_len=1024"])
-    with pytest.raises(ConfigError, match=r"rollout.max_model_len=1024 exceeds the model's max_position_embeddings=512"):
-        check_model_divisibility(cfg, 4, 2, 2, intermediate_size=256, max_positions=512)
+    assert _fit(["rollout.max_model_len=1024"]) == ["rollout.max_model_len=1024 exceeds the model's "
+                                                    "max_position_embeddings=512"]
 
 
 # --------------------------------------------------------------------------- data rows

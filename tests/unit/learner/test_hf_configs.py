@@ -45,17 +45,17 @@ def test_published_configs_map_to_the_same_math(tmp_path, raw):
     from megatron_specrl.learner.model_provider import (
         check_hf_config,
         llama3_rope_factor,
-        qkv_bias,
         rope_theta,
         transformer_config_from_hf,
     )
+    from megatron_specrl.models.families.shape import ModelShape
     cfg = _cfg(tmp_path, raw)
     check_hf_config(cfg)
     tc = transformer_config_from_hf(cfg, use_cpu=True)
     assert tc.layernorm_epsilon == raw["rms_norm_eps"]
     assert tc.kv_channels == raw["hidden_size"] // raw["num_attention_heads"]
     assert tc.num_query_groups == raw["num_key_value_heads"]
-    assert tc.add_qkv_bias == (raw["model_type"] == "qwen2") == qkv_bias(cfg)
+    assert tc.add_qkv_bias == (raw["model_type"] == "qwen2") == ModelShape.from_hf(cfg).qkv_bias
     assert rope_theta(cfg) == raw["rope_theta"]
     assert llama3_rope_factor(cfg) == (8.0 if raw["model_type"] == "llama" else None)
     assert hm._tied(cfg) == raw["tie_word_embeddings"]

@@ -1,7 +1,7 @@
 """HF <-> Megatron shard mapping: bit-exact round trips, layout details, clear errors.
 
 Review of HF config -> Megatron shape checks: `convert`'s pre-spawn layout check names every
-config field a --tp must divide (intermediate_size included, as the run plan's _divisibility does).
+config field a --tp must divide (intermediate_size, or an MoE model's moe_intermediate_size, by the one layout rule).
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig
 from megatron_specrl.learner import hf_mapping as hm
+from megatron_specrl.models.families import llama
+from megatron_specrl.models.families.shape import ModelShape
 import json
 
 
@@ -39,7 +41,7 @@ def test_qwen3_families_round_trip_bit_exact_through_tp_pp_and_ep(fixture, tp, p
     they give the HF tensors bit for bit (q/k norms, router and every expert included)."""
     cfg, sd = _load(request.getfixturevalue(fixture))
     per_rank = [hm.hf_to_megatron_shards(sd, cfg, tp, pp, ep=ep, ep_rank=r) for r in range(ep)]
-    n_local = hm.num_experts(cfg) // ep if hm.num_experts(cfg) else 0
+    n_local = ModelShape.from_hf(cfg).experts // ep
     for shards in per_rank:
         experts = {hm.expert_index(k) for k in shards[(0, 0)]} - {None}
         assert experts == set(range(n_local))
@@ -135,7 +137,7 @@ def test_swapped_mapping_is_detectable(tiny_llama, flag):
 
 def test_custom_mapping_injection(tiny_llama):
     cfg, sd = _load(tiny_llama)
-    wrong = tuple(hm.Rule(r.megatron, (r.hf[1], r.hf[0]), r.kind) if r.kind == "fc1" else r for r in hm.LLAMA)
+    wrong = tuple(hm.Rule(r.megatron, (r.hf[1], r.hf[0]), r.kind) if r.kind == "fc1" else r for r in llama.RULES)
     shards = hm.hf_to_megatron_shards(sd, cfg, 1, 1)
     bad = hm.megatron_shards_to_hf(shards, cfg, 1, 1, mapping=wrong)
     assert not torch.equal(bad["model.layers.0.mlp.up_proj.weight"], sd["model.layers.0.mlp.up_proj.weight"])
