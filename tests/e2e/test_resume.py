@@ -21,7 +21,13 @@ ROOT = REPO_ROOT
 STEPS = 5
 
 
-def _train(out: Path, cache: Path, kill_at: str | None, layout: str):
+# The recipe's keys a user sets beside it (tests/e2e/test_recipes.py runs the other recipes): the resync checked
+# every 2 steps, old log-probs recomputed by the learner, and verl's engine keys, which reach vLLM.
+RECIPE_KEYS = ("trainer.check_resync_every=2", "learner.recompute_old_logprobs=true", "rollout.max_num_seqs=16",
+               "rollout.engine_kwargs.vllm.max_logprobs=20")
+
+
+def _train(out: Path, cache: Path, kill_at: str | None, layout: str, *extra: str):
     args = ["tiny-cpu-grpo", f"output_dir={out}", f"trainer.total_steps={STEPS}", "trainer.checkpoint_every=2",
             "data.num_synthetic=16", "trainer.prompts_per_step=8", "rollout.n_samples=4", "trainer.eval_every=0",
             # shorter responses and a smaller KV cache: the crash/resume bookkeeping does not depend on either
@@ -29,7 +35,7 @@ def _train(out: Path, cache: Path, kill_at: str | None, layout: str):
             "logging.wandb=false", "logging.plots=false", "model.warmup_steps=0",
             # no SFT warm-up: the untrained model scores 0 on every sample (zero advantages), so the entropy
             # bonus gives the step a gradient to reduce and apply
-            "learner.distributed_optimizer=true", "learner.loss.entropy_coef=0.01", layout]
+            "learner.distributed_optimizer=true", "learner.loss.entropy_coef=0.01", *RECIPE_KEYS, layout, *extra]
     env = dict(os.environ, MEGATRON_SPECRL_CACHE=str(cache))
     env.pop("SPECRL_KILL_AT", None)
     if kill_at:
@@ -50,8 +56,10 @@ def _learner_meta(ckpt: Path):
 
 @pytest.mark.slow
 def test_sigkill_in_rollout_and_in_training_then_resume_at_tp2_with_the_distributed_optimizer(tmp_path):
-    """The distributed optimizer's DP2 run and its resume at TP2 are this chain's runs, not two more: each run of
-    the real CLI costs ~40 s of start-up (and a second learner rank ~15 s more, so the middle run has one)."""
+    """The distributed optimizer's DP2 run and its resume at TP2 are this chain's runs, and the last run is the
+    GRPO recipe's end-to-end check at TP2 (resync checks, an eval, plots, the HF export and a checkpoint that
+    converts to it): each run of the real CLI costs ~40 s of start-up (and a second learner rank ~15 s more,
+    so the middle run has one)."""
     out, cache = tmp_path / "run", tmp_path / "cache"
     killed, _ = _train(out, cache, "rollout:4", "learner.dp=2")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
@@ -65,7 +73,8 @@ def test_sigkill_in_rollout_and_in_training_then_resume_at_tp2_with_the_distribu
     assert killed2.returncode == -signal.SIGKILL, killed2.stderr[-3000:]
     assert "resumed from" in killed2.stderr and "at step 2" in killed2.stderr
 
-    done, args = _train(out, cache, None, "learner.tp=2")          # 2 processes again, resharded DP2 -> TP2
+    done, args = _train(out, cache, None, "learner.tp=2",           # 2 processes again, resharded DP2 -> TP2
+                        "logging.plots=true", "trainer.eval_every=5", "data.num_eval=16")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from" in done.stderr and "step_00000002" in done.stdout + done.stderr
     assert "64 stored trajectories" in done.stderr      # the trajectory store came back non-empty
@@ -84,3 +93,23 @@ def test_sigkill_in_rollout_and_in_training_then_resume_at_tp2_with_the_distribu
     expected = [[r.id for r in loader.next_batch()] for _ in range(STEPS)]
     assert [r["prompt_ids"] for r in _rows(out / "data_order.jsonl")] == expected
     assert (out / "checkpoints" / "step_00000005" / "manifest.json").is_file()
+
+    # The GRPO recipe as a user runs it, at TP2: every key the run wrote is in docs/metrics.md; the resync
+    # check and the learner's recomputed log-probs agree with the engine's; verl's engine keys reached vLLM
+    from megatron_specrl.metric_keys import undocumented
+    assert undocumented(k for r in metrics for k in r) == []
+    assert "eval/accuracy" in metrics[-1] and "train/loss" in metrics[-1]
+    step4 = metrics[3]
+    assert step4["resync/logprob_abs_diff"] < 1e-4 and step4["train/rollout_learner_logprob_abs_diff"] < 1e-4
+    started = (out / "engine_logs" / "vllm-0.log").read_text()
+    assert "'max_num_seqs': 16" in started and "'max_logprobs': 20" in started and "'enforce_eager': True" in started
+    assert (out / "plots" / "reward.png").is_file()
+    # the last checkpoint, written at TP2, converts to the HF export's weights
+    from safetensors.torch import load_file
+    conv = out.parent / "converted"
+    proc = subprocess.run([sys.executable, "-m", "megatron_specrl.cli", "convert", "mcore-to-hf", "--ckpt",
+                           str(out / "checkpoints" / "step_00000005" / "learner"), "--out", str(conv)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    final, converted = load_file(out / "hf_final" / "model.safetensors"), load_file(conv / "model.safetensors")
+    assert final.keys() == converted.keys() and all(final[k].equal(converted[k]) for k in final)
