@@ -127,7 +127,7 @@ class ValKwargs(_Strict):
         if not self.do_sample and self.n > 1:
             raise ValueError(f"rollout.val_kwargs.n={self.n} with do_sample=false: greedy samples are all the same "
                              "(verl silently takes one); set do_sample=true or n=1")
-        if self.do_sample and self.temperature < 0.01:   # vLLM's smallest (vllm_engine.check_temperature)
+        if self.do_sample and self.temperature < 0.01:   # vLLM's smallest (engines/vllm/sampling.check_temperature)
             raise ValueError(f"rollout.val_kwargs.do_sample=true needs temperature >= 0.01 (got {self.temperature})")
         return self
 

@@ -27,7 +27,7 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, log_dir: str | Path, inde
                   max_num_seqs=cfg.max_num_seqs, engine_args=dict(getattr(cfg.engine_kwargs, cfg.engine)))
     draft = dict(draft=cfg.draft, drafter=cfg.drafter)   # rollout.drafter whole, down to the proposer
     if cfg.engine == "vllm":
-        from megatron_specrl.engines.vllm_engine import VLLMEngine
+        from megatron_specrl.engines.vllm import VLLMEngine
         # Generated tokens report processed log-probs (after temperature, top-k and top-p), the
         # convention of score()'s acceptance log-probs and of the trajectory store.
         mode = "processed_logprobs"

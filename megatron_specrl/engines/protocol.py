@@ -16,7 +16,7 @@ Log-prob conventions (README, "Speculative rollouts"):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Iterable, Protocol, runtime_checkable
 
 if TYPE_CHECKING:   # annotations only: the CLI imports EngineError without loading torch
@@ -327,6 +327,15 @@ class RolloutEngine(Protocol):
 def untruncated_t1(s: SamplingSettings) -> bool:
     """Temperature 1, no top-k, no top-p: processed, tempered and raw log-probs all agree."""
     return s.temperature == 1.0 and s.top_p >= 1.0 and s.top_k in (-1, 0)
+
+
+def fit_to_positions(requests: list[ScoreRequest], room: int) -> list[ScoreRequest]:
+    """RolloutEngine.score's rule for a continuation that reaches the engine's last position: verified up to
+    the token before it. `room`: the most prompt + continuation tokens the engine verifies (its context
+    length less the one token the prefill samples past the continuation)."""
+    return [r if len(r.prompt_ids) + len(r.continuation_ids) <= room else
+            replace(r, continuation_ids=list(r.continuation_ids[:max(0, room - len(r.prompt_ids))]))
+            for r in requests]
 
 
 def _declares(engine) -> bool:

@@ -31,7 +31,6 @@ Semantics (read from sglang 0.5.23):
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -45,6 +44,7 @@ from megatron_specrl.config import DrafterConfig, check_engine_args
 from megatron_specrl.engines.protocol import (
     DraftResponse, EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest,
     ScoreResult, WeightVersionMismatch, check_finite_logprobs, check_version, draft_response_pairs,
+    fit_to_positions,
 )
 from megatron_specrl.engines.protocol import (   # capabilities these engines declare
     DraftsFromTrees, EngineCapabilities, SleepsWhileTraining,
@@ -315,11 +315,8 @@ class _SGLangBase(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining):
         self._check(weight_version)
         # SGLang refuses an input of context_len tokens or more (and input + max_new_tokens above it): a
         # continuation reaching the last position is verified without its last token(s) (protocol.score)
-        room = None if self._context_len() is None else self._context_len() - 1
-        if room is not None:
-            requests = [r if len(r.prompt_ids) + len(r.continuation_ids) <= room else
-                        dataclasses.replace(r, continuation_ids=list(r.continuation_ids[:max(0, room - len(r.prompt_ids))]))
-                        for r in requests]
+        if self._context_len() is not None:
+            requests = fit_to_positions(requests, self._context_len() - 1)
         todo = [i for i, r in enumerate(requests) if r.continuation_ids]
         results = [ScoreResult([], weight_version) for _ in requests]
         if todo:

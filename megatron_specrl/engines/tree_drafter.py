@@ -1,6 +1,6 @@
 """Engine-independent side of tree drafting: which requests draft from which prompt's tree, what each
 step adds to the trees, how long a draft may be, and the counters. vLLM's proposer
-(engines/tree_proposer.py) and SGLang's NGRAM worker patch (patches/sglang_0_5_23_tree_proposer.py)
+(engines/vllm/tree_proposer.py) and SGLang's NGRAM worker patch (patches/sglang_0_5_23_tree_proposer.py)
 both drive one `TreeDrafter` once per engine step and only translate their engine's batch to it.
 
 Per engine step:

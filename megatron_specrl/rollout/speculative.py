@@ -138,7 +138,7 @@ def tree_metrics(engine) -> dict[str, float]:
 
 def draft_model_metrics(stats: dict[str, float]) -> dict[str, float]:
     """`draft_model/*` metrics of a rollout drafted by a draft model (rollout.draft=model), from vLLM's
-    spec-decode counters (engines/vllm_engine.draft_model_counters). Its weights stay fixed while the
+    spec-decode counters (engines/vllm/drafting.draft_model_counters). Its weights stay fixed while the
     policy trains, so accept_rate falling over the run is the draft model going stale."""
     drafted, accepted = stats.get("draft_tokens", 0.0), stats.get("accepted_tokens", 0.0)
     drafts = stats.get("drafts", 0.0)

@@ -48,7 +48,7 @@ def batch(n, plen, new, seed=0):
 def ray_engine(tiny_llama, tmp_path_factory):
     import ray
     from megatron_specrl.engines.ray_engine import RayEngine
-    from megatron_specrl.engines.vllm_engine import VLLMEngine
+    from megatron_specrl.engines.vllm import VLLMEngine
 
     from megatron_specrl.actors import init_ray
     from megatron_specrl.config import RayConfig

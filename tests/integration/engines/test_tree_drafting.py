@@ -47,7 +47,7 @@ N = 2400
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama, tmp_path_factory):
-    from megatron_specrl.engines.vllm_engine import VLLMEngine
+    from megatron_specrl.engines.vllm import VLLMEngine
     eng = VLLMEngine(str(tiny_llama), name="vllm-tree", seed=0, max_model_len=256, kv_cache_gb=0.25,
                      log_dir=tmp_path_factory.mktemp("engine-logs"), draft="tree",
                      drafter={"tokens": 8, "min_prob": 0.0, "fresh_prompts": True})   # drafting in flight from the first request
@@ -184,7 +184,7 @@ def _empty_state(state):
 
 
 def test_proposer_refuses_unpatched_vllm_call():
-    from megatron_specrl.engines.tree_proposer import TreeProposer
+    from megatron_specrl.engines.vllm.tree_proposer import TreeProposer
     with pytest.raises(RuntimeError, match="patch"):
         TreeProposer.propose(object())
 
@@ -376,7 +376,7 @@ from megatron_specrl.engines.protocol import SamplingSettings  # noqa: E402
 
 @pytest.fixture(scope="module")
 def tree_engine(tiny_llama, tmp_path_factory):
-    from megatron_specrl.engines.vllm_engine import VLLMEngine
+    from megatron_specrl.engines.vllm import VLLMEngine
     eng = VLLMEngine(str(tiny_llama), name="vllm-review-tree", seed=0, max_model_len=256, kv_cache_gb=0.25,
                      log_dir=tmp_path_factory.mktemp("engine-logs"), draft="tree",
                      drafter={"tokens": 8, "min_prob": 0.0, "fresh_prompts": True})   # drafting in flight from the start
@@ -433,7 +433,7 @@ PROMPTS = [[17, 42, 99, 5, 61, 7], [3, 8, 200, 14, 90], [120, 121, 7, 7, 19, 33,
 
 @pytest.fixture(scope="module")
 def engines(tiny_llama, tmp_path_factory):
-    from megatron_specrl.engines.vllm_engine import VLLMEngine
+    from megatron_specrl.engines.vllm import VLLMEngine
     logs = tmp_path_factory.mktemp("engine-logs")
     tree = VLLMEngine(str(tiny_llama), name="vllm-fresh", seed=0, max_model_len=256, kv_cache_gb=0.25,
                       log_dir=logs, draft="tree", drafter={"tokens": 8, "min_prob": 0.0})

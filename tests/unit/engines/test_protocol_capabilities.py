@@ -59,8 +59,7 @@ def _declares(cls, *caps) -> None:
 
 
 def test_vllm_engine_declares_what_it_implements():
-    vllm_engine = pytest.importorskip("megatron_specrl.engines.vllm_engine")
-    cls = vllm_engine.VLLMEngine
+    cls = pytest.importorskip("megatron_specrl.engines.vllm").VLLMEngine
     _declares(cls, EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, RunsInWorkers)
     assert not issubclass(cls, InActor) and not issubclass(cls, RoutesToEngines)
     assert verifies_processed_distribution(cls) and samples_coupled(cls)

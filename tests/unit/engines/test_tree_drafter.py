@@ -47,7 +47,8 @@ from megatron_specrl.engines.tree_drafter import (
 import json
 from types import SimpleNamespace
 import numpy as np
-from megatron_specrl.engines import tree_proposer as tp
+from megatron_specrl.engines import tree_drafter as td
+from megatron_specrl.engines.vllm import tree_proposer as tp
 from megatron_specrl.bench_rollout import per_epoch, summarize
 from megatron_specrl.rollout.dynamic import _merge
 from megatron_specrl.rollout.speculative import tree_metrics
@@ -313,8 +314,8 @@ def test_finished_requests_are_forgotten_and_settings_are_checked(monkeypatch):
     p.propose_batch(empty, {}, [])
     assert p.trees.stats()["active_requests"] == 0 and p.trees.has_key("q")
     with pytest.raises(ValueError, match="unknown tree proposer settings"):
-        tp.settings_env(min_probability=0.1)
-    assert json.loads(tp.settings_env(min_prob=0.3))["min_prob"] == 0.3
+        td.settings_env(min_probability=0.1)
+    assert json.loads(td.settings_env(min_prob=0.3))["min_prob"] == 0.3
 
 
 def test_a_request_left_out_of_a_step_goes_on_where_it_was(monkeypatch):
@@ -345,7 +346,7 @@ def test_run_ahead_drafts_are_kept_out_of_the_rollouts_counters(monkeypatch):
     b = Batch()
     b.add("a", [50], "q")
     b.add("ahead", [50], "q")
-    b.requests["ahead"].sampling_params.extra_args[tp.RUNAHEAD] = True
+    b.requests["ahead"].sampling_params.extra_args[td.RUNAHEAD] = True
     assert p.propose_batch(b, b.requests, [b.sample(0, [1]), b.sample(1, [1])]) == [[2, 3, 4, 5]] * 2
     assert p.propose_batch(b, b.requests, [b.sample(0, [2, 3, 4]), b.sample(1, [2, 3, 4, 5, 6])]) == [[5, 6, 7, 8],
                                                                                                       [7, 8, 9]]

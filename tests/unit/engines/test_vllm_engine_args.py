@@ -3,7 +3,7 @@ max_num_batched_tokens, engine_kwargs.vllm / .sglang) reach vLLM and SGLang as t
 
 Before 2026-11-25 every vLLM engine ran eager (enforce_eager=True hard-coded), on GPUs too: no CUDA
 graphs, a kernel launch per op every decode step. The GPU arguments are built here with the engine's
-pure argument builder (vllm_engine.llm_args), since no GPU is on this machine.
+pure argument builder (engines/vllm/args.llm_args), since no GPU is on this machine.
 
 The vLLM engine's sampling edges. No vLLM engine is started: the two bugs
 sit in code that runs before the engine (the temperature vLLM would change) or after it (reading the
