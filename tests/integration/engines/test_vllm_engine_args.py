@@ -56,6 +56,23 @@ def test_a_gpu_engine_builds_vllm_with_cuda_graphs_and_unseeded_requests(monkeyp
     assert eng._sampling_params(req, SamplingSettings()).seed == 11 and built[-1]["enforce_eager"] is True
 
 
+def test_an_engine_whose_feature_needs_a_patch_pinned_elsewhere_refuses_to_start(monkeypatch, tmp_path):
+    """Tree drafting on a vLLM release its patch was not written for: refused before vLLM is built (the
+    recorder sees no LLM), naming the patch and the installed release (engines/vllm/required_patches.py)."""
+    import vllm
+
+    from megatron_specrl.engines.vllm import VLLMEngine
+    from megatron_specrl.engines.vllm.required_patches import PatchNotApplicable
+
+    built = []
+    monkeypatch.setattr(vllm, "LLM", lambda **kwargs: built.append(kwargs))
+    monkeypatch.setattr(vllm, "__version__", "0.99.0+cpu")
+    with pytest.raises(PatchNotApplicable, match=r"tree drafting \(rollout.draft=tree\) needs "
+                                                 r"patches/vllm_0_32_0_tree_proposer.py, .*installed vllm is 0.99.0"):
+        VLLMEngine(str(tmp_path), name="pinned", log_dir=str(tmp_path), draft="tree", verification=False)
+    assert built == []
+
+
 class _OnGPU:
     """A bucket tensor as a broadcast receiver hands it over on a GPU (none here): device cuda:0."""
     device = __import__("torch").device("cuda", 0)
