@@ -194,7 +194,7 @@ DRAFT_TOKENS_AUTO = {"tree": 16, "model": 4, "none": 16}
 class DrafterConfig(_Strict):
     """[rollout.drafter] the speculative drafter's settings: the one place their defaults are written. The
     config hands this object whole to the engines, which pass it to their tree proposer (as JSON in
-    its environment variable, engines/tree_drafter.settings_env)."""
+    its environment variable, rollout/tree_drafting/drafter.settings_env)."""
     tokens: int | None = Field(None, ge=1, le=64, description="Most draft tokens per request per engine step; "
                                "unset: 16 from trees, 4 from a draft model (each costs a forward of it).")
     min_prob: float = Field(0.1, ge=0, le=1, description="A tree draft stops where its path frequency drops below "

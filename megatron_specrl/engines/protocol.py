@@ -217,7 +217,7 @@ class DraftsFromTrees(ABC):
 
     @abstractmethod
     def draft_state(self) -> dict | None:
-        """The trees, for checkpoints (rollout.draft_tree.DraftTrees.state_dict); None without trees."""
+        """The trees, for checkpoints (rollout.tree_drafting.trees.DraftTrees.state_dict); None without trees."""
 
     @abstractmethod
     def load_draft_state(self, state: dict) -> None:

@@ -50,7 +50,7 @@ from megatron_specrl.engines.protocol import (   # capabilities these engines de
     DraftsFromTrees, EngineCapabilities, SleepsWhileTraining,
 )
 from megatron_specrl.engines.logs import attach_log_file, detach_log_file, tail_lines
-from megatron_specrl.engines.tree_drafter import DRAFT_KEY, OWN_DRAFT, RESPONSE_START, as_drafter, settings_env
+from megatron_specrl.rollout.tree_drafting.drafter import DRAFT_KEY, OWN_DRAFT, RESPONSE_START, as_drafter, settings_env
 
 BAN_PARAM = "specrl_ban_first_token"
 
@@ -104,7 +104,7 @@ def tree_server_args(draft_tokens: int) -> dict:
 
 def tree_server_env(drafter: DrafterConfig | dict | None = None) -> dict[str, str]:
     """Environment SGLang's scheduler processes need for the tree patch (they inherit it): rollout.drafter
-    whole, as JSON (tree_drafter.settings_env)."""
+    whole, as JSON (rollout/tree_drafting/drafter.settings_env)."""
     from megatron_specrl.patches.sglang_0_5_23_tree_proposer import SETTINGS_ENV
     from megatron_specrl.patches.sglang_engine_patches import ENV
     return {SETTINGS_ENV: settings_env(as_drafter(drafter)), ENV: "1"}
@@ -411,7 +411,7 @@ class _SGLangBase(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining):
             self._tree_call("add_responses", draft_response_pairs(responses))
 
     def draft_state(self) -> dict | None:
-        """The trees (rollout.draft_tree.DraftTrees.state_dict), for checkpoints; None without tree drafting."""
+        """The trees (rollout.tree_drafting.trees.DraftTrees.state_dict), for checkpoints; None without tree drafting."""
         return self._tree_call("state_dict") if self.draft == "tree" else None
 
     def load_draft_state(self, state: dict) -> None:

@@ -99,7 +99,7 @@ def tree_metrics(engine) -> dict[str, float]:
     """`tree/*` metrics of this rollout from engines that draft from trees (rollout.draft=tree):
     tokens drafted and accepted, generated tokens per request per engine step (1 without drafts),
     engine steps, the decode loop's and the drafter's seconds, the trees' size, and `tree_cost/*`: the
-    sums of the decode-step cost fit (engines/tree_drafter.fit_step_cost; they add across steps)."""
+    sums of the decode-step cost fit (rollout/tree_drafting/drafter.fit_step_cost; they add across steps)."""
     stats = engine.draft_stats() if isinstance(engine, DraftsFromTrees) else {}
     if not stats:
         return {}
@@ -127,7 +127,7 @@ def tree_metrics(engine) -> dict[str, float]:
             # the engine's decode loop for the batch (first to last drafting step) and the drafter's share
             "tree/loop_s": stats.get("loop_s", 0.0), "tree/draft_s": stats.get("draft_s", 0.0),
             "runahead/tokens": stats.get("runahead_tokens", 0.0),
-            # the drafter's calibration (engines/tree_drafter.Calibration): per source, how often the
+            # the drafter's calibration (rollout/tree_drafting/drafter.Calibration): per source, how often the
             # engine's next token was the tree's first proposed token, over the frequency the tree gave it
             **{f"tree/calibration_{src}": stats.get(f"calib_{src}_hits", 0.0)
                / max(stats.get(f"calib_{src}_expected", 0.0), 1.0) for src in ("prompt", "shared")

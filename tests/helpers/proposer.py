@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 import numpy as np
-from megatron_specrl.engines import tree_drafter as td
+from megatron_specrl.rollout.tree_drafting import drafter as td
 from megatron_specrl.engines.vllm import tree_proposer as tp
 from tests.helpers.trees import sequences  # noqa: F401
 

@@ -117,7 +117,7 @@ def test_checker_catches_planted_violations(tmp_path):
         "rollout/speculative.py": "from megatron_specrl.engines.protocol import X\n"      # allowed
                                   "from ..engines import vllm\n",                          # relative, not
         "rollout/store.py": "import ray.util\n",
-        "rollout/draft_tree.py": "from megatron.core import parallel_state\n",
+        "rollout/tree_drafting/trees.py": "from megatron.core import parallel_state\n",
         "engines/protocol.py": "",
         "engines/vllm/engine.py": "from megatron_specrl.learner.worker import LearnerWorker\n",
         "engines/ray_engine.py": "def f():\n    from megatron_specrl.resync.transports import T\n",
@@ -135,9 +135,9 @@ def test_checker_catches_planted_violations(tmp_path):
         "megatron_specrl.learner.group imports megatron_specrl.engines.vllm.engine",
         "megatron_specrl.learner.worker imports megatron_specrl.resync",
         "megatron_specrl.rollout.acceptance imports vllm",
-        "megatron_specrl.rollout.draft_tree imports megatron.core",
         "megatron_specrl.rollout.speculative imports megatron_specrl.engines",
         "megatron_specrl.rollout.store imports ray.util",
+        "megatron_specrl.rollout.tree_drafting.trees imports megatron.core",
     ], found
     # the late a <-> b import is a cycle; c -> a is for annotations only, so c is not in it
     assert cycles(pkg) == [["megatron_specrl.a", "megatron_specrl.b"]]

@@ -36,7 +36,7 @@ from megatron_specrl.engines.protocol import (
 from megatron_specrl.engines.protocol import (   # capabilities this engine declares
     DraftsFromTrees, EngineCapabilities, RunsInWorkers, SleepsWhileTraining,
 )
-from megatron_specrl.engines.tree_drafter import as_drafter, settings_env
+from megatron_specrl.rollout.tree_drafting.drafter import as_drafter, settings_env
 from megatron_specrl.engines.vllm.args import bind_cpu_workers, llm_args
 from megatron_specrl.engines.vllm.drafting import draft_model_counters, generate_with_runahead
 from megatron_specrl.engines.vllm.logprobs import generate_result, verify_columns
@@ -340,7 +340,7 @@ class VLLMEngine(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, RunsI
             self._tree_call("add_responses", pairs)
 
     def draft_state(self) -> dict | None:
-        """The trees as numpy arrays and lists (rollout.draft_tree.DraftTrees.state_dict), for checkpoints."""
+        """The trees as numpy arrays and lists (rollout.tree_drafting.trees.DraftTrees.state_dict), for checkpoints."""
         if self.draft != "tree":
             return None
         with self._lock:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from megatron_specrl.engines.protocol import GenerateRequest, SamplingSettings, ScoreRequest, untruncated_t1
 from megatron_specrl.patches import vllm_0_32_0_batched_prompt_logprobs as verify
-from megatron_specrl.engines.tree_drafter import DRAFT_KEY, OWN_DRAFT, RESPONSE_START, RUNAHEAD
+from megatron_specrl.rollout.tree_drafting.drafter import DRAFT_KEY, OWN_DRAFT, RESPONSE_START, RUNAHEAD
 
 # vLLM raises any temperature in (0, VLLM_MIN_TEMPERATURE) to it (vllm.sampling_params._MAX_TEMP, 0.32.0:
 # SamplingParams.__post_init__, with only a warning)

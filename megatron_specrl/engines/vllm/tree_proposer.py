@@ -5,7 +5,7 @@ Lives inside the engine's worker (vLLM builds it from `speculative_config={"meth
 once per engine step through `patches/vllm_0_32_0_tree_proposer.py` with the input batch:
 
 - a request opts in with `SamplingParams.extra_args = {DRAFT_KEY: prompt id, RESPONSE_START: n}`:
-  all samples of a prompt share one tree (rollout.draft_tree.DraftTrees), and the response
+  all samples of a prompt share one tree (rollout.tree_drafting.trees.DraftTrees), and the response
   starts at prompt position n (an extension request's prompt ends with an accepted draft
   prefix, which is part of the response);
 - every step, the tokens a request gained (accepted drafts + the bonus or recovered token)
@@ -25,10 +25,10 @@ max_model_len (or drop it, preempting the request); the runner's `InputBatch.spe
 it scheduled, and the drafter counts those tokens as drafted (`verified_count`).
 
 The bookkeeping (per-request state, draft length rules, counters) is engine-independent and lives in
-engines/tree_drafter.py, shared with SGLang's NGRAM worker patch; this class only reads vLLM's batch.
+rollout/tree_drafting/drafter.py, shared with SGLang's NGRAM worker patch; this class only reads vLLM's batch.
 
 Settings come from the environment variable SPECRL_TREE_PROPOSER: rollout.drafter (config.DrafterConfig)
-whole as JSON (tree_drafter.settings_env), set by VLLMEngine before it builds the LLM, so multiprocess
+whole as JSON (rollout/tree_drafting/drafter.settings_env), set by VLLMEngine before it builds the LLM, so multiprocess
 workers inherit it; read_settings gives it back, the drafter's defaults being DrafterConfig's.
 """
 
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import os
 
-from megatron_specrl.engines.tree_drafter import TreeDrafter, opts_from_params, read_settings
+from megatron_specrl.rollout.tree_drafting.drafter import TreeDrafter, opts_from_params, read_settings
 
 SETTINGS_ENV = "SPECRL_TREE_PROPOSER"
 # vLLM builds the proposer from this dotted path (llm_args: speculative_config "custom_class")
@@ -53,7 +53,7 @@ class TreeProposer:
         self.drafter = TreeDrafter(int(spec.num_speculative_tokens), int(vllm_config.model_config.max_model_len),
                                    read_settings(os.environ.get(SETTINGS_ENV)))
         if getattr(self.drafter.trees, "compiled", False):   # numba's kernels now, not in the first rollout
-            from megatron_specrl.rollout.draft_tree_compiled import load_kernels
+            from megatron_specrl.rollout.tree_drafting.compiled_trees import load_kernels
             load_kernels()
 
     @property

@@ -179,7 +179,7 @@ def test_tree_state_round_trip_drafts_as_before(engine):
 
 
 def _empty_state(state):
-    from megatron_specrl.rollout.draft_tree import DraftTrees
+    from megatron_specrl.rollout.tree_drafting.trees import DraftTrees
     return DraftTrees(**state["config"]).state_dict()
 
 
@@ -319,7 +319,7 @@ def test_a_request_at_max_model_len_leaves_the_batch_drafting(engine, monkeypatc
 
 # -- verify=prefill's whole-accepted samples enter the trees as verify=decode's do ---------
 def _engine_sequences(engine):
-    from megatron_specrl.rollout.draft_tree import DraftTrees
+    from megatron_specrl.rollout.tree_drafting.trees import DraftTrees
     from tests.helpers.trees import sequences
     return sequences(DraftTrees.from_state_dict(engine.draft_state()))
 
@@ -334,7 +334,7 @@ def test_vllm_prefill_rollout_puts_whole_accepted_samples_in_the_trees_as_decode
     plain = engine.generate([GenerateRequest(list(PROMPT), Lv)], SamplingSettings(temperature=0.0), 0)[0]
     assert plain.finish_reason == "length" and len(plain.token_ids) == Lv
     engine.draft_stats()
-    from megatron_specrl.engines.tree_drafter import SHARED_KEY
+    from megatron_specrl.rollout.tree_drafting.drafter import SHARED_KEY
     from megatron_specrl.rollout.speculative import SpeculativeRollout
     from megatron_specrl.rollout.store import Trajectory, TrajectoryStore
     seqs_before = _engine_sequences(engine)
