@@ -10,7 +10,7 @@ Semantics (read from sglang 0.5.23):
 - Scoring = `logprob_start_len=len(prompt)-1`: `meta_info.input_token_logprobs` covers
   input ids from that index on, the first value None; input log-probs are untempered and
   untruncated, so score() supports temperature 1 without top-k / top-p only and returns no
-  replacements (`verifies_processed_distribution = False`: SpeculativeRollout refuses other
+  replacements (its protocol.ENGINE_KINDS row: SpeculativeRollout refuses other
   settings, and its exact rule falls back to ban_first_token, exact at temperature 1).
 - A custom logit processor runs before the log-probs are taken, so the first token of a
   ban_first_token request is re-scored (one cached prefill) to report its unbanned log-prob.
@@ -44,15 +44,16 @@ from megatron_specrl.config import DrafterConfig, check_engine_args
 from megatron_specrl.engines.protocol import (
     DraftResponse, EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest,
     ScoreResult, WeightVersionMismatch, check_finite_logprobs, check_version, draft_response_pairs,
-    fit_to_positions,
+    fit_to_positions, labels_with, one_of,
 )
 from megatron_specrl.engines.protocol import (   # capabilities these engines declare
-    DraftsFromTrees, EngineCapabilities, SleepsWhileTraining,
+    ENGINE_KINDS, DraftsFromTrees, EngineCapabilities, SleepsWhileTraining,
 )
 from megatron_specrl.engines.logs import attach_log_file, detach_log_file, tail_lines
 from megatron_specrl.rollout.tree_drafting.drafter import DRAFT_KEY, OWN_DRAFT, RESPONSE_START, as_drafter, settings_env
 
 BAN_PARAM = "specrl_ban_first_token"
+SGLANG = ENGINE_KINDS["sglang"]   # what these engines can do (the pure request builders below read it too)
 
 # SGLang samples greedily at any temperature in [0, SGLANG_SAMPLING_EPS) (sglang 0.5.23,
 # srt/sampling/sampling_params.py: `if 0 <= self.temperature < _SAMPLING_EPS: self.temperature = 1.0;
@@ -134,8 +135,9 @@ def build_generate_payload(requests: list[GenerateRequest], sampling: SamplingSe
                              "top_p": sampling.top_p, "top_k": sampling.top_k if sampling.top_k > 0 else -1}
         if r.seed is not None:
             p["sampling_seed"] = int(r.seed)
-        if r.runahead:
-            raise NotImplementedError("run-ahead requests need the vLLM engine (rollout.runahead=0 with SGLang)")
+        if r.runahead and not SGLANG.runs_ahead:
+            raise NotImplementedError(f"run-ahead requests need the {labels_with('runs_ahead')} engine "
+                                      "(rollout.runahead=0 with SGLang)")
         custom: dict[str, Any] = {}
         if r.ban_first_token is not None:
             if ban_processor is None:
@@ -200,7 +202,7 @@ def build_score_payload(requests: list[ScoreRequest], sampling: SamplingSettings
         if value != plain and not (setting == "top_k" and value == 0):
             raise NotImplementedError(f"SGLang engine {engine}: score() with {setting}={value} is not supported "
                                       "(input log-probs are untempered and untruncated); verification needs the "
-                                      "vLLM engine")
+                                      f"{labels_with('verifies_processed_distribution')} engine")
     if any(not r.prompt_ids for r in requests):
         raise ValueError("score() needs a non-empty prompt")
     return {"input_ids": [list(r.prompt_ids) + list(r.continuation_ids) for r in requests],
@@ -237,15 +239,14 @@ def _ok(ret) -> bool:
 
 
 # -- engines --------------------------------------------------------------------------
-class _SGLangBase(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining):
-    """Version bookkeeping + the update order shared by the Engine and HTTP variants."""
-
-    verifies_processed_distribution = False   # score(): temperature 1, no top-k / top-p, no replacements
+class _SGLangBase(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, kind="sglang"):
+    """Version bookkeeping + the update order shared by the Engine and HTTP variants. What they can do is
+    SGLang's row of protocol.ENGINE_KINDS (score(): temperature 1, no top-k / top-p, no replacements)."""
 
     def __init__(self, name: str, log_dir: str | Path | None, use_ban_processor: bool = True,
                  draft: str = "none"):
-        if draft not in ("none", "tree"):
-            raise ValueError(f"draft must be 'none' or 'tree', got {draft!r}")
+        if draft not in self.engine_kind.drafts:
+            raise ValueError(f"draft must be {one_of(self.engine_kind.drafts)}, got {draft!r}")
         self.draft = draft
         self.name = name
         self.log_path = Path(log_dir or "logs/engines") / f"{name}.log"

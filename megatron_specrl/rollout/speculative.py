@@ -51,7 +51,7 @@ import numpy as np
 
 from megatron_specrl.engines.protocol import (
     DraftResponse, DraftsFromTrees, GenerateRequest, GenerateResult, RolloutEngine, SamplingSettings, ScoreRequest,
-    ScoreResult, samples_coupled, untruncated_t1, verifies_processed_distribution,
+    ScoreResult, labels_with, samples_coupled, untruncated_t1, verifies_processed_distribution,
 )
 from megatron_specrl.rollout.acceptance import MODES, coupled_prefix, decide
 from megatron_specrl.rollout.store import Trajectory, TrajectoryStore
@@ -213,15 +213,15 @@ class SpeculativeRollout:
                    max_new_tokens=rollout.max_new_tokens, seed=seed, coupled_refresh=rollout.coupled_refresh,
                    runahead=rollout.runahead, verify=None if rollout.verify == "auto" else rollout.verify)
 
-    # What the engine can do with the settings goes by its declared capabilities (config._cross_checks
-    # refuses a run's settings by engine name, before Ray starts).
+    # What the engine can do with the settings goes by its declared capabilities (its class's row of
+    # engines.protocol.ENGINE_KINDS, which config._cross_checks reads for a run's settings before Ray starts).
     def _check_sampling(self) -> None:
         mode, sampling, engine = self.mode, self.sampling, self.engine
         if mode not in MODES:
             raise ValueError(f"rollout.spec_mode={mode!r} is not one of {MODES}")
         if mode == "coupled" and not samples_coupled(engine):
             raise NotImplementedError(f"rollout.spec_mode=coupled: engine {_name(engine)} has no "
-                                      "position-keyed sampling (vLLM engines only)")
+                                      f"position-keyed sampling ({labels_with('samples_coupled')} engines only)")
         if mode == "coupled" and sampling.temperature <= 0:
             raise ValueError(f"rollout.spec_mode=coupled needs temperature > 0, got {sampling.temperature}")
         if not 0.0 <= self.coupled_refresh <= 1.0:
@@ -230,8 +230,8 @@ class SpeculativeRollout:
             raise NotImplementedError(
                 f"rollout.spec_mode={mode} with temperature={sampling.temperature}, top_p={sampling.top_p}, "
                 f"top_k={sampling.top_k}: engine {_name(engine)} cannot verify drafts under that "
-                "distribution (it scores at temperature 1 without top-k / top-p only); use the vLLM engine or "
-                "spec_mode=off")
+                f"distribution (it scores at temperature 1 without top-k / top-p only); use the "
+                f"{labels_with('verifies_processed_distribution')} engine or spec_mode=off")
 
     def _check_verify(self) -> None:
         mode, verify, sampling, engine = self.mode, self.verify, self.sampling, self.engine

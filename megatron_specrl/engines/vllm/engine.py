@@ -31,7 +31,7 @@ from megatron_specrl.config import DrafterConfig
 from megatron_specrl.engines.logs import attach_log_file, detach_log_file, reattach_log_file, tail_lines
 from megatron_specrl.engines.protocol import (
     DraftResponse, EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest,
-    ScoreResult, WeightVersionMismatch, check_version, draft_response_pairs, fit_to_positions,
+    ScoreResult, WeightVersionMismatch, check_version, draft_response_pairs, fit_to_positions, one_of,
 )
 from megatron_specrl.engines.protocol import (   # capabilities this engine declares
     DraftsFromTrees, EngineCapabilities, RunsInWorkers, SleepsWhileTraining,
@@ -46,15 +46,12 @@ from megatron_specrl.engines.vllm.tree_proposer import SETTINGS_ENV, in_worker
 from megatron_specrl.engines.vllm.worker_ops import reload_in_worker, reload_kwargs
 
 
-class VLLMEngine(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, RunsInWorkers):
-    """One vLLM engine. Synchronous: a call returns when its whole batch is done."""
+class VLLMEngine(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, RunsInWorkers, kind="vllm"):
+    """One vLLM engine. Synchronous: a call returns when its whole batch is done. What it can do is its row
+    of protocol.ENGINE_KINDS: score() verifies under the sampler's processed distribution (any temperature,
+    top-k, top-p) with replacements for the exact rule, and generate() and score() honour coupled_seed
+    (patches/vllm_0_32_0_coupled_sampling, megatron_specrl.rollout.coupled)."""
 
-    # score() verifies under the sampler's processed distribution (any temperature, top-k, top-p)
-    # and returns replacements for the exact rule (SpeculativeRollout asks this)
-    verifies_processed_distribution = True
-    # generate() and score() honour coupled_seed: position-keyed noise
-    # (patches/vllm_0_32_0_coupled_sampling, megatron_specrl.rollout.coupled)
-    samples_coupled = True
     seed_requests = True   # per engine: __init__'s rule (CPU only unless asked)
     tensor_parallel_size = 1
 
@@ -115,8 +112,8 @@ class VLLMEngine(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, RunsI
         self._lock = threading.Lock()
         if self._on_cpu and tensor_parallel_size > 1:
             bind_cpu_workers(tensor_parallel_size)
-        if draft not in ("none", "tree", "model"):
-            raise ValueError(f"draft must be 'none', 'tree' or 'model', got {draft!r}")
+        if draft not in self.engine_kind.drafts:
+            raise ValueError(f"draft must be {one_of(self.engine_kind.drafts)}, got {draft!r}")
         if draft == "model":
             from megatron_specrl.models.resolve import check_draft_model
             check_draft_model(draft_model, model_path)
