@@ -39,7 +39,7 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, log_dir: str | Path, inde
         return VLLMEngine, dict(common, kv_cache_gb=cfg.kv_cache_gb, logprobs_mode=mode,
                                 max_num_batched_tokens=cfg.max_num_batched_tokens,
                                 seed_requests=cfg.seed_requests, draft_model=cfg.draft_model, **uses, **sleep, **draft)
-    from megatron_specrl.engines.sglang_engine import SGLangEngine
+    from megatron_specrl.engines.sglang import SGLangEngine
     # SGLang's counterpart of sleep mode: without it release_memory_occupation frees nothing
     # (it also needs the torch_memory_saver package on the GPU nodes)
     saver = {"enable_memory_saver": True} if cfg.colocate and torch.cuda.is_available() else {}

@@ -48,7 +48,7 @@ def _import_without_vllm(*modules: str) -> subprocess.CompletedProcess:
 
 
 def test_sglang_and_ray_engines_import_without_vllm():
-    proc = _import_without_vllm("megatron_specrl.engines.sglang_engine", "megatron_specrl.engines.ray_engine",
+    proc = _import_without_vllm("megatron_specrl.engines.sglang", "megatron_specrl.engines.ray_engine",
                                 "megatron_specrl.engines.router", "megatron_specrl.engines.factory",
                                 "megatron_specrl.engines.logs", "!megatron_specrl.engines.vllm")
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr

@@ -66,7 +66,7 @@ def test_vllm_engine_declares_what_it_implements():
 
 
 def test_sglang_engines_declare_what_they_implement():
-    from megatron_specrl.engines.sglang_engine import SGLangEngine, SGLangHTTPEngine
+    from megatron_specrl.engines.sglang import SGLangEngine, SGLangHTTPEngine
     for cls in (SGLangEngine, SGLangHTTPEngine):
         _declares(cls, EngineCapabilities, DraftsFromTrees, SleepsWhileTraining)
         assert not issubclass(cls, RunsInWorkers) and not issubclass(cls, InActor)
@@ -165,7 +165,7 @@ def test_the_test_engines_declare_what_they_implement():
 def test_tree_drafting_is_what_the_engine_was_built_with():
     from megatron_specrl.engines.ray_engine import RayEngine
     from megatron_specrl.engines.router import EngineRouter
-    from megatron_specrl.engines.sglang_engine import SGLangHTTPEngine
+    from megatron_specrl.engines.sglang import SGLangHTTPEngine
 
     class Trees(_Plain, DraftsFromTrees):
         draft_stats = draft_state = load_draft_state = add_to_draft_trees = lambda self, *a: None
@@ -190,7 +190,7 @@ def test_tree_drafting_is_what_the_engine_was_built_with():
 
 def test_each_engine_class_declares_its_row_of_the_table():
     from megatron_specrl.engines.protocol import ENGINE_KINDS
-    from megatron_specrl.engines.sglang_engine import SGLangEngine, SGLangHTTPEngine
+    from megatron_specrl.engines.sglang import SGLangEngine, SGLangHTTPEngine
     from megatron_specrl.engines.vllm import VLLMEngine
 
     for cls, kind in ((VLLMEngine, "vllm"), (SGLangEngine, "sglang"), (SGLangHTTPEngine, "sglang")):
@@ -223,7 +223,7 @@ def test_the_config_reads_the_table(monkeypatch):
 
 def test_sglangs_guards_name_the_engines_that_can():
     from megatron_specrl.engines.protocol import GenerateRequest, SamplingSettings, ScoreRequest
-    from megatron_specrl.engines.sglang_engine import build_generate_payload, build_score_payload
+    from megatron_specrl.engines.sglang import build_generate_payload, build_score_payload
 
     with pytest.raises(NotImplementedError, match=r"run-ahead requests need the vLLM engine"):
         build_generate_payload([GenerateRequest([1, 2], 4, draft_key="p", response_start=2, runahead=True)],

@@ -898,7 +898,7 @@ def test_ray_engine_forwards_the_call_to_its_actor():
 
 
 def test_sglang_engine_inserts_through_its_tree_rpc(fake_sglang, monkeypatch, tmp_path):
-    from megatron_specrl.engines import sglang_engine as se
+    from megatron_specrl.engines import sglang as se
     from megatron_specrl.engines.protocol import DraftResponse
     from megatron_specrl.patches import sglang_0_5_23_tree_proposer as patch
     from megatron_specrl.patches import sglang_engine_patches

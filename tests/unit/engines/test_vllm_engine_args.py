@@ -87,9 +87,9 @@ def test_config_refuses_in_one_line_what_the_engines_could_not_honour():
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_factory_hands_each_engine_its_own_engine_kwargs(monkeypatch, tmp_path, engine):
     if engine == "sglang":   # not installable here; the factory only needs the class
-        fake = types.ModuleType("megatron_specrl.engines.sglang_engine")
+        fake = types.ModuleType("megatron_specrl.engines.sglang")
         fake.SGLangEngine = object
-        monkeypatch.setitem(sys.modules, "megatron_specrl.engines.sglang_engine", fake)
+        monkeypatch.setitem(sys.modules, "megatron_specrl.engines.sglang", fake)
     cfg = RolloutConfig(engine=engine, enforce_eager=False, cudagraph_capture_sizes=[4], max_num_seqs=32,
                         engine_kwargs={"vllm": {"disable_log_stats": True}, "sglang": {"chunked_prefill_size": 1024}})
     _, kw = factory.engine_kwargs(cfg, str(tmp_path), tmp_path, 0, 0)
@@ -102,7 +102,7 @@ def test_factory_hands_each_engine_its_own_engine_kwargs(monkeypatch, tmp_path, 
 def test_sglang_gets_the_keys_in_its_own_names():
     from tests.helpers.sglang import FakeSGLang
 
-    from megatron_specrl.engines.sglang_engine import SGLangEngine
+    from megatron_specrl.engines.sglang import SGLangEngine
 
     def server_args(**kw):
         return SGLangEngine("m", engine=FakeSGLang(), use_ban_processor=False, log_dir="/tmp/specrl-sgl-test",
