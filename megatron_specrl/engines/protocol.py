@@ -252,10 +252,7 @@ class EngineCapabilities:
     its row of ENGINE_KINDS, `class VLLMEngine(EngineCapabilities, kind="vllm")`, which sets the flags
     and `engine_kind`; fakes in tests set the flags themselves."""
 
-    # score() verifies under the sampler's processed distribution (any temperature, top-k, top-p) and
-    # returns replacements for the exact rule; False: temperature 1 without top-k / top-p only
-    verifies_processed_distribution: bool = False
-    # generate() and score() honour coupled_seed (position-keyed noise, rollout.spec_mode=coupled)
+    verifies_processed_distribution: bool = False   # EngineKind's flags of the same names say what they mean
     samples_coupled: bool = False
     engine_kind: EngineKind | None = None
 

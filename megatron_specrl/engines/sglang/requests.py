@@ -16,7 +16,7 @@ from megatron_specrl.engines.protocol import (
 from megatron_specrl.rollout.tree_drafting.drafter import DRAFT_KEY, OWN_DRAFT, RESPONSE_START
 
 BAN_PARAM = "specrl_ban_first_token"
-SGLANG = ENGINE_KINDS["sglang"]   # what these engines can do (the pure request builders below read it too)
+SGLANG = ENGINE_KINDS["sglang"]   # what SGLang engines can do: the request builders below refuse the rest
 
 # SGLang samples greedily at any temperature in [0, SGLANG_SAMPLING_EPS) (sglang 0.5.23,
 # srt/sampling/sampling_params.py: `if 0 <= self.temperature < _SAMPLING_EPS: self.temperature = 1.0;
@@ -32,7 +32,6 @@ def check_temperature(s: SamplingSettings, what: str) -> None:
         raise ValueError(f"{what}: temperature {s.temperature} is below SGLang's _SAMPLING_EPS, {SGLANG_SAMPLING_EPS}: "
                          "SGLang would decode greedily and report log-probs at temperature 1, not the learner's "
                          f"(log_softmax(logits / temperature)); use a temperature >= {SGLANG_SAMPLING_EPS}")
-
 
 
 def ban_processor_str() -> str:

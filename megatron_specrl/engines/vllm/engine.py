@@ -36,7 +36,6 @@ from megatron_specrl.engines.protocol import (
 from megatron_specrl.engines.protocol import (   # capabilities this engine declares
     DraftsFromTrees, EngineCapabilities, RunsInWorkers, SleepsWhileTraining,
 )
-from megatron_specrl.rollout.tree_drafting.drafter import as_drafter, settings_env
 from megatron_specrl.engines.vllm.args import bind_cpu_workers, llm_args
 from megatron_specrl.engines.vllm.drafting import draft_model_counters, generate_with_runahead
 from megatron_specrl.engines.vllm.logprobs import generate_result, verify_columns
@@ -44,6 +43,7 @@ from megatron_specrl.engines.vllm.required_patches import check_applied, check_p
 from megatron_specrl.engines.vllm.sampling import check_verification, generate_params, stop_token_ids, verify_params
 from megatron_specrl.engines.vllm.tree_proposer import SETTINGS_ENV, in_worker
 from megatron_specrl.engines.vllm.worker_ops import reload_in_worker, reload_kwargs
+from megatron_specrl.rollout.tree_drafting.drafter import as_drafter, settings_env
 
 
 class VLLMEngine(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, RunsInWorkers, kind="vllm"):
