@@ -1,5 +1,5 @@
-"""Benchmark the per-prompt draft trees: the pure-Python automata (megatron_specrl/rollout/draft_tree.py)
-and the compiled ones (rollout/draft_tree_compiled.py), side by side in one run (`--impl`).
+"""Benchmark the per-prompt draft trees: the pure-Python automata (megatron_specrl/rollout/tree_drafting/trees.py)
+and the compiled ones (rollout/tree_drafting/compiled_trees.py), side by side in one run (`--impl`).
 
 Synthetic arithmetic traces (vocabulary of 40: digits, '+', '=', ' ', and 27 other tokens), one
 base trace of 96 tokens per key; every sequence of a key is the base with 5% of its tokens
@@ -36,8 +36,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_specrl.engines.tree_drafter import trees_class
-from megatron_specrl.rollout.draft_tree import DraftTrees
+from megatron_specrl.rollout.tree_drafting.drafter import trees_class
+from megatron_specrl.rollout.tree_drafting.trees import DraftTrees
 
 VOCAB = 40
 PLUS, EQ, SPACE = 10, 11, 12

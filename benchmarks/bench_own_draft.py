@@ -117,8 +117,8 @@ def main() -> None:
 
     from megatron_specrl.data.synthetic import make_problems
     from megatron_specrl.engines.protocol import GenerateRequest, SamplingSettings
-    from megatron_specrl.engines.tree_drafter import STEP_COST_SUMS, fit_step_cost
-    from megatron_specrl.engines.vllm_engine import VLLMEngine
+    from megatron_specrl.rollout.tree_drafting.drafter import STEP_COST_SUMS, fit_step_cost
+    from megatron_specrl.engines.vllm import VLLMEngine
 
     task = json.loads((model / "warmup.json").read_text())["task"]
     tok = AutoTokenizer.from_pretrained(str(model))

@@ -40,7 +40,7 @@ def main() -> None:
 
     import megatron_specrl.patches.vllm_0_32_0_batched_prompt_logprobs as verify
     from megatron_specrl.engines.protocol import SamplingSettings, ScoreRequest
-    from megatron_specrl.engines.vllm_engine import VLLMEngine
+    from megatron_specrl.engines.vllm import VLLMEngine
     from megatron_specrl.models.tiny import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -88,10 +88,10 @@ def step_ms(model, cache, batch: int, context: int, q: int, device, repeats: int
 
 def fit_step_cost(rows: list[dict]) -> tuple[float, float, float]:
     """(a, b, c) of ms = a + b r + c d over the measured (batch, q) grid, by the engines' own least squares
-    (tree_drafter.fit_step_cost): r = batch requests, d = batch x (q - 1) draft tokens (a drafted step
+    (rollout/tree_drafting/drafter.fit_step_cost): r = batch requests, d = batch x (q - 1) draft tokens (a drafted step
     verifies q - 1 draft tokens and samples one more)."""
-    from megatron_specrl.engines.tree_drafter import add_step_cost
-    from megatron_specrl.engines.tree_drafter import fit_step_cost as fit_sums
+    from megatron_specrl.rollout.tree_drafting.drafter import add_step_cost
+    from megatron_specrl.rollout.tree_drafting.drafter import fit_step_cost as fit_sums
     sums: dict = {}
     for row in rows:
         for q, ms in row["ms"].items():

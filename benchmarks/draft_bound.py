@@ -160,7 +160,7 @@ def main(argv=None) -> int:
 
     from megatron_specrl.data.synthetic import make_problems
     from megatron_specrl.diagnostics.machine import machine
-    from megatron_specrl.engines.tree_drafter import TreeDrafter
+    from megatron_specrl.rollout.tree_drafting.drafter import TreeDrafter
 
     torch.manual_seed(args.seed)
     tok = AutoTokenizer.from_pretrained(model_dir)

@@ -40,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_specrl.engines.tree_drafter import SHARED_KEY, RequestOpts, TreeDrafter  # noqa: E402
+from megatron_specrl.rollout.tree_drafting.drafter import SHARED_KEY, RequestOpts, TreeDrafter  # noqa: E402
 from megatron_specrl.rollout.dump import read_rollouts  # noqa: E402
 from megatron_specrl.rollout.speculative import common_prefix  # noqa: E402
 

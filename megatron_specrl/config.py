@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from megatron_specrl import config_hints
+from megatron_specrl.engines.protocol import ENGINE_KINDS, labels_with, settings_with
 from megatron_specrl.shipped import recipe_file, shipped_path
 
 # Weight-resync transports (trainer.resync_transport): the one list of their names. resync/choose.py
@@ -133,7 +134,7 @@ class ValKwargs(_Strict):
         if not self.do_sample and self.n > 1:
             raise ValueError(f"rollout.val_kwargs.n={self.n} with do_sample=false: greedy samples are all the same "
                              "(verl silently takes one); set do_sample=true or n=1")
-        if self.do_sample and self.temperature < 0.01:   # vLLM's smallest (vllm_engine.check_temperature)
+        if self.do_sample and self.temperature < 0.01:   # vLLM's smallest (engines/vllm/sampling.check_temperature)
             raise ValueError(f"rollout.val_kwargs.do_sample=true needs temperature >= 0.01 (got {self.temperature})")
         return self
 
@@ -200,7 +201,7 @@ DRAFT_TOKENS_AUTO = {"tree": 16, "model": 4, "none": 16}
 class DrafterConfig(_Strict):
     """[rollout.drafter] the speculative drafter's settings: the one place their defaults are written. The
     config hands this object whole to the engines, which pass it to their tree proposer (as JSON in
-    its environment variable, engines/tree_drafter.settings_env)."""
+    its environment variable, rollout/tree_drafting/drafter.settings_env)."""
     tokens: int | None = Field(None, ge=1, le=64, description="Most draft tokens per request per engine step; "
                                "unset: 16 from trees, 4 from a draft model (each costs a forward of it).")
     min_prob: float = Field(0.1, ge=0, le=1, description="A tree draft stops where its path frequency drops below "
@@ -581,18 +582,21 @@ class RunConfig(_Strict):
             raise ValueError(f"algorithm.kl_ctrl.horizon={kc.horizon} must exceed a step's responses / 5 "
                              f"({responses} / 5): the adaptive update could turn beta negative")
         truncated = r.top_p < 1.0 or r.top_k > 0
-        if r.spec_mode != "off" and r.engine == "sglang" and (r.temperature != 1.0 or truncated):
-            raise ValueError(f"rollout.spec_mode={r.spec_mode} with rollout.engine=sglang needs temperature 1 and no "
-                             f"top_p / top_k (got {r.temperature}, {r.top_p}, {r.top_k}): SGLang scores drafts with "
-                             "untempered, untruncated log-probs; use rollout.engine=vllm or rollout.spec_mode=off")
-        if r.spec_mode == "coupled" and r.engine != "vllm":
+        # what the engine can do: engines.protocol.ENGINE_KINDS, the table its class declares too
+        kind, cap = ENGINE_KINDS[r.engine], "verifies_processed_distribution"
+        if r.spec_mode != "off" and not kind.verifies_processed_distribution and (r.temperature != 1.0 or truncated):
+            raise ValueError(f"rollout.spec_mode={r.spec_mode} with rollout.engine={r.engine} needs temperature 1 and "
+                             f"no top_p / top_k (got {r.temperature}, {r.top_p}, {r.top_k}): {kind.why_not(cap)}; "
+                             f"use {settings_with(cap)} or rollout.spec_mode=off")
+        if r.spec_mode == "coupled" and not kind.samples_coupled:
             raise ValueError(f"rollout.spec_mode=coupled with rollout.engine={r.engine}: position-keyed sampling "
-                             "is built into the vLLM engine only; use rollout.engine=vllm or another spec_mode")
-        dr = r.drafter
-        if dr.fresh_prompts is False and r.engine != "vllm":
-            raise ValueError(f"rollout.drafter.fresh_prompts=false with rollout.engine={r.engine}: only the vLLM "
-                             "engine runs a fresh prompt's requests undrafted; leave it unset (SGLang drafts every "
-                             "prompt)")
+                             f"is built into the {labels_with('samples_coupled')} engine only; use "
+                             f"{settings_with('samples_coupled')} or another spec_mode")
+        dr, cap = r.drafter, "runs_fresh_prompts_undrafted"
+        if dr.fresh_prompts is False and not kind.runs_fresh_prompts_undrafted:
+            raise ValueError(f"rollout.drafter.fresh_prompts=false with rollout.engine={r.engine}: only the "
+                             f"{labels_with(cap)} engine runs a fresh prompt's requests undrafted; leave it unset "
+                             f"({kind.why_not(cap)})")
         if dr.shared_nodes >= dr.max_nodes:
             raise ValueError(f"rollout.drafter.shared_nodes={dr.shared_nodes} must be below rollout.drafter.max_nodes="
                              f"{dr.max_nodes}: the shared tree lives within the trees' memory bound")
@@ -602,9 +606,12 @@ class RunConfig(_Strict):
         if r.draft_model and r.draft != "model":
             raise ValueError(f"rollout.draft_model={r.draft_model!r} with rollout.draft={r.draft}: the draft model "
                              "drafts only with rollout.draft=model")
-        if r.draft == "model" and r.engine != "vllm":
+        if r.draft == "model" and "model" not in kind.drafts:
+            def drafts_with_model(k):
+                return "model" in k.drafts
             raise ValueError(f"rollout.draft=model with rollout.engine={r.engine}: draft-model speculative decoding is "
-                             "wired for vLLM engines only; use rollout.engine=vllm or rollout.draft=tree")
+                             f"wired for {labels_with(drafts_with_model)} engines only; use "
+                             f"{settings_with(drafts_with_model)} or rollout.draft=tree")
         if r.runahead and r.draft != "tree":
             raise ValueError(f"rollout.runahead={r.runahead} with rollout.draft={r.draft}: run-ahead tokens only "
                              "feed draft trees; set rollout.draft=tree or rollout.runahead=0")
@@ -613,10 +620,10 @@ class RunConfig(_Strict):
                              "verification in the decode loop is the engine's rejection sampler, which is the exact "
                              "rule and runs only with tree drafting; set spec_mode=exact and draft=tree, or "
                              "verify=prefill")
-        if r.draft == "tree" and r.engine != "vllm" and r.runahead:
+        if r.draft == "tree" and not kind.runs_ahead and r.runahead:
             raise ValueError(f"rollout.runahead={r.runahead} with rollout.engine={r.engine}: run-ahead requests are "
-                             "built into the vLLM engine only (SGLang drafts from the trees without them); use "
-                             "rollout.engine=vllm or rollout.runahead=0")
+                             f"built into the {labels_with('runs_ahead')} engine only ({kind.why_not('runs_ahead')}); "
+                             f"use {settings_with('runs_ahead')} or rollout.runahead=0")
         if le.precision == "bfloat16" and not le.distributed_optimizer:
             raise ValueError("learner.precision=bfloat16 needs learner.distributed_optimizer=true: only Megatron's "
                              "optimizer keeps fp32 master weights of the bf16 parameters (torch AdamW would step "

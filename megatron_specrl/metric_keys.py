@@ -37,8 +37,8 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "spec": ("Speculative rollout", "rollout/speculative.py; DAPO's rounds merged by rollout/dynamic.py "
              "(counters summed, ratios recomputed from the sums)"),
     "tree": ("Tree drafting", "rollout/speculative.tree_metrics, from the engines' draft_stats (rollout.draft=tree)"),
-    "tree_calib": ("Tree drafter calibration sums", "rollout/speculative.tree_metrics (engines/tree_drafter.Calibration)"),
-    "tree_cost": ("Decode-step cost fit sums", "rollout/speculative.tree_metrics (engines/tree_drafter.add_step_cost): "
+    "tree_calib": ("Tree drafter calibration sums", "rollout/speculative.tree_metrics (rollout/tree_drafting/drafter.Calibration)"),
+    "tree_cost": ("Decode-step cost fit sums", "rollout/speculative.tree_metrics (rollout/tree_drafting/drafter.add_step_cost): "
                   "least-squares sums for seconds = a + b x requests + c x draft tokens over the rollout's decode "
                   "steps; r = requests in a step, d = draft tokens it verified, y = its seconds"),
     "draft_model": ("Draft-model drafting", "rollout/speculative.draft_model_metrics (rollout.draft=model), from vLLM's "
@@ -233,7 +233,7 @@ METRICS: dict[str, tuple[str, str]] = {
 def families() -> dict[str, list[str]]:
     """The keys the code builds from a prefix and a name (f-strings in the package), from the constants
     it iterates over: prefix -> keys (each must be documented in METRICS)."""
-    from megatron_specrl.engines.tree_drafter import CALIBRATION_SUMS, SOURCES, STEP_COST_SUMS
+    from megatron_specrl.rollout.tree_drafting.drafter import CALIBRATION_SUMS, SOURCES, STEP_COST_SUMS
     from megatron_specrl.learner.worker import CRITIC_METRICS, POLICY_METRICS
     return {
         # LearnerWorker.train_step: the reduced loss metrics, grad_norm (_reduce_metrics), lr, and for

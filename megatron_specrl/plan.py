@@ -381,11 +381,11 @@ def engine_max_model_len(cfg: RunConfig, s: ModelShape) -> int:
     """The max_model_len the engine is started with: vLLM must hold one such sequence in its KV cache
     or it refuses to start. A vLLM engine gets room beyond rollout.max_model_len: one step's drafts
     when it drafts, else the one token a verification prefill of a full-length response samples
-    (engines/vllm_engine.drafting_max_model_len)."""
+    (engines/vllm/args.drafting_max_model_len)."""
     r = cfg.rollout
     if r.engine != "vllm":
         return r.max_model_len
-    from megatron_specrl.engines.vllm_engine import drafting_max_model_len
+    from megatron_specrl.engines.vllm.args import drafting_max_model_len
     return drafting_max_model_len(r.max_model_len, r.drafter.tokens if r.draft != "none" else 0,
                                   s.max_positions)
 

@@ -27,16 +27,19 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, log_dir: str | Path, inde
                   max_num_seqs=cfg.max_num_seqs, engine_args=dict(getattr(cfg.engine_kwargs, cfg.engine)))
     draft = dict(draft=cfg.draft, drafter=cfg.drafter)   # rollout.drafter whole, down to the proposer
     if cfg.engine == "vllm":
-        from megatron_specrl.engines.vllm_engine import VLLMEngine
+        from megatron_specrl.engines.vllm import VLLMEngine
         # Generated tokens report processed log-probs (after temperature, top-k and top-p), the
         # convention of score()'s acceptance log-probs and of the trajectory store.
         mode = "processed_logprobs"
         # Sleep mode lets colocated engines hand their GPU memory to the learner during training.
         sleep = {"enable_sleep_mode": True} if cfg.colocate and torch.cuda.is_available() else {}
+        # the features the rollout will use, whose vLLM patches the engine checks before vLLM is built
+        uses = dict(verification=cfg.spec_mode != "off" and cfg.verify == "prefill",
+                    coupled_sampling=cfg.spec_mode == "coupled")
         return VLLMEngine, dict(common, kv_cache_gb=cfg.kv_cache_gb, logprobs_mode=mode,
                                 max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                seed_requests=cfg.seed_requests, draft_model=cfg.draft_model, **sleep, **draft)
-    from megatron_specrl.engines.sglang_engine import SGLangEngine
+                                seed_requests=cfg.seed_requests, draft_model=cfg.draft_model, **uses, **sleep, **draft)
+    from megatron_specrl.engines.sglang import SGLangEngine
     # SGLang's counterpart of sleep mode: without it release_memory_occupation frees nothing
     # (it also needs the torch_memory_saver package on the GPU nodes)
     saver = {"enable_memory_saver": True} if cfg.colocate and torch.cuda.is_available() else {}

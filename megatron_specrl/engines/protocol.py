@@ -16,8 +16,8 @@ Log-prob conventions (README, "Speculative rollouts"):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Protocol, runtime_checkable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, runtime_checkable
 
 if TYPE_CHECKING:   # annotations only: the CLI imports EngineError without loading torch
     import torch
@@ -185,18 +185,83 @@ class EngineHealth:
     detail: dict = field(default_factory=dict)
 
 
+# -- what each engine (rollout.engine) can do: one table -------------------------------------------
+@dataclass(frozen=True)
+class EngineKind:
+    """What one engine of rollout.engine can do. ENGINE_KINDS is the one table of it: the config's
+    cross-checks refuse a run's settings from it (before Ray starts), an engine class declares its row
+    (EngineCapabilities' `kind`) and so sets the flags the rollout reads, and the engines' own guards name
+    the engines that can from it; adding an engine or a capability is an entry here."""
+
+    label: str                                      # the engine's name in messages
+    # score() verifies under the sampler's processed distribution (any temperature, top-k, top-p) and
+    # returns replacements for the exact rule; False: temperature 1 without top-k / top-p only
+    verifies_processed_distribution: bool
+    # generate() and score() honour coupled_seed (position-keyed noise, rollout.spec_mode=coupled)
+    samples_coupled: bool
+    drafts: tuple[str, ...]                         # the rollout.draft values it builds with
+    runs_ahead: bool                                # run-ahead requests (rollout.runahead, with tree drafting)
+    runs_fresh_prompts_undrafted: bool              # rollout.drafter.fresh_prompts=false
+    # why it lacks a capability, by the capability's field name, where messages say why
+    lacks: dict[str, str] = field(default_factory=dict)
+
+    def why_not(self, capability: str) -> str:
+        return self.lacks.get(capability, f"{self.label} has no {capability}")
+
+
+ENGINE_KINDS: dict[str, EngineKind] = {
+    "vllm": EngineKind("vLLM", verifies_processed_distribution=True, samples_coupled=True,
+                       drafts=("none", "tree", "model"), runs_ahead=True, runs_fresh_prompts_undrafted=True),
+    "sglang": EngineKind("SGLang", verifies_processed_distribution=False, samples_coupled=False,
+                         drafts=("none", "tree"), runs_ahead=False, runs_fresh_prompts_undrafted=False,
+                         lacks={"verifies_processed_distribution": "SGLang scores drafts with untempered, "
+                                                                   "untruncated log-probs",
+                                "runs_fresh_prompts_undrafted": "SGLang drafts every prompt",
+                                "runs_ahead": "SGLang drafts from the trees without them"}),
+}
+
+
+def engines_with(capability: str | Callable[[EngineKind], bool]) -> list[str]:
+    """The rollout.engine values whose engines have `capability`: an EngineKind flag's name, or a test."""
+    has = capability if callable(capability) else (lambda kind: getattr(kind, capability))
+    return [name for name, kind in ENGINE_KINDS.items() if has(kind)]
+
+
+def labels_with(capability: str | Callable[[EngineKind], bool]) -> str:
+    """The engines that have `capability`, as messages name them ("vLLM")."""
+    return " or ".join(ENGINE_KINDS[name].label for name in engines_with(capability))
+
+
+def settings_with(capability: str | Callable[[EngineKind], bool]) -> str:
+    """The rollout.engine settings that have `capability`, as messages suggest them ("rollout.engine=vllm")."""
+    return " or ".join(f"rollout.engine={name}" for name in engines_with(capability))
+
+
+def one_of(values) -> str:
+    """'a', 'b' or 'c'."""
+    quoted = [repr(v) for v in values]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
 # -- capabilities: declared by an engine's class (its bases), never probed ------------------------
 # Callers test them with isinstance (or the flag helpers below); an engine that does not declare one
 # lacks it, whatever methods it happens to have.
 class EngineCapabilities:
     """Flags of what `score` / `generate` honour, as class attributes (an instance may set its own).
-    An engine that does not derive from this class has neither."""
+    An engine that does not derive from this class has neither. An engine of rollout.engine declares
+    its row of ENGINE_KINDS, `class VLLMEngine(EngineCapabilities, kind="vllm")`, which sets the flags
+    and `engine_kind`; fakes in tests set the flags themselves."""
 
-    # score() verifies under the sampler's processed distribution (any temperature, top-k, top-p) and
-    # returns replacements for the exact rule; False: temperature 1 without top-k / top-p only
-    verifies_processed_distribution: bool = False
-    # generate() and score() honour coupled_seed (position-keyed noise, rollout.spec_mode=coupled)
+    verifies_processed_distribution: bool = False   # EngineKind's flags of the same names say what they mean
     samples_coupled: bool = False
+    engine_kind: EngineKind | None = None
+
+    def __init_subclass__(cls, kind: str | None = None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if kind is not None:
+            cls.engine_kind = ENGINE_KINDS[kind]
+            cls.verifies_processed_distribution = cls.engine_kind.verifies_processed_distribution
+            cls.samples_coupled = cls.engine_kind.samples_coupled
 
 
 class DraftsFromTrees(ABC):
@@ -217,7 +282,7 @@ class DraftsFromTrees(ABC):
 
     @abstractmethod
     def draft_state(self) -> dict | None:
-        """The trees, for checkpoints (rollout.draft_tree.DraftTrees.state_dict); None without trees."""
+        """The trees, for checkpoints (rollout.tree_drafting.trees.DraftTrees.state_dict); None without trees."""
 
     @abstractmethod
     def load_draft_state(self, state: dict) -> None:
@@ -327,6 +392,15 @@ class RolloutEngine(Protocol):
 def untruncated_t1(s: SamplingSettings) -> bool:
     """Temperature 1, no top-k, no top-p: processed, tempered and raw log-probs all agree."""
     return s.temperature == 1.0 and s.top_p >= 1.0 and s.top_k in (-1, 0)
+
+
+def fit_to_positions(requests: list[ScoreRequest], room: int) -> list[ScoreRequest]:
+    """RolloutEngine.score's rule for a continuation that reaches the engine's last position: verified up to
+    the token before it. `room`: the most prompt + continuation tokens the engine verifies (its context
+    length less the one token the prefill samples past the continuation)."""
+    return [r if len(r.prompt_ids) + len(r.continuation_ids) <= room else
+            replace(r, continuation_ids=list(r.continuation_ids[:max(0, room - len(r.prompt_ids))]))
+            for r in requests]
 
 
 def _declares(engine) -> bool:

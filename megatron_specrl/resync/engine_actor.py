@@ -51,7 +51,7 @@ def reload_ipc_in_worker(worker, payload) -> int:
     from megatron_specrl.resync.transports import CudaIpcTransport
     named = CudaIpcTransport().unpack(payload, device=getattr(worker, "device", None))
     worker.reload_weights(weights_iterator=iter(named))
-    from megatron_specrl.engines.vllm_engine import repack_cpu_moe_experts
+    from megatron_specrl.engines.vllm.worker_ops import repack_cpu_moe_experts
     repack_cpu_moe_experts(worker, [n for n, _ in named])
     if torch.cuda.is_available():
         torch.cuda.synchronize()

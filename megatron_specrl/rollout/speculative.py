@@ -51,7 +51,7 @@ import numpy as np
 
 from megatron_specrl.engines.protocol import (
     DraftResponse, DraftsFromTrees, GenerateRequest, GenerateResult, RolloutEngine, SamplingSettings, ScoreRequest,
-    ScoreResult, samples_coupled, untruncated_t1, verifies_processed_distribution,
+    ScoreResult, labels_with, samples_coupled, untruncated_t1, verifies_processed_distribution,
 )
 from megatron_specrl.rollout.acceptance import MODES, coupled_prefix, decide
 from megatron_specrl.rollout.store import Trajectory, TrajectoryStore
@@ -99,7 +99,7 @@ def tree_metrics(engine) -> dict[str, float]:
     """`tree/*` metrics of this rollout from engines that draft from trees (rollout.draft=tree):
     tokens drafted and accepted, generated tokens per request per engine step (1 without drafts),
     engine steps, the decode loop's and the drafter's seconds, the trees' size, and `tree_cost/*`: the
-    sums of the decode-step cost fit (engines/tree_drafter.fit_step_cost; they add across steps)."""
+    sums of the decode-step cost fit (rollout/tree_drafting/drafter.fit_step_cost; they add across steps)."""
     stats = engine.draft_stats() if isinstance(engine, DraftsFromTrees) else {}
     if not stats:
         return {}
@@ -127,7 +127,7 @@ def tree_metrics(engine) -> dict[str, float]:
             # the engine's decode loop for the batch (first to last drafting step) and the drafter's share
             "tree/loop_s": stats.get("loop_s", 0.0), "tree/draft_s": stats.get("draft_s", 0.0),
             "runahead/tokens": stats.get("runahead_tokens", 0.0),
-            # the drafter's calibration (engines/tree_drafter.Calibration): per source, how often the
+            # the drafter's calibration (rollout/tree_drafting/drafter.Calibration): per source, how often the
             # engine's next token was the tree's first proposed token, over the frequency the tree gave it
             **{f"tree/calibration_{src}": stats.get(f"calib_{src}_hits", 0.0)
                / max(stats.get(f"calib_{src}_expected", 0.0), 1.0) for src in ("prompt", "shared")
@@ -138,7 +138,7 @@ def tree_metrics(engine) -> dict[str, float]:
 
 def draft_model_metrics(stats: dict[str, float]) -> dict[str, float]:
     """`draft_model/*` metrics of a rollout drafted by a draft model (rollout.draft=model), from vLLM's
-    spec-decode counters (engines/vllm_engine.draft_model_counters). Its weights stay fixed while the
+    spec-decode counters (engines/vllm/drafting.draft_model_counters). Its weights stay fixed while the
     policy trains, so accept_rate falling over the run is the draft model going stale."""
     drafted, accepted = stats.get("draft_tokens", 0.0), stats.get("accepted_tokens", 0.0)
     drafts = stats.get("drafts", 0.0)
@@ -213,15 +213,15 @@ class SpeculativeRollout:
                    max_new_tokens=rollout.max_new_tokens, seed=seed, coupled_refresh=rollout.coupled_refresh,
                    runahead=rollout.runahead, verify=None if rollout.verify == "auto" else rollout.verify)
 
-    # What the engine can do with the settings goes by its declared capabilities (config._cross_checks
-    # refuses a run's settings by engine name, before Ray starts).
+    # What the engine can do with the settings goes by its declared capabilities (its class's row of
+    # engines.protocol.ENGINE_KINDS, which config._cross_checks reads for a run's settings before Ray starts).
     def _check_sampling(self) -> None:
         mode, sampling, engine = self.mode, self.sampling, self.engine
         if mode not in MODES:
             raise ValueError(f"rollout.spec_mode={mode!r} is not one of {MODES}")
         if mode == "coupled" and not samples_coupled(engine):
             raise NotImplementedError(f"rollout.spec_mode=coupled: engine {_name(engine)} has no "
-                                      "position-keyed sampling (vLLM engines only)")
+                                      f"position-keyed sampling ({labels_with('samples_coupled')} engines only)")
         if mode == "coupled" and sampling.temperature <= 0:
             raise ValueError(f"rollout.spec_mode=coupled needs temperature > 0, got {sampling.temperature}")
         if not 0.0 <= self.coupled_refresh <= 1.0:
@@ -230,8 +230,8 @@ class SpeculativeRollout:
             raise NotImplementedError(
                 f"rollout.spec_mode={mode} with temperature={sampling.temperature}, top_p={sampling.top_p}, "
                 f"top_k={sampling.top_k}: engine {_name(engine)} cannot verify drafts under that "
-                "distribution (it scores at temperature 1 without top-k / top-p only); use the vLLM engine or "
-                "spec_mode=off")
+                f"distribution (it scores at temperature 1 without top-k / top-p only); use the "
+                f"{labels_with('verifies_processed_distribution')} engine or spec_mode=off")
 
     def _check_verify(self) -> None:
         mode, verify, sampling, engine = self.mode, self.verify, self.sampling, self.engine

@@ -1,5 +1,6 @@
 """A run's checkpoints: which one to resume (find_resume) and whether it is this run's (check_resume),
-loading it into the learners, store and engines, saving one, and the engines' draft trees in it."""
+loading it into the learners, store and engines, saving one, and whether its engines' draft trees are in it
+(their save and restore: rollout/tree_drafting/checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ from typing import TYPE_CHECKING
 
 from megatron_specrl import checkpoint as ckpt
 from megatron_specrl.config import ConfigError, RunConfig
-from megatron_specrl.engines.protocol import DraftsFromTrees, RoutesToEngines
-from megatron_specrl.rollout.draft_tree import DraftTrees
+from megatron_specrl.rollout.tree_drafting.checkpoint import restore_draft_trees, save_draft_trees
 from megatron_specrl.rollout.dump import set_aside_later_dumps
 from megatron_specrl.rollout.store import TrajectoryStore
 
@@ -127,39 +127,7 @@ def save_final_checkpoint(run: Run) -> Path | None:
 
 
 # -- draft trees ----------------------------------------------------------------------------
-ENGINE_TREES = "engine-{}"   # one directory per engine, by its index in the router (0 without one)
-
-
 def drafts_with_trees(run: Run) -> bool:
     """Whether this run's engines hold draft trees (rollout.draft=tree). A checkpoint written with
     trees can be resumed with drafting off: its engines refuse trees (load_draft_state raises)."""
     return run.cfg.rollout.draft == "tree"
-
-
-def save_draft_trees(engine, directory: Path) -> None:
-    """The engines' per-prompt draft trees (rollout.draft=tree), one directory per engine, so a
-    resumed run drafts as well as before the crash."""
-    state = engine.draft_state() if isinstance(engine, DraftsFromTrees) else None
-    if state is None:
-        return
-    for i, s in enumerate(state["engines"] if "engines" in state else [state]):
-        if s is not None:
-            DraftTrees.save_state(s, directory / ENGINE_TREES.format(i))
-
-
-def restore_draft_trees(engine, directory: Path) -> None:
-    """Load what save_draft_trees wrote into the same engines; a checkpoint without trees (drafting
-    was off, or an older checkpoint) leaves them empty."""
-    if not directory.is_dir() or not isinstance(engine, DraftsFromTrees):
-        return
-    dirs, i = [], 0
-    while (directory / ENGINE_TREES.format(i)).is_dir():
-        dirs.append(directory / ENGINE_TREES.format(i))
-        i += 1
-    if not dirs:
-        return
-    states = [DraftTrees.load_state(d) for d in dirs]
-    if isinstance(engine, RoutesToEngines):   # a router: one state per engine, in order
-        engine.load_draft_state({"engines": states})
-    else:
-        engine.load_draft_state(states[0])

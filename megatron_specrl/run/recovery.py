@@ -7,7 +7,8 @@ import logging
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 from megatron_specrl import checkpoint as ckpt
-from megatron_specrl.run.checkpointing import drafts_with_trees, restore_draft_trees
+from megatron_specrl.rollout.tree_drafting.checkpoint import restore_draft_trees
+from megatron_specrl.run.checkpointing import drafts_with_trees
 
 if TYPE_CHECKING:
     from megatron_specrl.run.state import Run

@@ -7,7 +7,7 @@ import torch
 from megatron_specrl.engines.protocol import (
     GenerateRequest, ScoreRequest,
 )
-from megatron_specrl.engines.sglang_engine import (
+from megatron_specrl.engines.sglang import (
     SGLangEngine,
 )
 from tests.helpers.sglang import FakeSGLang, gen_out, score_out  # noqa: F401

@@ -18,7 +18,7 @@ from pathlib import Path
 PKG = "megatron_specrl"
 
 # The speculative core: the algorithm of drafting and acceptance, testable with a tabular engine.
-SPECULATIVE_CORE = ("rollout.store", "rollout.acceptance", "rollout.speculative", "rollout.draft_tree",
+SPECULATIVE_CORE = ("rollout.store", "rollout.acceptance", "rollout.speculative", "rollout.tree_drafting",
                     "rollout.coupled")
 HEAVY = ("vllm", "sglang", "ray", "megatron")   # third-party stacks the core must not need
 

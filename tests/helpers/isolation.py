@@ -26,7 +26,7 @@ def _hooks(on_call):
     ray = sys.modules.get("ray")
     if ray is not None and hasattr(ray, "init"):
         hooks.append((ray, "init", "ray.init"))
-    ours = sys.modules.get("megatron_specrl.engines.vllm_engine")
+    ours = sys.modules.get("megatron_specrl.engines.vllm.engine")
     if ours is not None:
         hooks.append((ours.VLLMEngine, "__init__", "a vLLM engine (VLLMEngine)"))
     vllm = sys.modules.get("vllm")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 import numpy as np
-from megatron_specrl.engines import tree_proposer as tp
+from megatron_specrl.rollout.tree_drafting import drafter as td
+from megatron_specrl.engines.vllm import tree_proposer as tp
 from tests.helpers.trees import sequences  # noqa: F401
 
 
@@ -12,7 +13,7 @@ EOS = 2
 
 
 def _proposer(monkeypatch, k=8, max_model_len=256, **settings):
-    monkeypatch.setenv(tp.SETTINGS_ENV, tp.settings_env(**settings))
+    monkeypatch.setenv(tp.SETTINGS_ENV, td.settings_env(**settings))
     cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
                           model_config=SimpleNamespace(max_model_len=max_model_len))
     return tp.TreeProposer(cfg)
@@ -32,9 +33,9 @@ class Batch:
         self.req_ids.append(req_id)
         self.token_ids_cpu[i, :len(prompt)] = prompt
         self.num_tokens_no_spec[i] = len(prompt)
-        extra = None if key is None else {tp.DRAFT_KEY: key, tp.RESPONSE_START: response_start or len(prompt)}
+        extra = None if key is None else {td.DRAFT_KEY: key, td.RESPONSE_START: response_start or len(prompt)}
         if own is not None:
-            extra[tp.OWN_DRAFT] = list(own)
+            extra[td.OWN_DRAFT] = list(own)
         params = SimpleNamespace(extra_args=extra)
         if max_tokens is not None:
             from vllm import SamplingParams

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_specrl.engines.vllm_engine import llm_args
+from megatron_specrl.engines.vllm import llm_args
 import numpy as np
 import torch
 from megatron_specrl.engines.protocol import SamplingSettings  # noqa: E402

@@ -48,15 +48,15 @@ def _import_without_vllm(*modules: str) -> subprocess.CompletedProcess:
 
 
 def test_sglang_and_ray_engines_import_without_vllm():
-    proc = _import_without_vllm("megatron_specrl.engines.sglang_engine", "megatron_specrl.engines.ray_engine",
+    proc = _import_without_vllm("megatron_specrl.engines.sglang", "megatron_specrl.engines.ray_engine",
                                 "megatron_specrl.engines.router", "megatron_specrl.engines.factory",
-                                "megatron_specrl.engines.logs", "!megatron_specrl.engines.vllm_engine")
+                                "megatron_specrl.engines.logs", "!megatron_specrl.engines.vllm")
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
 
 
 def test_the_vllm_block_is_real():
     """The finder must actually stop vLLM, or the test above proves nothing."""
-    proc = _import_without_vllm("megatron_specrl.engines.vllm_engine", "vllm")
+    proc = _import_without_vllm("megatron_specrl.engines.vllm", "vllm")
     assert proc.returncode != 0 and "vllm is blocked" in proc.stderr, proc.stdout + proc.stderr
 
 

@@ -1,11 +1,11 @@
-"""Draft trees travel with checkpoints: run.checkpointing.save_draft_trees / restore_draft_trees.
+"""Draft trees travel with checkpoints: rollout/tree_drafting/checkpoint.save_draft_trees / restore_draft_trees.
 """
 
 import pytest
-from megatron_specrl.rollout.draft_tree import DraftTrees
+from megatron_specrl.rollout.tree_drafting.trees import DraftTrees
 from megatron_specrl.rollout.store import TrajectoryStore
 from megatron_specrl.engines.protocol import RoutesToEngines
-from megatron_specrl.run.checkpointing import restore_draft_trees, save_draft_trees
+from megatron_specrl.rollout.tree_drafting.checkpoint import restore_draft_trees, save_draft_trees
 from tests.helpers.capabilities import DraftsNothing
 
 
@@ -128,7 +128,7 @@ def _recover_once(run):
 def test_resumed_drafter_keeps_its_own_settings(tmp_path, impl):
     """A run resumed with other draft settings (here a smaller draft_max_nodes, longer drafts and a
     shorter match) loads the checkpoint's trees under its settings, not the crashed run's."""
-    from megatron_specrl.engines.tree_drafter import TreeDrafter
+    from megatron_specrl.rollout.tree_drafting.drafter import TreeDrafter
 
     old = TreeDrafter(4, 4096, {"impl": impl, "max_nodes": 100_000, "max_match": 4, "shared_nodes": 0})
     for key in ("p0", "p1", "p2"):                    # 31 states each

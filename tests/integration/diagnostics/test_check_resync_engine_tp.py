@@ -12,7 +12,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from megatron_specrl.diagnostics.check import read_engine_weights  # noqa: E402
 from megatron_specrl.diagnostics.readout import TP_RANK_SUFFIX, compare_weights, merge_tp_shards  # noqa: E402
-from megatron_specrl.engines.vllm_engine import bind_cpu_workers  # noqa: E402
+from megatron_specrl.engines.vllm import bind_cpu_workers  # noqa: E402
 
 TOL = 1e-6
 
@@ -90,7 +90,7 @@ def qwen_state(tiny_qwen2):
 
 @pytest.fixture(scope="module")
 def engine(tiny_qwen2, tmp_path_factory):
-    from megatron_specrl.engines.vllm_engine import VLLMEngine
+    from megatron_specrl.engines.vllm import VLLMEngine
     # vLLM's multiprocess executor sets this process's torch threads to 1 and its own environment
     # variables; a Ray engine actor does not mind, but the in-process engines of later test modules
     # would then run their CPU attention with fewer threads than its metadata was built for

@@ -33,7 +33,7 @@ T07_P09 = SamplingSettings(temperature=0.7, top_p=0.9)
 
 
 def _engine(path, name, tmp_path_factory, **kw):
-    from megatron_specrl.engines.vllm_engine import VLLMEngine
+    from megatron_specrl.engines.vllm import VLLMEngine
     return VLLMEngine(str(path), name=name, seed=0, max_model_len=256, kv_cache_gb=0.25,
                       log_dir=tmp_path_factory.mktemp("engine-logs"), **kw)
 

@@ -73,7 +73,7 @@ def test_bench_modes_draft_from_the_draft_model_they_are_given():
 
 
 def test_engine_args_ask_vllm_for_point_mass_drafts_and_standard_rejection(tiny_llama):
-    from megatron_specrl.engines.vllm_engine import llm_args
+    from megatron_specrl.engines.vllm import llm_args
     kw = llm_args(str(tiny_llama), on_cpu=True, seed=0, max_model_len=256, kv_cache_gb=0.25,
                   gpu_memory_utilization=0.5, tensor_parallel_size=1, block_size=32, dtype="float32",
                   enable_prefix_caching=True, enforce_eager=None, cudagraph_capture_sizes=None, max_num_seqs=None,
@@ -85,7 +85,7 @@ def test_engine_args_ask_vllm_for_point_mass_drafts_and_standard_rejection(tiny_
 
 
 def test_counters_are_read_from_vllms_metrics_and_merge_over_rounds():
-    from megatron_specrl.engines.vllm_engine import draft_model_counters
+    from megatron_specrl.engines.vllm import draft_model_counters
     from megatron_specrl.rollout.dynamic import _merge as merge_round_metrics
     from megatron_specrl.rollout.speculative import draft_model_metrics
 
@@ -131,7 +131,7 @@ def draft_dir(tiny_llama, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(tiny_llama, draft_dir, tmp_path_factory):
-    from megatron_specrl.engines.vllm_engine import VLLMEngine
+    from megatron_specrl.engines.vllm import VLLMEngine
     logs = tmp_path_factory.mktemp("engine-logs")
     plain = VLLMEngine(str(tiny_llama), name="vllm-plain", seed=0, max_model_len=256, kv_cache_gb=0.25, log_dir=logs)
     drafted = VLLMEngine(str(tiny_llama), name="vllm-draft-model", seed=0, max_model_len=256, kv_cache_gb=0.25,

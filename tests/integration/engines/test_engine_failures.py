@@ -48,7 +48,7 @@ def batch(n, plen, new, seed=0):
 def ray_engine(tiny_llama, tmp_path_factory):
     import ray
     from megatron_specrl.engines.ray_engine import RayEngine
-    from megatron_specrl.engines.vllm_engine import VLLMEngine
+    from megatron_specrl.engines.vllm import VLLMEngine
 
     from megatron_specrl.actors import init_ray
     from megatron_specrl.config import RayConfig
@@ -231,9 +231,9 @@ def test_colocated_engines_on_gpus_can_hand_their_memory_to_the_learner(monkeypa
     from megatron_specrl.engines import factory
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     if engine == "sglang":   # not installable here; the factory only needs the class
-        fake = types.ModuleType("megatron_specrl.engines.sglang_engine")
+        fake = types.ModuleType("megatron_specrl.engines.sglang")
         fake.SGLangEngine = object
-        monkeypatch.setitem(sys.modules, "megatron_specrl.engines.sglang_engine", fake)
+        monkeypatch.setitem(sys.modules, "megatron_specrl.engines.sglang", fake)
     for colocate in (True, False):
         _, kwargs = factory.engine_kwargs(RolloutConfig(engine=engine, colocate=colocate), str(tmp_path), tmp_path,
                                           0, 0)

@@ -77,7 +77,7 @@ def test_sampled_eval_on_the_real_engine(tiny_llama, tmp_path):
     second eval draws the same ones (fixed seeds)."""
     from transformers import AutoTokenizer
 
-    from megatron_specrl.engines.vllm_engine import VLLMEngine
+    from megatron_specrl.engines.vllm import VLLMEngine
 
     eng = VLLMEngine(str(tiny_llama), name="vllm-eval", seed=0, max_model_len=128, kv_cache_gb=0.25,
                      log_dir=tmp_path / "logs")

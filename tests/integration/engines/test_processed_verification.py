@@ -35,7 +35,7 @@ T07_P09 = SamplingSettings(temperature=0.7, top_p=0.9)
 
 @pytest.fixture(scope="module")
 def engine(sharp_llama, tmp_path_factory):
-    from megatron_specrl.engines.vllm_engine import VLLMEngine
+    from megatron_specrl.engines.vllm import VLLMEngine
     eng = VLLMEngine(str(sharp_llama), name="vllm-verify", seed=0, max_model_len=256, kv_cache_gb=0.25,
                      log_dir=tmp_path_factory.mktemp("engine-logs"))
     yield eng

@@ -47,7 +47,7 @@ N = 2400
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama, tmp_path_factory):
-    from megatron_specrl.engines.vllm_engine import VLLMEngine
+    from megatron_specrl.engines.vllm import VLLMEngine
     eng = VLLMEngine(str(tiny_llama), name="vllm-tree", seed=0, max_model_len=256, kv_cache_gb=0.25,
                      log_dir=tmp_path_factory.mktemp("engine-logs"), draft="tree",
                      drafter={"tokens": 8, "min_prob": 0.0, "fresh_prompts": True})   # drafting in flight from the first request
@@ -179,12 +179,12 @@ def test_tree_state_round_trip_drafts_as_before(engine):
 
 
 def _empty_state(state):
-    from megatron_specrl.rollout.draft_tree import DraftTrees
+    from megatron_specrl.rollout.tree_drafting.trees import DraftTrees
     return DraftTrees(**state["config"]).state_dict()
 
 
 def test_proposer_refuses_unpatched_vllm_call():
-    from megatron_specrl.engines.tree_proposer import TreeProposer
+    from megatron_specrl.engines.vllm.tree_proposer import TreeProposer
     with pytest.raises(RuntimeError, match="patch"):
         TreeProposer.propose(object())
 
@@ -319,7 +319,7 @@ def test_a_request_at_max_model_len_leaves_the_batch_drafting(engine, monkeypatc
 
 # -- verify=prefill's whole-accepted samples enter the trees as verify=decode's do ---------
 def _engine_sequences(engine):
-    from megatron_specrl.rollout.draft_tree import DraftTrees
+    from megatron_specrl.rollout.tree_drafting.trees import DraftTrees
     from tests.helpers.trees import sequences
     return sequences(DraftTrees.from_state_dict(engine.draft_state()))
 
@@ -334,7 +334,7 @@ def test_vllm_prefill_rollout_puts_whole_accepted_samples_in_the_trees_as_decode
     plain = engine.generate([GenerateRequest(list(PROMPT), Lv)], SamplingSettings(temperature=0.0), 0)[0]
     assert plain.finish_reason == "length" and len(plain.token_ids) == Lv
     engine.draft_stats()
-    from megatron_specrl.engines.tree_drafter import SHARED_KEY
+    from megatron_specrl.rollout.tree_drafting.drafter import SHARED_KEY
     from megatron_specrl.rollout.speculative import SpeculativeRollout
     from megatron_specrl.rollout.store import Trajectory, TrajectoryStore
     seqs_before = _engine_sequences(engine)
@@ -376,7 +376,7 @@ from megatron_specrl.engines.protocol import SamplingSettings  # noqa: E402
 
 @pytest.fixture(scope="module")
 def tree_engine(tiny_llama, tmp_path_factory):
-    from megatron_specrl.engines.vllm_engine import VLLMEngine
+    from megatron_specrl.engines.vllm import VLLMEngine
     eng = VLLMEngine(str(tiny_llama), name="vllm-review-tree", seed=0, max_model_len=256, kv_cache_gb=0.25,
                      log_dir=tmp_path_factory.mktemp("engine-logs"), draft="tree",
                      drafter={"tokens": 8, "min_prob": 0.0, "fresh_prompts": True})   # drafting in flight from the start
@@ -433,7 +433,7 @@ PROMPTS = [[17, 42, 99, 5, 61, 7], [3, 8, 200, 14, 90], [120, 121, 7, 7, 19, 33,
 
 @pytest.fixture(scope="module")
 def engines(tiny_llama, tmp_path_factory):
-    from megatron_specrl.engines.vllm_engine import VLLMEngine
+    from megatron_specrl.engines.vllm import VLLMEngine
     logs = tmp_path_factory.mktemp("engine-logs")
     tree = VLLMEngine(str(tiny_llama), name="vllm-fresh", seed=0, max_model_len=256, kv_cache_gb=0.25,
                       log_dir=logs, draft="tree", drafter={"tokens": 8, "min_prob": 0.0})

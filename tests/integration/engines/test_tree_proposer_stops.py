@@ -1,10 +1,10 @@
-"""The drafter's calibration of tree frequencies (engines/tree_drafter.Calibration): the trees' walk
+"""The drafter's calibration of tree frequencies (rollout/tree_drafting/drafter.Calibration): the trees' walk
 
 The tests of this subject that start processes or engines; the rest are in tests/unit/engines/test_tree_drafter.py.
 """
 
 from __future__ import annotations
-from megatron_specrl.engines.tree_drafter import (
+from megatron_specrl.rollout.tree_drafting.drafter import (
     SHARED_KEY,
 )
 from tests.helpers.trees import sequences  # noqa: F401

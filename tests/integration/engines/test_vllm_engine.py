@@ -13,7 +13,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 from megatron_specrl.engines.protocol import (  # noqa: E402
     GenerateRequest, RolloutEngine, SamplingSettings, ScoreRequest, WeightVersionMismatch,
 )
-from megatron_specrl.engines.vllm_engine import token_logprobs  # noqa: E402
+from megatron_specrl.engines.vllm import token_logprobs  # noqa: E402
 
 pytestmark = pytest.mark.slow
 BLOCK = 32
@@ -28,7 +28,7 @@ def rand_ids(n, seed):
 
 @pytest.fixture(scope="session")
 def engine(tiny_llama, tmp_path_factory):
-    from megatron_specrl.engines.vllm_engine import VLLMEngine
+    from megatron_specrl.engines.vllm import VLLMEngine
     eng = VLLMEngine(str(tiny_llama), name="vllm-test", seed=0, max_model_len=256, kv_cache_gb=0.25,
                      block_size=BLOCK, log_dir=tmp_path_factory.mktemp("engine-logs"))
     yield eng
@@ -292,7 +292,7 @@ def test_drafting_engines_get_room_for_one_steps_drafts_within_the_models_positi
     """vLLM turns drafting off for the whole batch while a request is within K tokens of its
     max_model_len (tests/integration/engines/test_tree_drafting.py shows the steps it costs): a drafting engine asks vLLM
     for K + 1 more tokens, never more than the model's positions (vLLM would refuse to start)."""
-    from megatron_specrl.engines.vllm_engine import drafting_max_model_len
+    from megatron_specrl.engines.vllm import drafting_max_model_len
     assert drafting_max_model_len(9216, 16, 131072) == 9216 + 17
     assert drafting_max_model_len(32768, 16, 32768) == 32768          # at the model's limit: no room to give
     assert drafting_max_model_len(32760, 16, 32768) == 32768

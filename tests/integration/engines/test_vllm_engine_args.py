@@ -7,11 +7,11 @@ from megatron_specrl.engines.protocol import EngineCapabilities, GenerateResult
 from megatron_specrl.rollout.speculative import SpeculativeRollout
 from megatron_specrl.rollout.store import Trajectory, TrajectoryStore
 import pytest
-from megatron_specrl.engines.vllm_engine import vllm_engine_arg_names
+from megatron_specrl.engines.vllm import vllm_engine_arg_names
 import numpy as np
 import torch
 from megatron_specrl.engines.protocol import GenerateRequest, SamplingSettings  # noqa: E402
-from megatron_specrl.engines.vllm_engine import verify_columns  # noqa: E402
+from megatron_specrl.engines.vllm import verify_columns  # noqa: E402
 
 
 from tests.helpers.vllm_rows import EOS, S, VOCAB, _args, _columns, _logits  # noqa: F401
@@ -35,7 +35,7 @@ def test_a_gpu_engine_builds_vllm_with_cuda_graphs_and_unseeded_requests(monkeyp
 
     from megatron_specrl.patches.vllm_engine_patches import ENV
     from megatron_specrl.engines.protocol import GenerateRequest, SamplingSettings
-    from megatron_specrl.engines.vllm_engine import VLLMEngine
+    from megatron_specrl.engines.vllm import VLLMEngine
 
     built = []
 
@@ -54,6 +54,23 @@ def test_a_gpu_engine_builds_vllm_with_cuda_graphs_and_unseeded_requests(monkeyp
     assert eng._sampling_params(req, SamplingSettings()).seed == (None if gpu else 11)
     eng = VLLMEngine(str(tmp_path), name="rec", log_dir=str(tmp_path), seed_requests=True, enforce_eager=True)
     assert eng._sampling_params(req, SamplingSettings()).seed == 11 and built[-1]["enforce_eager"] is True
+
+
+def test_an_engine_whose_feature_needs_a_patch_pinned_elsewhere_refuses_to_start(monkeypatch, tmp_path):
+    """Tree drafting on a vLLM release its patch was not written for: refused before vLLM is built (the
+    recorder sees no LLM), naming the patch and the installed release (engines/vllm/required_patches.py)."""
+    import vllm
+
+    from megatron_specrl.engines.vllm import VLLMEngine
+    from megatron_specrl.engines.vllm.required_patches import PatchNotApplicable
+
+    built = []
+    monkeypatch.setattr(vllm, "LLM", lambda **kwargs: built.append(kwargs))
+    monkeypatch.setattr(vllm, "__version__", "0.99.0+cpu")
+    with pytest.raises(PatchNotApplicable, match=r"tree drafting \(rollout.draft=tree\) needs "
+                                                 r"patches/vllm_0_32_0_tree_proposer.py, .*installed vllm is 0.99.0"):
+        VLLMEngine(str(tmp_path), name="pinned", log_dir=str(tmp_path), draft="tree", verification=False)
+    assert built == []
 
 
 class _OnGPU:
@@ -79,7 +96,7 @@ def test_an_engine_with_tp_workers_hands_them_cpu_tensors(monkeypatch, tp):
     import threading
 
 
-    from megatron_specrl.engines.vllm_engine import VLLMEngine
+    from megatron_specrl.engines.vllm import VLLMEngine
 
     sent = []
 
@@ -115,7 +132,7 @@ def test_rows_with_nonfinite_logits_have_no_replacement(coupled_seed, bad):
 
 
 def _bare_engine():
-    from megatron_specrl.engines.vllm_engine import VLLMEngine
+    from megatron_specrl.engines.vllm import VLLMEngine
     eng = VLLMEngine.__new__(VLLMEngine)   # no vLLM: the checks run before any engine call
     eng.logprobs_mode, eng.draft = "processed_logprobs", "none"
     return eng
@@ -126,7 +143,7 @@ def test_vllm_raises_small_temperatures_to_its_minimum():
     from vllm import SamplingParams
     from vllm.sampling_params import _MAX_TEMP
 
-    from megatron_specrl.engines.vllm_engine import VLLM_MIN_TEMPERATURE
+    from megatron_specrl.engines.vllm import VLLM_MIN_TEMPERATURE
     assert _MAX_TEMP == VLLM_MIN_TEMPERATURE
     assert SamplingParams(temperature=0.005).temperature == VLLM_MIN_TEMPERATURE
 

@@ -32,7 +32,7 @@ def rand_ids(n, seed):
 
 
 def _engine(model, tmp_path, name):
-    from megatron_specrl.engines.vllm_engine import VLLMEngine
+    from megatron_specrl.engines.vllm import VLLMEngine
     return VLLMEngine(str(model), name=name, seed=0, max_model_len=128, kv_cache_gb=0.05, block_size=BLOCK,
                       log_dir=tmp_path)
 
@@ -90,7 +90,7 @@ def test_nan_log_probs_from_generation_are_an_engine_error(tiny_llama, tmp_path)
 CREATION = ("The actor died because of an error raised in its creation task, \x1b[36mray::EngineActor.__init__()"
             "\x1b[39m (pid=29384, ip=192.0.2.2, actor_id=ea34, repr=<EngineActor object at 0x7f>)\n"
             "           ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^\n"
-            '  File "/work/main/megatron_specrl/engines/vllm_engine.py", line 160, in bind_cpu_workers\n'
+            '  File "/work/main/megatron_specrl/engines/vllm/args.py", line 43, in bind_cpu_workers\n'
             "    raise ValueError(f\"engine tensor_parallel_size={n} needs a CPU per worker; \"\n{}")
 
 

@@ -10,8 +10,8 @@ import pytest
 @pytest.mark.slow
 def test_an_engine_starts_after_the_compiled_trees_ran_in_the_process(tiny_llama, tmp_path):
     from megatron_specrl.engines.protocol import GenerateRequest, SamplingSettings
-    from megatron_specrl.engines.vllm_engine import VLLMEngine
-    from megatron_specrl.rollout.draft_tree_compiled import CompiledDraftTrees
+    from megatron_specrl.engines.vllm import VLLMEngine
+    from megatron_specrl.rollout.tree_drafting.compiled_trees import CompiledDraftTrees
     trees = CompiledDraftTrees()
     trees.start("r", "k", [1, 2, 3])
     trees.extend_and_propose(["r"], [4], 4)             # numba compiled (or loaded) in this process

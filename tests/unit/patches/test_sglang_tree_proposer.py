@@ -90,12 +90,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from megatron_specrl.engines import sglang_engine as se
+from megatron_specrl.engines import sglang as se
 from megatron_specrl.engines.protocol import GenerateRequest, SamplingSettings
-from megatron_specrl.engines.tree_drafter import DRAFT_KEY, OWN_DRAFT, RESPONSE_START, settings_env
+from megatron_specrl.rollout.tree_drafting.drafter import DRAFT_KEY, OWN_DRAFT, RESPONSE_START, settings_env
 from megatron_specrl.patches import sglang_0_5_23_tree_proposer as patch
 from megatron_specrl.patches import sglang_engine_patches
-from megatron_specrl.engines.tree_drafter import SHARED_KEY
+from megatron_specrl.rollout.tree_drafting.drafter import SHARED_KEY
 from tests.helpers.paths import REPO_ROOT
 
 

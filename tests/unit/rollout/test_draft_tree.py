@@ -1,7 +1,7 @@
-"""Per-prompt draft trees (rollout/draft_tree.py): counts, matching, proposals, in-flight siblings,
+"""Per-prompt draft trees (rollout/tree_drafting/trees.py): counts, matching, proposals, in-flight siblings,
 eviction, persistence. Expectations are computed by hand in the comments, plus one randomized
 cross-check against a brute-force reference of the documented trie semantics. Every test runs on
-both implementations: the Python automata and the compiled ones (rollout/draft_tree_compiled.py).
+both implementations: the Python automata and the compiled ones (rollout/tree_drafting/compiled_trees.py).
 """
 
 import json
@@ -9,18 +9,18 @@ import random
 import tracemalloc
 import numpy as np
 import pytest
-from megatron_specrl.rollout import draft_tree_compiled
-from megatron_specrl.rollout.draft_tree import DraftTrees
+from megatron_specrl.rollout.tree_drafting import compiled_trees
+from megatron_specrl.rollout.tree_drafting.trees import DraftTrees
 
 
 
-# ---- Per-prompt draft trees (rollout/draft_tree.py): counts, matching, proposals, in-flight siblings,
+# ---- Per-prompt draft trees (rollout/tree_drafting/trees.py): counts, matching, proposals, in-flight siblings,
 
 @pytest.fixture(autouse=True, params=["python", "compiled"])
 def impl(request, monkeypatch):
     """Runs the module's tests on DraftTrees and on CompiledDraftTrees (the name DraftTrees is rebound)."""
     if request.param == "compiled":
-        monkeypatch.setitem(globals(), "DraftTrees", draft_tree_compiled.CompiledDraftTrees)
+        monkeypatch.setitem(globals(), "DraftTrees", compiled_trees.CompiledDraftTrees)
     return request.param
 
 

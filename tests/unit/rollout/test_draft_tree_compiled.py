@@ -1,4 +1,4 @@
-"""The compiled draft trees (rollout/draft_tree_compiled.py) against the Python ones: driven by the same
+"""The compiled draft trees (rollout/tree_drafting/compiled_trees.py) against the Python ones: driven by the same
 random operations, they must give the same proposals, scores, counts and sizes, also while their
 arrays grow, keys are evicted, frozen requests match from scratch, keep_newest rebuilds a key and
 the pool is compacted. tests/unit/rollout/test_draft_tree.py runs every hand-checked test on both as well.
@@ -10,14 +10,14 @@ sequences against the automata they were built into.
 
 import random
 import pytest
-from megatron_specrl.rollout.draft_tree import DraftTrees
+from megatron_specrl.rollout.tree_drafting.trees import DraftTrees
 import sys
-from megatron_specrl.engines.tree_drafter import SHARED_KEY, RequestOpts, TreeDrafter, settings_env
-from megatron_specrl.rollout.draft_tree_compiled import CompiledDraftTrees
+from megatron_specrl.rollout.tree_drafting.drafter import SHARED_KEY, RequestOpts, TreeDrafter, settings_env
+from megatron_specrl.rollout.tree_drafting.compiled_trees import CompiledDraftTrees
 
 
 
-# ---- The compiled draft trees (rollout/draft_tree_compiled.py) against the Python ones: driven by the same
+# ---- The compiled draft trees (rollout/tree_drafting/compiled_trees.py) against the Python ones: driven by the same
 
 class SmallCompiled(CompiledDraftTrees):
     """Tiny first arrays and an eager compaction, so that growth and compaction happen in a short test."""
@@ -173,7 +173,7 @@ def test_compiled_trees_without_numba_fail_before_the_engine_starts(monkeypatch)
     """Without numba the compiled trees cannot load: the engines' settings check (run where an engine
     is started, before vLLM or SGLang loads anything) says so in one line and names the way out; the
     Python trees still work."""
-    monkeypatch.delitem(sys.modules, "megatron_specrl.rollout.draft_tree_compiled")
+    monkeypatch.delitem(sys.modules, "megatron_specrl.rollout.tree_drafting.compiled_trees")
     monkeypatch.setitem(sys.modules, "numba", None)        # `import numba` raises ImportError
     for build in (lambda: settings_env(impl="compiled"), lambda: TreeDrafter(8, 4096, {"impl": "compiled"})):
         with pytest.raises(ImportError) as err:

@@ -252,8 +252,8 @@ def test_wrappers_forward_the_verification_capability():
     from megatron_specrl.engines.protocol import verifies_processed_distribution
     from megatron_specrl.engines.ray_engine import RayEngine
     from megatron_specrl.engines.router import EngineRouter
-    from megatron_specrl.engines.sglang_engine import SGLangEngine
-    from megatron_specrl.engines.vllm_engine import VLLMEngine
+    from megatron_specrl.engines.sglang import SGLangEngine
+    from megatron_specrl.engines.vllm import VLLMEngine
 
     def ray_of(cls):
         eng = object.__new__(RayEngine)   # no actor: the property must not need one

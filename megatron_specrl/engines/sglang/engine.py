@@ -10,7 +10,7 @@ Semantics (read from sglang 0.5.23):
 - Scoring = `logprob_start_len=len(prompt)-1`: `meta_info.input_token_logprobs` covers
   input ids from that index on, the first value None; input log-probs are untempered and
   untruncated, so score() supports temperature 1 without top-k / top-p only and returns no
-  replacements (`verifies_processed_distribution = False`: SpeculativeRollout refuses other
+  replacements (its protocol.ENGINE_KINDS row: SpeculativeRollout refuses other
   settings, and its exact rule falls back to ban_first_token, exact at temperature 1).
 - A custom logit processor runs before the log-probs are taken, so the first token of a
   ban_first_token request is re-scored (one cached prefill) to report its unbanned log-prob.
@@ -31,10 +31,8 @@ Semantics (read from sglang 0.5.23):
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
-import math
 import os
 from pathlib import Path
 from typing import Any, Iterable
@@ -42,210 +40,31 @@ from typing import Any, Iterable
 import torch
 
 from megatron_specrl.config import DrafterConfig, check_engine_args
+from megatron_specrl.engines.logs import attach_log_file, detach_log_file, tail_lines
 from megatron_specrl.engines.protocol import (
     DraftResponse, EngineError, EngineHealth, GenerateRequest, GenerateResult, SamplingSettings, ScoreRequest,
     ScoreResult, WeightVersionMismatch, check_finite_logprobs, check_version, draft_response_pairs,
+    fit_to_positions, one_of,
 )
 from megatron_specrl.engines.protocol import (   # capabilities these engines declare
     DraftsFromTrees, EngineCapabilities, SleepsWhileTraining,
 )
-from megatron_specrl.engines.logs import attach_log_file, detach_log_file, tail_lines
-from megatron_specrl.engines.tree_drafter import DRAFT_KEY, OWN_DRAFT, RESPONSE_START, as_drafter, settings_env
-
-BAN_PARAM = "specrl_ban_first_token"
-
-# SGLang samples greedily at any temperature in [0, SGLANG_SAMPLING_EPS) (sglang 0.5.23,
-# srt/sampling/sampling_params.py: `if 0 <= self.temperature < _SAMPLING_EPS: self.temperature = 1.0;
-# self.top_k = 1`, silently) and reports log-probs at temperature 1 (the sampler's greedy branch:
-# log_softmax(logits)); unlike vLLM (0.01) it tempers every temperature from 1e-6 on as asked
-SGLANG_SAMPLING_EPS = 1e-6
+from megatron_specrl.engines.sglang.requests import (
+    ban_processor_str, build_generate_payload, build_score_payload, check_temperature, parse_generate_response,
+    parse_score_response, succeeded,
+)
+from megatron_specrl.engines.sglang.server import check_plugin_installed, tree_server_args, tree_server_env
+from megatron_specrl.rollout.tree_drafting.drafter import as_drafter
 
 
-def check_temperature(s: SamplingSettings, what: str) -> None:
-    """Refuse a temperature SGLang would silently turn into greedy decoding at temperature 1: its
-    log-probs would be log_softmax(logits), not the learner's log_softmax(logits / temperature)."""
-    if 0 < s.temperature < SGLANG_SAMPLING_EPS:
-        raise ValueError(f"{what}: temperature {s.temperature} is below SGLang's _SAMPLING_EPS, {SGLANG_SAMPLING_EPS}: "
-                         "SGLang would decode greedily and report log-probs at temperature 1, not the learner's "
-                         f"(log_softmax(logits / temperature)); use a temperature >= {SGLANG_SAMPLING_EPS}")
-
-
-
-def ban_processor_str() -> str:
-    """SGLang's serialized form (`CustomLogitProcessor.to_str()`) of the ban-first-token processor."""
-    from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
-
-    class BanFirstToken(CustomLogitProcessor):
-        def __call__(self, logits, custom_param_list=None):
-            for i, params in enumerate(custom_param_list or []):
-                tok = (params or {}).get(BAN_PARAM)
-                req = (params or {}).get("__req__")
-                if tok is not None and req is not None and len(req.output_ids) == 0:
-                    logits[i, tok] = float("-inf")
-            return logits
-
-    return BanFirstToken.to_str()
-
-
-# -- tree drafting: server arguments and environment -------------------------------------
-def tree_server_args(draft_tokens: int) -> dict:
-    """sglang.Engine / launch_server arguments for draft="tree": the NGRAM worker with one verify root
-    and `draft_tokens` draft nodes per request, drafting chains (BFS breadth 1, so top-k 1, which
-    also keeps paged attention backends allowed), exact acceptance (thresholds 1: accept a draft
-    token with its target probability), and a token-sized n-gram corpus (the patch never uses it;
-    SGLang preallocates `capacity` trie nodes)."""
-    if draft_tokens < 1:
-        raise ValueError(f"draft_tokens must be at least 1, got {draft_tokens}")
-    return {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": int(draft_tokens) + 1,
-            "speculative_ngram_min_bfs_breadth": 1, "speculative_ngram_max_bfs_breadth": 1,
-            "speculative_accept_threshold_single": 1.0, "speculative_accept_threshold_acc": 1.0,
-            "speculative_ngram_capacity": 1024}
-
-
-def tree_server_env(drafter: DrafterConfig | dict | None = None) -> dict[str, str]:
-    """Environment SGLang's scheduler processes need for the tree patch (they inherit it): rollout.drafter
-    whole, as JSON (tree_drafter.settings_env)."""
-    from megatron_specrl.patches.sglang_0_5_23_tree_proposer import SETTINGS_ENV
-    from megatron_specrl.patches.sglang_engine_patches import ENV
-    return {SETTINGS_ENV: settings_env(as_drafter(drafter)), ENV: "1"}
-
-
-PLUGIN_GROUP, PLUGIN_NAME = "sglang.srt.plugins", "specrl_patches"
-
-
-def check_plugin_installed() -> None:
-    """SGLang's scheduler processes take the tree patch only through our plugin entry point: without
-    it the NGRAM worker would silently draft from its own n-gram corpus instead of our trees."""
-    from importlib.metadata import entry_points
-    if not any(ep.name == PLUGIN_NAME for ep in entry_points(group=PLUGIN_GROUP)):
-        raise EngineError(f"the {PLUGIN_GROUP} entry point {PLUGIN_NAME} is not installed (setup.py declares "
-                          "it): reinstall the project (pip install -e .) before draft='tree' with SGLang", "sglang")
-
-
-# -- pure request / response functions -------------------------------------------------
-def build_generate_payload(requests: list[GenerateRequest], sampling: SamplingSettings,
-                           ban_processor: str | None = None, draft: str = "none") -> dict:
-    """kwargs for `Engine.generate` (and the JSON body of POST /generate). With draft="tree",
-    requests with a draft key carry it and their response start in custom_params."""
-    params, procs = [], []
-    for r in requests:
-        # no top-k is -1 or 0 here; SamplingParams.verify refuses 0 ("-1 (disable) or at least 1")
-        p: dict[str, Any] = {"max_new_tokens": r.max_new_tokens, "temperature": sampling.temperature,
-                             "top_p": sampling.top_p, "top_k": sampling.top_k if sampling.top_k > 0 else -1}
-        if r.seed is not None:
-            p["sampling_seed"] = int(r.seed)
-        if r.runahead:
-            raise NotImplementedError("run-ahead requests need the vLLM engine (rollout.runahead=0 with SGLang)")
-        custom: dict[str, Any] = {}
-        if r.ban_first_token is not None:
-            if ban_processor is None:
-                raise ValueError("ban_first_token needs the custom logit processor string")
-            custom[BAN_PARAM] = int(r.ban_first_token)
-        if r.own_draft is not None and (draft != "tree" or r.draft_key is None):
-            raise ValueError("an own draft (rollout.verify=decode) needs tree drafting (rollout.draft=tree) and a "
-                             "draft_key: the NGRAM worker's drafter drafts it")
-        if r.draft_key is not None and draft == "tree":
-            custom.update({DRAFT_KEY: str(r.draft_key), RESPONSE_START: int(r.response_start)})
-            if r.own_draft:
-                custom[OWN_DRAFT] = [int(t) for t in r.own_draft]
-        if custom:
-            p["custom_params"] = custom
-        params.append(p)
-        procs.append(ban_processor if r.ban_first_token is not None else None)
-    payload = {"input_ids": [list(r.prompt_ids) for r in requests], "sampling_params": params,
-               "return_logprob": True}
-    if any(procs):
-        payload["custom_logit_processor"] = procs
-    return payload
-
-
-def _finish_reason(meta: dict, engine: str = "sglang") -> str:
-    fr = meta.get("finish_reason")
-    kind = fr.get("type") if isinstance(fr, dict) else fr
-    if kind in ("stop", "length"):
-        return kind
-    raise EngineError(f"request finished with {fr!r}", engine)
-
-
-def _check_meta_version(meta: dict, expected: int | None, engine: str = "sglang") -> None:
-    got = meta.get("weight_version")
-    if expected is not None and got is not None and str(got) != str(expected):
-        raise WeightVersionMismatch(f"engine {engine} answered under weight version {got}, caller expects {expected}")
-
-
-def parse_generate_response(outputs: list[dict], requests: list[GenerateRequest], weight_version: int,
-                            meta_version: int | None = None, engine: str = "sglang") -> list[GenerateResult]:
-    """`meta_version`: check meta_info.weight_version (set when the server's version is ours).
-    `engine`: the name errors carry."""
-    if len(outputs) != len(requests):
-        raise EngineError(f"{len(outputs)} outputs for {len(requests)} requests", engine)
-    results = []
-    for out in outputs:
-        meta = out["meta_info"]
-        _check_meta_version(meta, meta_version, engine)
-        lps = meta["output_token_logprobs"]
-        toks = list(out.get("output_ids") or [t for _, t, *_ in lps])
-        if [t for _, t, *_ in lps] != toks:
-            raise EngineError("output_token_logprobs do not match output_ids", engine)
-        results.append(GenerateResult(token_ids=toks, logprobs=[None if v is None else float(v) for v, *_ in lps],
-                                      finish_reason=_finish_reason(meta, engine),
-                                      num_cached_tokens=int(meta.get("cached_tokens", 0)),
-                                      weight_version=weight_version))
-    return results
-
-
-def build_score_payload(requests: list[ScoreRequest], sampling: SamplingSettings, engine: str = "sglang") -> dict:
-    for setting, value, plain in (("temperature", sampling.temperature, 1.0), ("top_p", sampling.top_p, 1.0),
-                                  ("top_k", sampling.top_k, -1)):
-        if value != plain and not (setting == "top_k" and value == 0):
-            raise NotImplementedError(f"SGLang engine {engine}: score() with {setting}={value} is not supported "
-                                      "(input log-probs are untempered and untruncated); verification needs the "
-                                      "vLLM engine")
-    if any(not r.prompt_ids for r in requests):
-        raise ValueError("score() needs a non-empty prompt")
-    return {"input_ids": [list(r.prompt_ids) + list(r.continuation_ids) for r in requests],
-            "sampling_params": [{"max_new_tokens": 1, "temperature": 1.0} for _ in requests],
-            "return_logprob": True,
-            "logprob_start_len": [len(r.prompt_ids) - 1 for r in requests]}
-
-
-def parse_score_response(outputs: list[dict], requests: list[ScoreRequest], weight_version: int,
-                         meta_version: int | None = None, engine: str = "sglang") -> list[ScoreResult]:
-    results = []
-    for out, r in zip(outputs, requests, strict=True):
-        meta = out["meta_info"]
-        _check_meta_version(meta, meta_version, engine)
-        n = len(r.continuation_ids)
-        tail = meta["input_token_logprobs"][len(meta["input_token_logprobs"]) - n:] if n else []
-        if [t for _, t, *_ in tail] != list(r.continuation_ids):
-            raise EngineError("input_token_logprobs do not cover the continuation", engine)
-        # A NaN log-prob arrives over HTTP as JSON null: NaN again, as the vLLM engine returns it, so the
-        # acceptance rejects the draft there and counts it (spec/nonfinite_logprobs) instead of the whole
-        # score batch failing on one row
-        results.append(ScoreResult(logprobs=[math.nan if v is None else float(v) for v, *_ in tail],
-                                   weight_version=weight_version))
-    return results
-
-
-def _ok(ret) -> bool:
-    """SGLang returns (success, message) tuples or objects with .success."""
-    if isinstance(ret, tuple):
-        return bool(ret[0])
-    if isinstance(ret, dict):
-        return bool(ret.get("success", True))
-    return bool(getattr(ret, "success", ret if isinstance(ret, bool) else True))
-
-
-# -- engines --------------------------------------------------------------------------
-class _SGLangBase(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining):
-    """Version bookkeeping + the update order shared by the Engine and HTTP variants."""
-
-    verifies_processed_distribution = False   # score(): temperature 1, no top-k / top-p, no replacements
+class _SGLangBase(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, kind="sglang"):
+    """Version bookkeeping + the update order shared by the Engine and HTTP variants. What they can do is
+    SGLang's row of protocol.ENGINE_KINDS (score(): temperature 1, no top-k / top-p, no replacements)."""
 
     def __init__(self, name: str, log_dir: str | Path | None, use_ban_processor: bool = True,
                  draft: str = "none"):
-        if draft not in ("none", "tree"):
-            raise ValueError(f"draft must be 'none' or 'tree', got {draft!r}")
+        if draft not in self.engine_kind.drafts:
+            raise ValueError(f"draft must be {one_of(self.engine_kind.drafts)}, got {draft!r}")
         self.draft = draft
         self.name = name
         self.log_path = Path(log_dir or "logs/engines") / f"{name}.log"
@@ -315,11 +134,8 @@ class _SGLangBase(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining):
         self._check(weight_version)
         # SGLang refuses an input of context_len tokens or more (and input + max_new_tokens above it): a
         # continuation reaching the last position is verified without its last token(s) (protocol.score)
-        room = None if self._context_len() is None else self._context_len() - 1
-        if room is not None:
-            requests = [r if len(r.prompt_ids) + len(r.continuation_ids) <= room else
-                        dataclasses.replace(r, continuation_ids=list(r.continuation_ids[:max(0, room - len(r.prompt_ids))]))
-                        for r in requests]
+        if self._context_len() is not None:
+            requests = fit_to_positions(requests, self._context_len() - 1)
         todo = [i for i, r in enumerate(requests) if r.continuation_ids]
         results = [ScoreResult([], weight_version) for _ in requests]
         if todo:
@@ -338,7 +154,7 @@ class _SGLangBase(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining):
             raise WeightVersionMismatch(f"engine {self.name}: update to {version}, serving {self._version}")
         self._pending = version
         named = list(named_tensors)
-        if not _ok(self._load_tensors(named)):
+        if not succeeded(self._load_tensors(named)):
             raise EngineError(f"update_weights_from_tensor failed for version {version}", self.name,
                               tail_lines(self.log_path))
 
@@ -368,11 +184,11 @@ class _SGLangBase(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining):
         except Exception as e:
             raise EngineError(f"{call}_memory_occupation({tags}) failed: {type(e).__name__}: {e}", self.name,
                               tail_lines(self.log_path)) from e
-        if not _ok(ret):
+        if not succeeded(ret):
             raise EngineError(f"{call}_memory_occupation({tags}) failed", self.name, tail_lines(self.log_path))
 
     def reset_prefix_cache(self) -> None:
-        if not _ok(self._flush()):
+        if not succeeded(self._flush()):
             raise EngineError("flush_cache failed (requests still running?)", self.name, tail_lines(self.log_path))
 
     # -- draft trees (draft="tree") ----------------------------------------------------------
@@ -414,7 +230,7 @@ class _SGLangBase(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining):
             self._tree_call("add_responses", draft_response_pairs(responses))
 
     def draft_state(self) -> dict | None:
-        """The trees (rollout.draft_tree.DraftTrees.state_dict), for checkpoints; None without tree drafting."""
+        """The trees (rollout.tree_drafting.trees.DraftTrees.state_dict), for checkpoints; None without tree drafting."""
         return self._tree_call("state_dict") if self.draft == "tree" else None
 
     def load_draft_state(self, state: dict) -> None:
@@ -551,5 +367,5 @@ class SGLangHTTPEngine(_SGLangBase):
         return self._post(f"/{call}_memory_occupation", {"tags": tags})
 
     def _set_server_version(self, version: int) -> None:
-        if not _ok(self._post("/update_weight_version", {"new_version": str(version)})):
+        if not succeeded(self._post("/update_weight_version", {"new_version": str(version)})):
             raise EngineError(f"update_weight_version({version}) failed", self.name, tail_lines(self.log_path))

@@ -1,4 +1,4 @@
-"""The draft trees' automata compiled: the same suffix automata as rollout.draft_tree, in numpy arrays
+"""The draft trees' automata compiled: the same suffix automata as rollout.tree_drafting.trees, in numpy arrays
 driven by numba, for engines where the drafter runs between forwards that take milliseconds.
 
 Why: the pure-Python automaton costs 40-47 us per request and engine step inside vLLM on this CPU
@@ -39,7 +39,7 @@ import sys
 import numpy as np
 from numba import njit
 
-from megatron_specrl.rollout.draft_tree import DraftTrees, sequences_bytes
+from megatron_specrl.rollout.tree_drafting.trees import DraftTrees, sequences_bytes
 
 # st columns
 LINK, LEN, CNT, UTOK, USTATE, HEAD, NCHILD, OWNER = range(8)
@@ -129,7 +129,7 @@ def _add_edge(st, ed, ht, meta, p, c, t):
 
 @njit(cache=True)
 def _split(st, ed, ht, meta, q, new_length, p, c):
-    """rollout.draft_tree._split: clone q with the strings of length <= new_length, redirect the
+    """rollout.tree_drafting.trees._split: clone q with the strings of length <= new_length, redirect the
     c-transitions into q along p's suffix links to the clone, make it q's link."""
     clone = _new_state(st, meta, st[q, LINK], new_length, st[q, CNT], st[q, OWNER])
     e = st[q, HEAD]
@@ -150,7 +150,7 @@ def _split(st, ed, ht, meta, q, new_length, p, c):
 
 @njit(cache=True)
 def _feed(st, ed, ht, meta, root, last, anchor, n, tokens, room, depth):
-    """rollout.draft_tree._feed over the pool: append `tokens` to a sequence of length n of the tree
+    """rollout.tree_drafting.trees._feed over the pool: append `tokens` to a sequence of length n of the tree
     under `root`. Returns (last, anchor, tokens appended, 1 if it stopped for array capacity)."""
     limit = meta[N_STATES] + room - 2
     dm1 = depth - 1

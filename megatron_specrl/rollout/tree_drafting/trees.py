@@ -22,7 +22,7 @@ min_prob)``:
    ``max_depth`` (|m| + len(draft) <= max_depth), (c) the path probability, the product of
    kappa x child.count / sum(children counts) along the walk, stays >= ``min_prob``. ``kappa`` (1 by
    default) is the caller's calibration of the tree's frequencies against what the engine accepts
-   (engines/tree_drafter.py): a path seen once has frequency 1 at every node, which the engine's
+   (rollout/tree_drafting/drafter.py): a path seen once has frequency 1 at every node, which the engine's
    samples follow far less often when the tree holds only a few in-flight siblings.
 
 Design: one generalized suffix automaton per key (not a literal trie)
@@ -90,7 +90,7 @@ expects Python ints, as vLLM hands out). Timings: benchmarks/bench_draft_tree.py
 Two implementations
 -------------------
 This module is the reference: plain Python lists and dicts, readable next to the semantics above.
-rollout/draft_tree_compiled.py subclasses it and keeps the same automata in numpy arrays built and
+rollout/tree_drafting/compiled_trees.py subclasses it and keeps the same automata in numpy arrays built and
 read by numba, replacing only ``_new_tree``/``_drop_tree``/``_feed_tree`` (storage and construction)
 and the reads; all bookkeeping (LRU, eviction, frozen requests, ``keep_newest``, persistence) is
 this class's. The engines call ``extend_and_propose`` once per request and step, which the compiled
