@@ -1,4 +1,4 @@
-"""SGLang 0.5.23: the NGRAM speculative worker drafts from our per-prompt trees (engines/tree_drafter.py).
+"""SGLang 0.5.23: the NGRAM speculative worker drafts from our per-prompt trees (rollout/tree_drafting/drafter.py).
 
 How SGLang 0.5.23 drafts with `speculative_algorithm="NGRAM"` (python/sglang/srt/speculative/
 ngram_worker.py): before each decode step `NGRAMWorker._prepare_for_speculative_decoding(batch)`
@@ -62,7 +62,7 @@ import weakref
 
 import numpy as np
 
-from megatron_specrl.engines.tree_drafter import TreeDrafter, opts_from_params, read_settings
+from megatron_specrl.rollout.tree_drafting.drafter import TreeDrafter, opts_from_params, read_settings
 from megatron_specrl.patches.pinned import PinnedPatch
 
 VERSION = "0.5.23"

@@ -5,7 +5,7 @@ environment before `sglang.Engine` starts its scheduler processes, which inherit
 `plugin()` through SGLang's `sglang.srt.plugins` entry point (`load_plugins()` at the start of
 every scheduler process). Any other SGLang process in the same environment finds the variable
 unset: installing the project changes nothing there. A server started by hand
-(SGLangHTTPEngine) needs the same variables (`sglang_engine.tree_server_env`).
+(SGLangHTTPEngine) needs the same variables (`engines/sglang/server.py`, `tree_server_env`).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from megatron_specrl.engines.tree_proposer import RESPONSE_START
+from megatron_specrl.rollout.tree_drafting.drafter import RESPONSE_START
 from megatron_specrl.patches.pinned import PinnedPatch
 from megatron_specrl.patches.vllm_0_32_0_batched_prompt_logprobs import COUPLED_KEY, tempered_and_processed
 

@@ -1,6 +1,6 @@
 """vLLM 0.32.0: let a `custom_class` speculative proposer see the runner's input batch.
 
-Why: our draft proposer (megatron_specrl.engines.tree_proposer.TreeProposer) drafts from a
+Why: our draft proposer (megatron_specrl.engines.vllm.tree_proposer.TreeProposer) drafts from a
 per-prompt tree of earlier responses, so it must know which prompt each running request
 belongs to. vLLM 0.32's `custom_class` hook calls `propose(sampled_token_ids,
 num_tokens_no_spec, token_ids_cpu, slot_mappings)`: rows of token ids, no request ids.
