@@ -10,7 +10,7 @@ from pathlib import Path
 from megatron_specrl.config import ConfigError, load_config, resolve_recipe, to_yaml
 from megatron_specrl.data.datasets import DatasetError
 from megatron_specrl.engines.protocol import EngineError
-from megatron_specrl.plan import PlanError
+from megatron_specrl.config.plan import PlanError
 from megatron_specrl.rewards import RewardError
 
 def _split_recipe_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
@@ -33,9 +33,9 @@ def cmd_train(args) -> int:
     args = train_parser().parse_intermixed_args(args.rest)   # flags anywhere: RECIPE --dry-run key=value
     recipe, overrides = _split_recipe_and_overrides(args.items)
     cfg = load_config(resolve_recipe(recipe), overrides)
-    from megatron_specrl.resolve import resolve
+    from megatron_specrl.config.resolve import resolve
     resolved = resolve(cfg, log_choices=False)   # train() logs them; reward.name is checked here
-    from megatron_specrl.plan import build_plan, print_plan
+    from megatron_specrl.config.plan import build_plan, print_plan
     # layout, model, data and memory, before anything is written; a run loads model.path now, so a
     # shape-only config (examples/models/) passes the dry-run only
     plan = build_plan(cfg, loads_model=not args.dry_run)
@@ -69,7 +69,7 @@ def cmd_convert(args) -> int:
     import shutil
 
     from megatron_specrl.learner.convert import build_parser as convert_parser, convert_main
-    from megatron_specrl.plan import check_convert_layout
+    from megatron_specrl.config.plan import check_convert_layout
     if not any(a in ("-h", "--help") for a in args.rest):
         parsed = convert_parser().parse_args(args.rest)
         hf_dir = Path(parsed.hf) if parsed.direction == "hf-to-mcore" else Path(parsed.ckpt) / "hf"
@@ -104,7 +104,7 @@ def check_resync_layout(parsed) -> None:
     in a Megatron or vLLM assert inside a Ray actor, after the model is built."""
     from megatron_specrl.models.families.shape import CLI_KEYS, layout_failures
     from megatron_specrl.models.resolve import TINY
-    from megatron_specrl.plan import ModelShape, load_hf_config
+    from megatron_specrl.config.plan import ModelShape, load_hf_config
     if parsed.model not in TINY and not (Path(parsed.model) / "config.json").is_file():
         raise ConfigError(f"--model {parsed.model}: no config.json there (a local HF checkpoint directory, "
                           f"or one of {sorted(TINY)})")
@@ -115,17 +115,17 @@ def check_resync_layout(parsed) -> None:
 
 
 def cmd_bench_rollout(args) -> int:
-    from megatron_specrl.bench_rollout import bench_rollout_main
+    from megatron_specrl.benchmarks.rollout import bench_rollout_main
     return bench_rollout_main(args.rest)
 
 
 def cmd_bench_train(args) -> int:
-    from megatron_specrl.bench_train import bench_train_main
+    from megatron_specrl.benchmarks.train import bench_train_main
     return bench_train_main(args.rest)
 
 
 def cmd_bench_resync(args) -> int:
-    from megatron_specrl.diagnostics.bench_resync import bench_resync_main
+    from megatron_specrl.benchmarks.resync import bench_resync_main
     return bench_resync_main(args.rest)
 
 
@@ -135,7 +135,7 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_launch(args) -> int:
-    from megatron_specrl.launch import launch_main
+    from megatron_specrl.cluster.launch import launch_main
     return launch_main(args.rest)
 
 

@@ -1,7 +1,7 @@
 """`megatron-specrl doctor`: is this machine's install able to run the project, and do the learner's
 CUDA code paths agree with HF transformers? Without Ray or an engine.
 
-First the stack check every node of a `launch` job runs (megatron_specrl.gpu_stack: torch,
+First the stack check every node of a `launch` job runs (megatron_specrl.cluster.gpu_stack: torch,
 megatron-core, vLLM or SGLang, Ray, transformers and, on GPU nodes, transformer-engine import; on GPU
 nodes also their pinned versions and the GPU count). Then the smoke checks, on one GPU, or for every
 check that can run there, on this CPU over gloo; a check that needs CUDA is reported as skipped, with
@@ -44,7 +44,7 @@ import torch
 
 from megatron_specrl.diagnostics.reference import complete_batch, hf_reference, loss_config, make_batch
 from megatron_specrl.errors import first_sentence
-from megatron_specrl.ports import free_port
+from megatron_specrl.cluster.ports import free_port
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda", 0) if CUDA else torch.device("cpu")
 
@@ -378,11 +378,11 @@ def check_throughput(hf_dir, big: bool = True):
 
 
 def _plan_gib(model_dir, B, T, learner_kw) -> dict:
-    """The plan check's learner memory for this run's shape (megatron_specrl.plan, unfused attention and
+    """The plan check's learner memory for this run's shape (megatron_specrl.config.plan, unfused attention and
     torch's foreach AdamW: no TransformerEngine here), to set beside the measured peaks."""
     from megatron_specrl.config import load_config, resolve_recipe
     from megatron_specrl.learner.model_provider import padded_vocab_size
-    from megatron_specrl.plan import ModelShape, learner_memory, load_hf_config
+    from megatron_specrl.config.plan import ModelShape, learner_memory, load_hf_config
     s = ModelShape.from_hf(load_hf_config(str(model_dir)))
     ov = [f"model.path={model_dir}", f"data.max_prompt_len={T // 4}", f"rollout.max_new_tokens={T - T // 4}",
           f"trainer.prompts_per_step={B // 2}", "rollout.n_samples=2", "learner.micro_batch_size=2",
@@ -402,7 +402,7 @@ ALL = ("stack", *CHECKS)
 
 def check_stack(engine: str, gpus: int) -> dict:
     """gpu_stack.check_stack: the imports (and on GPU nodes the pins and the GPU count)."""
-    from megatron_specrl.gpu_stack import check_stack as stack
+    from megatron_specrl.cluster.gpu_stack import check_stack as stack
     report, failures = stack(engine, gpus)
     return {"engine": engine, "gpus": gpus, "installed": report, "failures": failures, "ok": not failures,
             **({} if gpus else {"note": "--gpus 0: imports only (no pins, no transformer-engine, no CUDA)"})}

@@ -9,7 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 from megatron_specrl import checkpoint as ckpt
-from megatron_specrl.launch import launch_main
+from megatron_specrl.cluster.launch import launch_main
 
 
 from tests.helpers.paths import REPO_ROOT as ROOT

@@ -14,7 +14,7 @@
 import json
 import pytest
 from megatron_specrl.config import load_config
-from megatron_specrl.plan import (
+from megatron_specrl.config.plan import (
     GB, ModelShape, PlanError, activation_elements_per_token_layer, build_plan, learner_memory, load_hf_config,
 )
 from tests.helpers.paths import REPO_ROOT

@@ -62,7 +62,7 @@ def test_a_draft_model_without_the_policys_vocabulary_is_refused_before_start(tm
 
 
 def test_bench_modes_draft_from_the_draft_model_they_are_given():
-    from megatron_specrl.bench_rollout import mode_overrides
+    from megatron_specrl.benchmarks.rollout import mode_overrides
     assert mode_overrides("exact+model", "/d") == ["rollout.spec_mode=exact", "rollout.draft=model", "rollout.runahead=0",
                                                    "rollout.verify=prefill", "rollout.draft_model=/d"]
     assert mode_overrides("model", "tiny-llama")[:2] == ["rollout.spec_mode=off", "rollout.draft=model"]
@@ -245,7 +245,7 @@ def test_exact_rollouts_drafted_by_the_frozen_starting_policy_train_and_log_its_
 def test_the_plan_counts_the_draft_models_weights_and_kv_and_refuses_a_bad_one(tmp_path):
     import json
 
-    from megatron_specrl.plan import PlanError, build_plan
+    from megatron_specrl.config.plan import PlanError, build_plan
     base = ["cluster.gpus_per_node=1", "cluster.gpu_memory_gb=80", "rollout.spec_mode=exact"]
     plain = build_plan(_cfg(*base), check_data=False).engine
     drafted = build_plan(_cfg(*base, "rollout.draft=model", "rollout.draft_model=tiny-llama"), check_data=False).engine

@@ -37,7 +37,7 @@ from megatron_specrl.rollout.dynamic import filter_rounds
 from megatron_specrl.rollout.speculative import RolloutSample
 from megatron_specrl.config import ConfigError
 from megatron_specrl.data.datasets import PromptLoader
-from megatron_specrl.plan import ModelShape, engine_memory
+from megatron_specrl.config.plan import ModelShape, engine_memory
 from megatron_specrl.algorithms.dapo import DynamicSamplingError
 from tests.helpers.paths import REPO_ROOT
 

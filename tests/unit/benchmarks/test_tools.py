@@ -27,8 +27,8 @@ import math
 import pytest
 from argparse import Namespace
 import numpy as np
-from megatron_specrl import bench_rollout
-from megatron_specrl.bench_rollout import epoch_table, per_epoch, spread, summarize
+from megatron_specrl.benchmarks import rollout as bench_rollout
+from megatron_specrl.benchmarks.rollout import epoch_table, per_epoch, spread, summarize
 from megatron_specrl.engines.tree_drafter import add_step_cost, fit_step_cost
 import torch
 from tests.helpers.paths import REPO_ROOT
@@ -105,7 +105,7 @@ def test_bench_own_draft_counts_the_plain_arms_engine_steps():
 
 
 
-# -- megatron_specrl/bench_rollout.py: --plot ------------------------------------------------------
+# -- megatron_specrl/benchmarks/rollout.py: --plot ------------------------------------------------------
 
 def _fake_runs(seeds=(7, 8), modes=("off", "tree"), epochs=3):
     """bench-rollout's `runs` (as its JSON holds them): per seed, per mode, per-epoch rows whose
@@ -120,7 +120,7 @@ def _fake_runs(seeds=(7, 8), modes=("off", "tree"), epochs=3):
 def test_bench_rollout_plot_draws_every_seed(tmp_path):
     """With --seeds N > 1 the plot drew runs[0] only: the other seeds' curves, whose spread the
     tables report, were missing from it."""
-    from megatron_specrl import bench_rollout
+    from megatron_specrl.benchmarks import rollout as bench_rollout
 
     runs = _fake_runs()
     series = bench_rollout.plot_series(runs)
@@ -569,7 +569,7 @@ def test_adam_kind_follows_the_optimizer_the_learner_builds():
     """Replicated AdamW on GPUs is torch's foreach (an fp32 copy of the parameters in the step), the
     distributed optimizer on a GPU cluster TE's FusedAdam (none), CPU torch's per-tensor loop (one tensor)."""
     from megatron_specrl.config import load_config
-    from megatron_specrl.plan import ModelShape, adam_kind, optimizer_step_bytes
+    from megatron_specrl.config.plan import ModelShape, adam_kind, optimizer_step_bytes
     base = ROOT / "examples" / "tiny-cpu-grpo.yaml"
     assert adam_kind(load_config(base, [])) == "per_tensor"
     gpu = ["cluster.gpus_per_node=8"]

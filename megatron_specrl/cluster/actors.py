@@ -45,7 +45,7 @@ def _check_ray_token(address: str) -> None:
     from ray._private.services import canonicalize_bootstrap_address
 
     from megatron_specrl.config import ConfigError
-    from megatron_specrl.ray_join import token_refused
+    from megatron_specrl.cluster.ray_join import token_refused
     try:
         resolved = canonicalize_bootstrap_address(address)
     except Exception:   # no cluster found for "auto": ray.init says so
