@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from megatron_specrl.algorithms.kl_reward import RewardKLController
+from megatron_specrl.cluster.placement import Placement
 from megatron_specrl.config import RunConfig
 from megatron_specrl.engines.protocol import RolloutEngine
 from megatron_specrl.metrics.sinks import MetricsLogger, plot_metrics
-from megatron_specrl.cluster.placement import Placement
 from megatron_specrl.resync.routes import Route
 from megatron_specrl.rollout.speculative import SpeculativeRollout
 from megatron_specrl.rollout.store import TrajectoryStore

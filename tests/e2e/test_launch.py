@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 import pytest
 from megatron_specrl.cli import main
-from megatron_specrl.config import ConfigError
 from megatron_specrl.cluster.launch import launch_main
 from megatron_specrl.cluster.ports import free_port
+from megatron_specrl.config import ConfigError
 from tests.helpers.paths import REPO_ROOT
 
 ROOT = REPO_ROOT

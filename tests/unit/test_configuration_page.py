@@ -1,8 +1,8 @@
 """docs/configuration.md is generated from the config schema: every key has a one-sentence description,
 and the committed page is what `python -m megatron_specrl.config.docs` writes now."""
 
-from megatron_specrl.config import docs as config_docs
 from megatron_specrl.config import RunConfig
+from megatron_specrl.config import docs as config_docs
 from megatron_specrl.config.hints import schema_keys
 
 

@@ -33,7 +33,7 @@ NOT_METRIC_PREFIXES = {"off/"}       # bench-rollout's "speedup vs off" column l
 
 def _sources():
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path.name == "metric_keys.py":    # the registry itself: its strings document keys, emit none
+        if path.relative_to(PACKAGE).as_posix() == "metrics/keys.py":    # the registry itself: its strings document keys, emit none
             continue
         yield path, ast.parse(path.read_text(), filename=str(path))
 

@@ -2,7 +2,7 @@
 fed synthetic rollouts and counters (no engine).
 
 Edge cases of the benchmark tools (reviews): replay_drafts' arguments past what the dumps hold,
-bench-rollout's plot over every seed, bench_resync's model cache after an interrupted build.
+bench-rollout's plot over every seed, bench-resync's model cache after an interrupted build.
 No engine, no Megatron: synthetic dumps, fake per-epoch rows, a fake checkpoint writer.
 
 benchmarks/draft_bound.py: decode steps with the policy's own argmax continuation as the draft.
@@ -153,7 +153,7 @@ def test_bench_rollout_plot_draws_every_seed(tmp_path):
         [("off", [701, 702, 703]), ("tree", [711, 712, 713])]
 
 
-# -- bench-resync (diagnostics/bench_resync.py): the cached model -------------------------------------------------------
+# -- bench-resync (megatron_specrl/benchmarks/resync.py): the cached model -------------------------------------------------------
 
 def test_bench_resync_never_reuses_a_half_written_model(tmp_path, monkeypatch):
     """The model was written straight into its cache directory, and a directory with config.json and
@@ -186,7 +186,7 @@ def test_bench_resync_never_reuses_a_half_written_model(tmp_path, monkeypatch):
             return FakeModel()
 
     monkeypatch.setattr(transformers, "AutoModelForCausalLM", FakeAuto)
-    from megatron_specrl.diagnostics import bench_resync
+    from megatron_specrl.benchmarks import resync as bench_resync
     with pytest.raises(KeyboardInterrupt):
         bench_resync.build_bench_model(128, 1, 256, 300)
     out = bench_resync.build_bench_model(128, 1, 256, 300)

@@ -47,8 +47,8 @@ from megatron_specrl.engines.tree_drafter import (
 import json
 from types import SimpleNamespace
 import numpy as np
-from megatron_specrl.engines import tree_proposer as tp
 from megatron_specrl.benchmarks.rollout import per_epoch, summarize
+from megatron_specrl.engines import tree_proposer as tp
 from megatron_specrl.rollout.dynamic import _merge
 from megatron_specrl.rollout.speculative import tree_metrics
 from tests.helpers.capabilities import DraftsNothing

@@ -3,8 +3,8 @@
 
 import pytest
 import torch
-from megatron_specrl.models import warmup
 from megatron_specrl.data import synthetic
+from megatron_specrl.models import warmup
 from megatron_specrl.models.warmup import read_warmup_info, warmup_key, warmup_sft
 
 @pytest.fixture(scope="module")
