@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from megatron_specrl.config import ConfigError, load_config, resolve_recipe, to_yaml
-from megatron_specrl.config.plan import PlanError
+from megatron_specrl.plan import PlanError
 from megatron_specrl.data.datasets import DatasetError
 from megatron_specrl.engines.protocol import EngineError
 from megatron_specrl.rewards import RewardError
@@ -35,7 +35,7 @@ def cmd_train(args) -> int:
     cfg = load_config(resolve_recipe(recipe), overrides)
     from megatron_specrl.config.resolve import resolve
     resolved = resolve(cfg, log_choices=False)   # train() logs them; reward.name is checked here
-    from megatron_specrl.config.plan import build_plan, print_plan
+    from megatron_specrl.plan import build_plan, print_plan
     # layout, model, data and memory, before anything is written; a run loads model.path now, so a
     # shape-only config (examples/models/) passes the dry-run only
     plan = build_plan(cfg, loads_model=not args.dry_run)
@@ -68,7 +68,7 @@ def cmd_convert(args) -> int:
     leaves no output directory behind that it created."""
     import shutil
 
-    from megatron_specrl.config.plan import check_convert_layout
+    from megatron_specrl.plan import check_convert_layout
     from megatron_specrl.learner.convert import build_parser as convert_parser, convert_main
     if not any(a in ("-h", "--help") for a in args.rest):
         parsed = convert_parser().parse_args(args.rest)
@@ -102,7 +102,7 @@ def check_resync_layout(parsed) -> None:
     """check-resync's --model / --tp / --pp / --ep / --engine-tp checked with the rule `train` checks learner.tp /
     pp / ep and rollout.engine_tp with (shape.layout_failures): otherwise a size that does not fit the model fails
     in a Megatron or vLLM assert inside a Ray actor, after the model is built."""
-    from megatron_specrl.config.plan import ModelShape, load_hf_config
+    from megatron_specrl.plan import ModelShape, load_hf_config
     from megatron_specrl.models.families.shape import CLI_KEYS, layout_failures
     from megatron_specrl.models.resolve import TINY
     if parsed.model not in TINY and not (Path(parsed.model) / "config.json").is_file():

@@ -1,7 +1,7 @@
 """`megatron-specrl launch`: check the whole plan, then render (and optionally submit) a Slurm job
 that starts a Ray cluster and trains.
 
-The plan check (config/plan.py) runs first, always, and nothing is written when it fails: a layout that
+The plan check (plan.py) runs first, always, and nothing is written when it fails: a layout that
 cannot run would otherwise fail only after the job left the queue. The script then:
   1. runs the GPU stack check (gpu_stack.py) on every node, so a broken install fails in seconds;
   2. starts the Ray head on the first node and a worker on each other node with `srun`, and waits
@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def launch_main(argv: list[str]) -> int:
     from megatron_specrl.config import load_config, resolve_recipe
-    from megatron_specrl.config.plan import build_plan
+    from megatron_specrl.plan import build_plan
 
     args = build_parser().parse_intermixed_args(argv)
     recipe = resolve_recipe(args.recipe)

@@ -1,6 +1,7 @@
-"""A run's configuration, from recipe to checked plan: the schema and its loading (schema), what the
-unset keys become (resolve), hints for unknown keys (hints), the plan check before a run queues (plan)
-and the generated docs/configuration.md (docs). The schema's public names are importable from here."""
+"""A run's configuration: the schema and its loading (schema), what the unset keys become (resolve), hints
+for unknown keys (hints), where the learner ranks and engines go (placement) and the generated
+docs/configuration.md (docs). The schema's public names are importable from here; the plan check that holds
+a config against the models, data and memory is megatron_specrl.plan."""
 
 from megatron_specrl.config.schema import (
     DRAFT_TOKENS_AUTO, EXAMPLES, OWNED_ENGINE_ARGS, RESYNC_TRANSPORTS, AlgorithmConfig, Choice, ClusterConfig,

@@ -520,7 +520,7 @@ class RayConfig(_Strict):
                                 "under output_dir; errors still raise).")
 
 
-# --- cluster runs (issue #15): the allocation a recipe is planned for (config/plan.py, cluster/launch.py) ---
+# --- cluster runs (issue #15): the allocation a recipe is planned for (plan.py, cluster/launch.py) ---
 class ClusterConfig(_Strict):
     """The Slurm allocation: `launch` asks for it, the plan check fits the layout and memory to it.
     gpus_per_node 0 means a CPU run (no GPU count or memory fit to check)."""

@@ -42,9 +42,9 @@ from pathlib import Path
 
 import torch
 
-from megatron_specrl.cluster.ports import free_port
 from megatron_specrl.diagnostics.reference import complete_batch, hf_reference, loss_config, make_batch
 from megatron_specrl.errors import first_sentence
+from megatron_specrl.learner.ports import free_port
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda", 0) if CUDA else torch.device("cpu")
 
@@ -378,10 +378,10 @@ def check_throughput(hf_dir, big: bool = True):
 
 
 def _plan_gib(model_dir, B, T, learner_kw) -> dict:
-    """The plan check's learner memory for this run's shape (megatron_specrl.config.plan, unfused attention and
+    """The plan check's learner memory for this run's shape (megatron_specrl.plan, unfused attention and
     torch's foreach AdamW: no TransformerEngine here), to set beside the measured peaks."""
     from megatron_specrl.config import load_config, resolve_recipe
-    from megatron_specrl.config.plan import ModelShape, learner_memory, load_hf_config
+    from megatron_specrl.plan import ModelShape, learner_memory, load_hf_config
     from megatron_specrl.learner.model_provider import padded_vocab_size
     s = ModelShape.from_hf(load_hf_config(str(model_dir)))
     ov = [f"model.path={model_dir}", f"data.max_prompt_len={T // 4}", f"rollout.max_new_tokens={T - T // 4}",

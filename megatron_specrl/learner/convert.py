@@ -17,7 +17,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from megatron_specrl.cluster.ports import free_port
+from megatron_specrl.learner.ports import free_port
 
 
 def _rank_main(rank: int, world: int, port: int, direction: str, src: str, out: str, tp: int, pp: int,
@@ -70,7 +70,7 @@ def check_hf_dir(hf_dir: Path) -> None:
 
 def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1, ep: int = 1) -> Path:
     import torch.multiprocessing as mp
-    from megatron_specrl.config.plan import check_convert_layout
+    from megatron_specrl.plan import check_convert_layout
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     check_hf_dir(hf_dir)
     check_convert_layout(hf_dir, tp, pp, ep)   # before the ranks spawn (as the CLI's `convert` checks it)
@@ -88,7 +88,7 @@ def mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int 
     if not (ckpt_dir / "hf" / "config.json").is_file():
         raise FileNotFoundError(f"{ckpt_dir} has no hf/config.json: pass a directory written by `convert "
                                 f"hf-to-mcore` or a training checkpoint's learner/ (checkpoints/step_*/learner)")
-    from megatron_specrl.config.plan import check_convert_layout
+    from megatron_specrl.plan import check_convert_layout
     check_convert_layout(ckpt_dir / "hf", tp, pp, ep)
     world = tp * pp * ep
     mp.spawn(_rank_main, args=(world, free_port("127.0.0.1"), "mcore-to-hf", str(ckpt_dir), str(out_dir), tp, pp, ep),

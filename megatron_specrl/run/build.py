@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_specrl.algorithms.kl_reward import RewardKLController
-from megatron_specrl.cluster.placement import cluster_gpus, plan_placement
 from megatron_specrl.config import ConfigError, RunConfig, to_yaml
-from megatron_specrl.config.plan import check_model_fits
+from megatron_specrl.config.placement import cluster_gpus, plan_placement
 from megatron_specrl.metrics.sinks import MetricsLogger
 from megatron_specrl.models.resolve import read_hf_config, resolve_draft_model, resolve_model, tokenizer_fingerprint
+from megatron_specrl.plan import check_model_fits
 from megatron_specrl.resync.choose import resolve_transport
 from megatron_specrl.resync.routes import make_route
 from megatron_specrl.rollout.speculative import SpeculativeRollout

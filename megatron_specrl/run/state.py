@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from megatron_specrl.algorithms.kl_reward import RewardKLController
-from megatron_specrl.cluster.placement import Placement
 from megatron_specrl.config import RunConfig
+from megatron_specrl.config.placement import Placement
 from megatron_specrl.engines.protocol import RolloutEngine
 from megatron_specrl.metrics.sinks import MetricsLogger, plot_metrics
 from megatron_specrl.resync.routes import Route

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from megatron_specrl.cli import main
 from megatron_specrl.cluster.launch import launch_main
-from megatron_specrl.cluster.ports import free_port
 from megatron_specrl.config import ConfigError
+from megatron_specrl.learner.ports import free_port
 from tests.helpers.paths import REPO_ROOT
 
 ROOT = REPO_ROOT

@@ -1,4 +1,4 @@
-"""The cluster path (config/plan.py, cluster/launch.py) with real-shaped HF configs.
+"""The cluster path (plan.py, cluster/launch.py) with real-shaped HF configs.
 
 The tests of this subject that start processes or engines; the rest are in tests/unit/test_cluster_configs.py.
 """

@@ -2,8 +2,8 @@
 """
 
 import pytest
-from megatron_specrl.cluster.placement import plan_placement
 from megatron_specrl.config import ConfigError, load_config
+from megatron_specrl.config.placement import plan_placement
 
 def _cfg(*over):
     return load_config(None, list(over))

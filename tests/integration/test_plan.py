@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 from megatron_specrl.config import load_config
-from megatron_specrl.config.plan import (
+from megatron_specrl.plan import (
     ModelShape,
     build_plan,
     load_hf_config,
     stage_parameters,
 )
 from tests.helpers.learner import loss_config
-from megatron_specrl.cluster.ports import free_port
+from megatron_specrl.learner.ports import free_port
 
 
 from tests.helpers.paths import REPO_ROOT as ROOT
@@ -62,8 +62,8 @@ def test_memory_estimate_matches_a_real_learner(tiny_llama, tmp_path):
     both microbatches rather than the peak, so activations are not compared there."""
     import torch.multiprocessing as mp
 
-    from megatron_specrl.cluster.ports import free_port
     from megatron_specrl.learner.model_provider import padded_vocab_size
+    from megatron_specrl.learner.ports import free_port
     layouts = [(1, 1, 4), (2, 1, 4), (1, 2, 2)]          # (tp, pp, micro_batch_size): dp2, tp2, pp2
     mp.spawn(_measure, args=(2, str(tiny_llama), layouts, [free_port("127.0.0.1") for _ in layouts], str(tmp_path)),
              nprocs=2, join=True)
@@ -127,7 +127,7 @@ def test_bf16_local_spec_activations_match_the_saved_bytes(tiny_llama, tmp_path)
     import torch.multiprocessing as mp
 
     from megatron_specrl.config import load_config
-    from megatron_specrl.config.plan import ModelShape, learner_memory, load_hf_config
+    from megatron_specrl.plan import ModelShape, learner_memory, load_hf_config
     from megatron_specrl.learner.model_provider import padded_vocab_size
     out = tmp_path / "saved.json"
     mp.spawn(_saved_bytes, args=(str(tiny_llama), str(out)), nprocs=1, join=True)
@@ -191,7 +191,7 @@ def test_moe_memory_estimate_matches_a_real_expert_parallel_learner(tiny_qwen3_m
     over their expert-data-parallel group, dp / ep = 1: not at all) and bf16 (+ fp32 master weights)."""
     import torch.multiprocessing as mp
 
-    from megatron_specrl.config.plan import stage_expert_parameters
+    from megatron_specrl.plan import stage_expert_parameters
     from megatron_specrl.learner.model_provider import padded_vocab_size
     world = 2
     mp.spawn(_measure_moe, args=(world, str(tiny_qwen3_moe), [free_port("127.0.0.1") for _ in MOE_LAYOUTS],

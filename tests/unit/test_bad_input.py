@@ -63,7 +63,7 @@ def test_fewer_synthetic_prompts_than_a_round_is_refused_at_config_time():
 def _fit(overrides, **shape):
     """plan.model_fit_failures, the lines the run's start-up check (plan.check_model_fits) raises, for a
     Llama-shaped model with `shape`'s fields changed."""
-    from megatron_specrl.config.plan import ModelShape, model_fit_failures
+    from megatron_specrl.plan import ModelShape, model_fit_failures
     fields = dict(model_type="llama", hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, ffn=256, vocab=264,
                   tied=False, qkv_bias=False, max_positions=512)
     return model_fit_failures(load_config(None, overrides), ModelShape(**dict(fields, **shape)))
@@ -296,7 +296,7 @@ def test_convert_refuses_a_non_empty_out_before_spawning(tmp_path, tiny_llama, m
 def test_hf_to_mcore_called_directly_checks_the_layout_before_spawning(tmp_path, tiny_llama, monkeypatch):
     import torch.multiprocessing as mp
 
-    from megatron_specrl.config.plan import PlanError
+    from megatron_specrl.plan import PlanError
     from megatron_specrl.learner.convert import hf_to_mcore
 
     def reached(*a, **k):

@@ -1,4 +1,4 @@
-"""The cluster path (config/plan.py, cluster/launch.py) with real-shaped HF configs.
+"""The cluster path (plan.py, cluster/launch.py) with real-shaped HF configs.
 
 - The learner is fp32 (worker.build_gpt_model), and TransformerEngine's flash and fused attention take
   fp16 / bf16 only, so on GPUs its attention is the unfused one that stores the s^2 probabilities: the
@@ -14,7 +14,7 @@
 import json
 import pytest
 from megatron_specrl.config import load_config
-from megatron_specrl.config.plan import (
+from megatron_specrl.plan import (
     GB, ModelShape, PlanError, activation_elements_per_token_layer, build_plan, learner_memory, load_hf_config,
 )
 from tests.helpers.paths import REPO_ROOT

@@ -101,7 +101,7 @@ def _run_config(model_dir: Path, layout: dict):
 
 
 def plan_check(model_dir: Path, layout: dict) -> None:
-    from megatron_specrl.config.plan import build_plan
+    from megatron_specrl.plan import build_plan
     build_plan(_run_config(model_dir, layout), check_data=False)
 
 
@@ -112,7 +112,7 @@ def start_up_check(model_dir: Path, layout: dict) -> None:
 
 
 def convert_check(model_dir: Path, layout: dict) -> None:
-    from megatron_specrl.config.plan import check_convert_layout
+    from megatron_specrl.plan import check_convert_layout
     check_convert_layout(model_dir, layout.get("tp", 1), layout.get("pp", 1), layout.get("ep", 1))
 
 
@@ -158,7 +158,7 @@ def test_every_entry_point_refuses_a_layout_with_the_same_lines(checkpoints, mod
 
 def test_the_layout_rule_names_each_entry_points_keys(checkpoints):
     """The same line, in the keys the user typed: the run's config keys, or the command's flags."""
-    from megatron_specrl.config.plan import PlanError, check_convert_layout
+    from megatron_specrl.plan import PlanError, check_convert_layout
     d = checkpoints["moe-odd-expert"]
     with pytest.raises(PlanError) as e:
         plan_check(d, dict(tp=2))

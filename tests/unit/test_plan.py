@@ -19,7 +19,7 @@ import pytest
 import torch
 from megatron_specrl.cli import main
 from megatron_specrl.config import load_config
-from megatron_specrl.config.plan import (
+from megatron_specrl.plan import (
     GB,
     ModelShape,
     build_plan,
@@ -27,7 +27,7 @@ from megatron_specrl.config.plan import (
 )
 import re
 from megatron_specrl.cluster.launch import launch_main
-from megatron_specrl.config.plan import PlanError
+from megatron_specrl.plan import PlanError
 from tests.helpers.paths import REPO_ROOT
 
 
@@ -62,7 +62,7 @@ def test_cluster_recipes_pass_the_dry_run(recipe, capsys):
 
 @pytest.mark.parametrize("model, params", MODELS.items())
 def test_shipped_model_shapes_have_the_published_sizes(model, params):
-    from megatron_specrl.config.plan import full_parameters
+    from megatron_specrl.plan import full_parameters
     s = ModelShape.from_hf(load_hf_config(f"examples/models/{model}"))
     assert full_parameters(s) == params
     assert full_parameters(s, active=True) == ACTIVE.get(model, params)   # a dense model: all of them active
@@ -109,7 +109,7 @@ def test_qwen3_dense_counts_the_qk_norms_the_configs_head_dim_and_tied_embedding
     """Qwen3-4B's shape: head_dim 128 although hidden 2560 / 32 heads is 80, per-head q / k norms, no QKV
     bias, tied embeddings: 4,022,468,096 parameters (the published checkpoint). At TP 4 a rank holds a
     quarter of the attention and MLP, the norms whole, and the one (tied) embedding shard at pp 1."""
-    from megatron_specrl.config.plan import full_parameters, layer_parameters, stage_parameters
+    from megatron_specrl.plan import full_parameters, layer_parameters, stage_parameters
     from megatron_specrl.learner.model_provider import padded_vocab_size
     d = _shape_dir(tmp_path, "qwen3-8b", hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True)
     s = ModelShape.from_hf(load_hf_config(str(d)))

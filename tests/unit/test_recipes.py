@@ -72,7 +72,7 @@ def test_qwen3_recipes_use_verls_qwen3_dapo_lengths(recipe):
 def test_the_moe_recipe_splits_its_experts_and_its_page_names_the_token_dispatcher():
     """The Qwen3-30B-A3B recipe trains with expert parallelism, bf16 and the distributed optimizer; its
     page names the dispatcher the learner's TransformerConfig uses, and the CPU path's."""
-    from megatron_specrl.config.plan import load_hf_config
+    from megatron_specrl.plan import load_hf_config
     from megatron_specrl.learner.model_provider import transformer_config_from_hf
     cfg = load_config(ROOT / "examples" / "qwen3-30b-a3b-dapo-3node.yaml")
     le = cfg.learner

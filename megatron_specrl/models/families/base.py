@@ -10,7 +10,7 @@ that knows, for its `model_type`:
   - its HF <-> Megatron name table (`rules`: q / k norm names, router and expert names, biases);
   - the config fields it refuses (`unsupported`), beyond those the learner refuses for every family;
   - its tiny model (`tiny_name`, `tiny_config`, `init_tiny`), built from a seed by models/tiny.py.
-Before, config/plan.py, learner/hf_mapping.py, learner/model_provider.py and models/tiny.py each kept a
+Before, plan.py, learner/hf_mapping.py, learner/model_provider.py and models/tiny.py each kept a
 model_type table of their own, and they drifted: the plan split an MoE model's expert width over TP
 while the run's start-up check split the dense intermediate_size.
 

@@ -245,7 +245,7 @@ def test_exact_rollouts_drafted_by_the_frozen_starting_policy_train_and_log_its_
 def test_the_plan_counts_the_draft_models_weights_and_kv_and_refuses_a_bad_one(tmp_path):
     import json
 
-    from megatron_specrl.config.plan import PlanError, build_plan
+    from megatron_specrl.plan import PlanError, build_plan
     base = ["cluster.gpus_per_node=1", "cluster.gpu_memory_gb=80", "rollout.spec_mode=exact"]
     plain = build_plan(_cfg(*base), check_data=False).engine
     drafted = build_plan(_cfg(*base, "rollout.draft=model", "rollout.draft_model=tiny-llama"), check_data=False).engine

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 from tests.helpers.learner import complete_batch, full_logits, hf_reference, loss_config, make_batch
-from megatron_specrl.cluster.ports import free_port
 from megatron_specrl.config import ConfigError, load_config
+from megatron_specrl.learner.ports import free_port
 
 # bf16 keeps 8 significant bits: each rounding is off by up to 2^-9 ~ 2e-3 relative. The tiny model's
 # logits are O(1) after 4 layers of bf16 matmuls and norms (each rounded), and the log-probs are fp32 from
@@ -43,7 +43,7 @@ def test_bf16_needs_the_distributed_optimizer_and_recomputes_old_logprobs():
 
 def test_plan_counts_bf16_bytes_and_flash_attention_on_gpus():
     from megatron_specrl.learner.model_provider import padded_vocab_size
-    from megatron_specrl.config.plan import (ModelShape, activation_elements_per_token_layer, flash_attention,
+    from megatron_specrl.plan import (ModelShape, activation_elements_per_token_layer, flash_attention,
                                       learner_memory, load_hf_config)
     from tests.helpers.paths import REPO_ROOT as ROOT
     recipe = ROOT / "examples" / "llama-3.1-70b-dapo-8node.yaml"

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 from tests.helpers.learner import complete_batch, hf_reference, loss_config, make_batch
-from megatron_specrl.cluster.ports import free_port
+from megatron_specrl.learner.ports import free_port
 
 STEPS = 3
 
@@ -293,7 +293,7 @@ def test_expert_parallel_optimizer_state_is_sharded_as_the_plan_estimates(moe_ru
     the heaviest rank holds what plan.learner_memory estimates, within 1% (Megatron's buckets end on
     dp-aligned boundaries, not at 1/dp of each parameter)."""
     from megatron_specrl.config import load_config
-    from megatron_specrl.config.plan import build_plan
+    from megatron_specrl.plan import build_plan
     load = moe_runs["load"]
     rep, ranks = load("ep2_adamw"), [load("ep2_dist", r) for r in range(4)]
     full, full_experts = rep["opt_bytes"], rep["expert_opt_bytes"]      # one rank's experts: 4 of the 8

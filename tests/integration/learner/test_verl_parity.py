@@ -40,7 +40,7 @@ import logging
 import math
 import torch.multiprocessing as mp
 from tests.helpers.learner import complete_batch, loss_config, make_batch, one_rank_state
-from megatron_specrl.cluster.ports import free_port
+from megatron_specrl.learner.ports import free_port
 from tests.helpers.paths import REPO_ROOT
 
 

@@ -33,7 +33,7 @@ from megatron_specrl.algorithms.dapo import DynamicSamplingError
 from megatron_specrl.algorithms.rewards_step import score_samples
 from megatron_specrl.config import AlgorithmConfig, load_config
 from megatron_specrl.config import ConfigError
-from megatron_specrl.config.plan import ModelShape, engine_memory
+from megatron_specrl.plan import ModelShape, engine_memory
 from megatron_specrl.data.datasets import PromptRecord
 from megatron_specrl.data.datasets import PromptLoader
 from megatron_specrl.learner.losses import aggregate, kl_penalty, policy_loss

@@ -569,7 +569,7 @@ def test_adam_kind_follows_the_optimizer_the_learner_builds():
     """Replicated AdamW on GPUs is torch's foreach (an fp32 copy of the parameters in the step), the
     distributed optimizer on a GPU cluster TE's FusedAdam (none), CPU torch's per-tensor loop (one tensor)."""
     from megatron_specrl.config import load_config
-    from megatron_specrl.config.plan import ModelShape, adam_kind, optimizer_step_bytes
+    from megatron_specrl.plan import ModelShape, adam_kind, optimizer_step_bytes
     base = ROOT / "examples" / "tiny-cpu-grpo.yaml"
     assert adam_kind(load_config(base, [])) == "per_tensor"
     gpu = ["cluster.gpus_per_node=8"]

@@ -87,7 +87,7 @@ def test_qwen2_sliding_window_is_refused(tmp_path):
 
 def test_plan_reports_llama_attention_bias(tmp_path):
     """The refusal reaches the pre-flight plan (one line naming model.path and the field)."""
-    from megatron_specrl.config.plan import _hf_support
+    from megatron_specrl.plan import _hf_support
     cfg = _cfg(tmp_path, dict(LLAMA31_8B, attention_bias=True))
 
     class _Run:

@@ -229,7 +229,7 @@ def _config_dir(tmp_path, **overrides):
 def test_convert_layout_refuses_tp_not_dividing_intermediate_size(tmp_path):
     """Heads (4) and KV heads (2) divide --tp=2 but intermediate_size=255 does not: before the fix the
     check passed and the spawned ranks died on Megatron's 'ColumnParallelLinear' assert (no field named)."""
-    from megatron_specrl.config.plan import PlanError, check_convert_layout
+    from megatron_specrl.plan import PlanError, check_convert_layout
     d = _config_dir(tmp_path, intermediate_size=255)
     with pytest.raises(PlanError) as e:
         check_convert_layout(d, tp=2, pp=1)
@@ -238,5 +238,5 @@ def test_convert_layout_refuses_tp_not_dividing_intermediate_size(tmp_path):
 
 
 def test_convert_layout_accepts_a_dividing_layout(tmp_path):
-    from megatron_specrl.config.plan import check_convert_layout
+    from megatron_specrl.plan import check_convert_layout
     check_convert_layout(_config_dir(tmp_path), tp=2, pp=2)
