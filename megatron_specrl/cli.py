@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 from megatron_specrl.config import ConfigError, load_config, resolve_recipe, to_yaml
-from megatron_specrl.plan import PlanError
 from megatron_specrl.data.datasets import DatasetError
 from megatron_specrl.engines.protocol import EngineError
+from megatron_specrl.plan import PlanError
 from megatron_specrl.rewards import RewardError
 
 def _split_recipe_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
@@ -68,8 +68,8 @@ def cmd_convert(args) -> int:
     leaves no output directory behind that it created."""
     import shutil
 
-    from megatron_specrl.plan import check_convert_layout
     from megatron_specrl.learner.convert import build_parser as convert_parser, convert_main
+    from megatron_specrl.plan import check_convert_layout
     if not any(a in ("-h", "--help") for a in args.rest):
         parsed = convert_parser().parse_args(args.rest)
         hf_dir = Path(parsed.hf) if parsed.direction == "hf-to-mcore" else Path(parsed.ckpt) / "hf"
@@ -102,9 +102,9 @@ def check_resync_layout(parsed) -> None:
     """check-resync's --model / --tp / --pp / --ep / --engine-tp checked with the rule `train` checks learner.tp /
     pp / ep and rollout.engine_tp with (shape.layout_failures): otherwise a size that does not fit the model fails
     in a Megatron or vLLM assert inside a Ray actor, after the model is built."""
-    from megatron_specrl.plan import ModelShape, load_hf_config
     from megatron_specrl.models.families.shape import CLI_KEYS, layout_failures
     from megatron_specrl.models.resolve import TINY
+    from megatron_specrl.plan import ModelShape, load_hf_config
     if parsed.model not in TINY and not (Path(parsed.model) / "config.json").is_file():
         raise ConfigError(f"--model {parsed.model}: no config.json there (a local HF checkpoint directory, "
                           f"or one of {sorted(TINY)})")

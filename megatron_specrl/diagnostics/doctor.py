@@ -381,8 +381,8 @@ def _plan_gib(model_dir, B, T, learner_kw) -> dict:
     """The plan check's learner memory for this run's shape (megatron_specrl.plan, unfused attention and
     torch's foreach AdamW: no TransformerEngine here), to set beside the measured peaks."""
     from megatron_specrl.config import load_config, resolve_recipe
-    from megatron_specrl.plan import ModelShape, learner_memory, load_hf_config
     from megatron_specrl.learner.model_provider import padded_vocab_size
+    from megatron_specrl.plan import ModelShape, learner_memory, load_hf_config
     s = ModelShape.from_hf(load_hf_config(str(model_dir)))
     ov = [f"model.path={model_dir}", f"data.max_prompt_len={T // 4}", f"rollout.max_new_tokens={T - T // 4}",
           f"trainer.prompts_per_step={B // 2}", "rollout.n_samples=2", "learner.micro_batch_size=2",

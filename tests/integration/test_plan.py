@@ -127,8 +127,8 @@ def test_bf16_local_spec_activations_match_the_saved_bytes(tiny_llama, tmp_path)
     import torch.multiprocessing as mp
 
     from megatron_specrl.config import load_config
-    from megatron_specrl.plan import ModelShape, learner_memory, load_hf_config
     from megatron_specrl.learner.model_provider import padded_vocab_size
+    from megatron_specrl.plan import ModelShape, learner_memory, load_hf_config
     out = tmp_path / "saved.json"
     mp.spawn(_saved_bytes, args=(str(tiny_llama), str(out)), nprocs=1, join=True)
     saved = json.loads(out.read_text())
@@ -191,8 +191,8 @@ def test_moe_memory_estimate_matches_a_real_expert_parallel_learner(tiny_qwen3_m
     over their expert-data-parallel group, dp / ep = 1: not at all) and bf16 (+ fp32 master weights)."""
     import torch.multiprocessing as mp
 
-    from megatron_specrl.plan import stage_expert_parameters
     from megatron_specrl.learner.model_provider import padded_vocab_size
+    from megatron_specrl.plan import stage_expert_parameters
     world = 2
     mp.spawn(_measure_moe, args=(world, str(tiny_qwen3_moe), [free_port("127.0.0.1") for _ in MOE_LAYOUTS],
                                  str(tmp_path)), nprocs=world, join=True)

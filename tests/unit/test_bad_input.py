@@ -296,8 +296,8 @@ def test_convert_refuses_a_non_empty_out_before_spawning(tmp_path, tiny_llama, m
 def test_hf_to_mcore_called_directly_checks_the_layout_before_spawning(tmp_path, tiny_llama, monkeypatch):
     import torch.multiprocessing as mp
 
-    from megatron_specrl.plan import PlanError
     from megatron_specrl.learner.convert import hf_to_mcore
+    from megatron_specrl.plan import PlanError
 
     def reached(*a, **k):
         raise _Reached

@@ -109,8 +109,8 @@ def test_qwen3_dense_counts_the_qk_norms_the_configs_head_dim_and_tied_embedding
     """Qwen3-4B's shape: head_dim 128 although hidden 2560 / 32 heads is 80, per-head q / k norms, no QKV
     bias, tied embeddings: 4,022,468,096 parameters (the published checkpoint). At TP 4 a rank holds a
     quarter of the attention and MLP, the norms whole, and the one (tied) embedding shard at pp 1."""
-    from megatron_specrl.plan import full_parameters, layer_parameters, stage_parameters
     from megatron_specrl.learner.model_provider import padded_vocab_size
+    from megatron_specrl.plan import full_parameters, layer_parameters, stage_parameters
     d = _shape_dir(tmp_path, "qwen3-8b", hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True)
     s = ModelShape.from_hf(load_hf_config(str(d)))
     assert (s.head_dim, s.qk_norm, s.qkv_bias, s.tied) == (128, True, False, True)

@@ -29,16 +29,16 @@ import torch
 from pydantic import ValidationError
 from megatron_specrl.algorithms.advantages import gae, grpo_advantages, terminal_rewards, whiten
 from megatron_specrl.algorithms.dapo import overlong_penalty
-from megatron_specrl.algorithms.dapo import DynamicSamplingError
 from megatron_specrl.algorithms.rewards_step import score_samples
 from megatron_specrl.config import AlgorithmConfig, load_config
-from megatron_specrl.config import ConfigError
-from megatron_specrl.plan import ModelShape, engine_memory
 from megatron_specrl.data.datasets import PromptRecord
-from megatron_specrl.data.datasets import PromptLoader
 from megatron_specrl.learner.losses import aggregate, kl_penalty, policy_loss
 from megatron_specrl.rollout.dynamic import filter_rounds
 from megatron_specrl.rollout.speculative import RolloutSample
+from megatron_specrl.config import ConfigError
+from megatron_specrl.data.datasets import PromptLoader
+from megatron_specrl.plan import ModelShape, engine_memory
+from megatron_specrl.algorithms.dapo import DynamicSamplingError
 from tests.helpers.paths import REPO_ROOT
 
 
