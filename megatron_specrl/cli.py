@@ -33,7 +33,7 @@ def cmd_train(args) -> int:
     args = train_parser().parse_intermixed_args(args.rest)   # flags anywhere: RECIPE --dry-run key=value
     recipe, overrides = _split_recipe_and_overrides(args.items)
     cfg = load_config(resolve_recipe(recipe), overrides)
-    from megatron_specrl.resolve import resolve
+    from megatron_specrl.config.resolve import resolve
     resolved = resolve(cfg, log_choices=False)   # train() logs them; reward.name is checked here
     from megatron_specrl.plan import build_plan, print_plan
     # layout, model, data and memory, before anything is written; a run loads model.path now, so a
@@ -115,17 +115,17 @@ def check_resync_layout(parsed) -> None:
 
 
 def cmd_bench_rollout(args) -> int:
-    from megatron_specrl.bench_rollout import bench_rollout_main
+    from megatron_specrl.benchmarks.rollout import bench_rollout_main
     return bench_rollout_main(args.rest)
 
 
 def cmd_bench_train(args) -> int:
-    from megatron_specrl.bench_train import bench_train_main
+    from megatron_specrl.benchmarks.train import bench_train_main
     return bench_train_main(args.rest)
 
 
 def cmd_bench_resync(args) -> int:
-    from megatron_specrl.diagnostics.bench_resync import bench_resync_main
+    from megatron_specrl.benchmarks.resync import bench_resync_main
     return bench_resync_main(args.rest)
 
 
@@ -135,7 +135,7 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_launch(args) -> int:
-    from megatron_specrl.launch import launch_main
+    from megatron_specrl.cluster.launch import launch_main
     return launch_main(args.rest)
 
 

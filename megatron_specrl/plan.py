@@ -485,7 +485,7 @@ def _transport(cfg: RunConfig) -> list[str]:
     (resync/choose.py): cuda_ipc disaggregated or with several engines, or broadcast colocated on GPUs,
     would otherwise fail only after the job left the queue. Without cluster.gpus_per_node the plan does not
     know the machine's GPUs (a local run finds them through Ray): the run checks it then."""
-    from megatron_specrl.placement import Placement
+    from megatron_specrl.config.placement import Placement
     from megatron_specrl.resync.choose import resolve_transport
     r = cfg.rollout
     if cfg.cluster.gpus_per_node == 0:

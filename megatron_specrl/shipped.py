@@ -7,7 +7,7 @@ megatron_specrl/_data/examples and megatron_specrl/_data/docker (package data: o
 `shipped_path` takes the installed copy where there is one, else the checkout's: an editable install
 and a run from the repository read the repository's files, a wheel its own.
 
-The generated pages under docs/ do not ship: their writers (config_docs, metric_keys) are developer
+The generated pages under docs/ do not ship: their writers (config.docs, metrics.keys) are developer
 tools that rewrite a checkout's page (`CHECKOUT`, None in a wheel install, where they need --out).
 """
 

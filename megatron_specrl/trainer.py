@@ -16,7 +16,7 @@ from megatron_specrl.algorithms.kl_reward import kl_cost
 from megatron_specrl.algorithms.ppo import ppo_advantages
 from megatron_specrl.algorithms.rewards_step import group_ids_of, score_samples
 from megatron_specrl.config import RunConfig
-from megatron_specrl.resolve import resolve
+from megatron_specrl.config.resolve import resolve
 from megatron_specrl.resync.lifecycle import engines_of, release_engine_memory
 from megatron_specrl.rollout.batch import build_batch
 from megatron_specrl.rollout.dump import dump_rollouts

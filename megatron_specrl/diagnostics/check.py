@@ -396,7 +396,7 @@ def check_resync_main(argv: list[str] | None = None, learner=None, engine=None) 
     import ray
     from rich.console import Console
 
-    from megatron_specrl.actors import build_actors, init_ray
+    from megatron_specrl.cluster.actors import build_actors, init_ray
     from megatron_specrl.config import LearnerConfig, RolloutConfig
 
     args = build_parser().parse_args(argv)

@@ -1,7 +1,7 @@
 """`megatron-specrl doctor`: is this machine's install able to run the project, and do the learner's
 CUDA code paths agree with HF transformers? Without Ray or an engine.
 
-First the stack check every node of a `launch` job runs (megatron_specrl.gpu_stack: torch,
+First the stack check every node of a `launch` job runs (megatron_specrl.cluster.gpu_stack: torch,
 megatron-core, vLLM or SGLang, Ray, transformers and, on GPU nodes, transformer-engine import; on GPU
 nodes also their pinned versions and the GPU count). Then the smoke checks, on one GPU, or for every
 check that can run there, on this CPU over gloo; a check that needs CUDA is reported as skipped, with
@@ -44,7 +44,7 @@ import torch
 
 from megatron_specrl.diagnostics.reference import complete_batch, hf_reference, loss_config, make_batch
 from megatron_specrl.errors import first_sentence
-from megatron_specrl.ports import free_port
+from megatron_specrl.learner.ports import free_port
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda", 0) if CUDA else torch.device("cpu")
 
@@ -402,7 +402,7 @@ ALL = ("stack", *CHECKS)
 
 def check_stack(engine: str, gpus: int) -> dict:
     """gpu_stack.check_stack: the imports (and on GPU nodes the pins and the GPU count)."""
-    from megatron_specrl.gpu_stack import check_stack as stack
+    from megatron_specrl.cluster.gpu_stack import check_stack as stack
     report, failures = stack(engine, gpus)
     return {"engine": engine, "gpus": gpus, "installed": report, "failures": failures, "ok": not failures,
             **({} if gpus else {"note": "--gpus 0: imports only (no pins, no transformer-engine, no CUDA)"})}

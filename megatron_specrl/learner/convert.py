@@ -17,7 +17,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from megatron_specrl.ports import free_port
+from megatron_specrl.learner.ports import free_port
 
 
 def _rank_main(rank: int, world: int, port: int, direction: str, src: str, out: str, tp: int, pp: int,

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 import ray
 
 from megatron_specrl.config import LearnerConfig
+from megatron_specrl.learner.ports import free_port
 from megatron_specrl.learner.worker import LearnerWorker
-from megatron_specrl.ports import free_port
 
 
 @ray.remote

@@ -35,7 +35,7 @@ def resolve_model(model_cfg: ModelConfig, seed: int = 0, task_terms: tuple[int, 
             build_once(base, _TINY_MARKER, lambda tmp: build_tiny_model(tmp, arch=TINY[model_cfg.path], seed=seed))
         if model_cfg.warmup_steps == 0:
             return base
-        from megatron_specrl.warmup import warmup_sft
+        from megatron_specrl.models.warmup import warmup_sft
         return Path(warmup_sft(base, cache_root() / "warmup", steps=model_cfg.warmup_steps,
                                lr=model_cfg.warmup_lr, seed=seed, terms=task_terms))
     path = Path(model_cfg.path)

@@ -8,7 +8,7 @@ ranks on one GPU); disaggregated on GPUs -> broadcast (NCCL from learner rank 0 
 from __future__ import annotations
 
 from megatron_specrl.config import RESYNC_TRANSPORTS as TRANSPORTS, ConfigError
-from megatron_specrl.placement import Placement
+from megatron_specrl.config.placement import Placement
 
 
 def resolve_transport(requested: str, placement: Placement, num_engines: int = 1, engine: str = "vllm") -> str:

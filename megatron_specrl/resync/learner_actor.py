@@ -2,7 +2,7 @@
 
 The learner only knows how to yield its weights as full HF tensors (`iter_hf_state`); turning
 them into buckets and moving them by a transport is resync's business, so it lives here and the
-actor class is injected into `LearnerGroup` (actors.py) instead of the learner importing resync.
+actor class is injected into `LearnerGroup` (cluster/actors.py) instead of the learner importing resync.
 Every rank runs the sync methods (the gather is collective); only rank 0 sends. `dtype` is the
 engines' (rollout.engine_dtype): floating tensors are cast to it on rank 0 as they enter a bucket,
 so every transport moves the same, cast, buckets.

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 from megatron_specrl.algorithms.kl_reward import RewardKLController
 from megatron_specrl.config import ConfigError, RunConfig, to_yaml
-from megatron_specrl.metrics import MetricsLogger
+from megatron_specrl.config.placement import cluster_gpus, plan_placement
+from megatron_specrl.metrics.sinks import MetricsLogger
 from megatron_specrl.models.resolve import read_hf_config, resolve_draft_model, resolve_model, tokenizer_fingerprint
 from megatron_specrl.plan import check_model_fits
-from megatron_specrl.placement import cluster_gpus, plan_placement
 from megatron_specrl.resync.choose import resolve_transport
 from megatron_specrl.resync.routes import make_route
 from megatron_specrl.rollout.speculative import SpeculativeRollout
@@ -130,7 +130,7 @@ def load_data(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> _Data:
 def start_actors(cfg: RunConfig, model: _Model, out: Path):
     """Ray, the placement of learner ranks and engines on its GPUs, the resync transport that placement
     allows, and the actors (actors.build_actors): (actors, placement, transport)."""
-    from megatron_specrl.actors import build_actors, init_ray
+    from megatron_specrl.cluster.actors import build_actors, init_ray
     from megatron_specrl.run.overlap import split_cores
 
     binding = split_cores(cfg)   # trainer.max_staleness on CPU: the engines decode on cores of their own

@@ -12,9 +12,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from megatron_specrl.algorithms.kl_reward import RewardKLController
 from megatron_specrl.config import RunConfig
+from megatron_specrl.config.placement import Placement
 from megatron_specrl.engines.protocol import RolloutEngine
-from megatron_specrl.metrics import MetricsLogger, plot_metrics
-from megatron_specrl.placement import Placement
+from megatron_specrl.metrics.sinks import MetricsLogger, plot_metrics
 from megatron_specrl.resync.routes import Route
 from megatron_specrl.rollout.speculative import SpeculativeRollout
 from megatron_specrl.rollout.store import TrajectoryStore

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 import pytest
 from megatron_specrl.cli import main
+from megatron_specrl.cluster.launch import launch_main
 from megatron_specrl.config import ConfigError
-from megatron_specrl.launch import launch_main
-from megatron_specrl.ports import free_port
+from megatron_specrl.learner.ports import free_port
 from tests.helpers.paths import REPO_ROOT
 
 ROOT = REPO_ROOT
@@ -39,8 +39,8 @@ def test_renders_head_workers_join_check_and_driver(tmp_path):
     assert "#SBATCH --nodes=4" in text and "#SBATCH --gpus-per-node=8" in text and "#SBATCH --requeue" in text
     assert "#SBATCH --partition=gpu" in text and "#SBATCH --account=rl" in text
     assert "VENV='/opt/my venv'" in text and '"$VENV/bin/ray" start --head' in text
-    assert 'start --address="$RAY_ADDRESS"' in text and "megatron_specrl.ray_join" in text
-    assert "megatron_specrl.gpu_stack" in text and "trap stop_ray EXIT" in text
+    assert 'start --address="$RAY_ADDRESS"' in text and "megatron_specrl.cluster.ray_join" in text
+    assert "megatron_specrl.cluster.gpu_stack" in text and "trap stop_ray EXIT" in text
     assert "TRAIN_ARGS=(ray.address=auto trainer.resume=auto learner.lr=2e-6)" in text
     assert "sleep" not in text and 'exit "$rc"' in text and 'scontrol requeue "$SLURM_JOB_ID"' in text
     # srun (Slurm 22.05+) does not inherit sbatch's cpus-per-task: each Ray step asks for the node's CPUs
@@ -122,7 +122,7 @@ def _kill_group(pgid: int) -> None:
 
 
 def test_ray_join_counts_alive_nodes_with_their_gpus_and_names_a_missing_head():
-    from megatron_specrl.ray_join import ClusterJoinTimeout, ready_nodes, wait_for_cluster
+    from megatron_specrl.cluster.ray_join import ClusterJoinTimeout, ready_nodes, wait_for_cluster
     nodes = [{"Alive": True, "Resources": {"GPU": 8.0}}, {"Alive": False, "Resources": {"GPU": 8.0}},
              {"Alive": True, "Resources": {"GPU": 4.0}}, {"Alive": True, "Resources": {"CPU": 64.0}}]
     assert len(ready_nodes(nodes, 8)) == 1 and len(ready_nodes(nodes, 4)) == 2 and len(ready_nodes(nodes, 0)) == 3
@@ -161,7 +161,7 @@ def test_head_ip_is_rays_routable_address_and_loopback_is_refused_for_several_no
     the head then listened where no other node could reach it. The script asks Ray for the address."""
     import ray.util
 
-    from megatron_specrl import ray_join
+    from megatron_specrl.cluster import ray_join
     script = launch_main_script(tmp_path)
     assert "hostname --ip-address" not in script and "ray_join --print-head-ip" in script
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.1.1")
@@ -185,7 +185,7 @@ def launch_main_script(tmp_path) -> str:
 def _steps(text: str) -> list[str]:
     """The script's commands that start a process on a node or talk to Ray: every srun and ray_join line."""
     return [ln.strip() for ln in text.replace("\\\n", " ").splitlines()     # continuation lines joined
-            if not ln.lstrip().startswith("#") and ("srun " in ln or "megatron_specrl.ray_join" in ln)]
+            if not ln.lstrip().startswith("#") and ("srun " in ln or "megatron_specrl.cluster.ray_join" in ln)]
 
 
 def test_every_step_runs_with_the_jobs_token_and_the_script_holds_none(tmp_path):
@@ -238,7 +238,7 @@ FAKE_VENV = {
     # job's own train (the real entry point, with the step's arguments)
     "megatron-specrl": textwrap.dedent("""\
         #!/bin/bash
-        probe() { "$REAL_PYTHON" -m megatron_specrl.ray_join --address "$RAY_ADDRESS" --nodes 2 --timeout-s 60; }
+        probe() { "$REAL_PYTHON" -m megatron_specrl.cluster.ray_join --address "$RAY_ADDRESS" --nodes 2 --timeout-s 60; }
         cp "$RAY_AUTH_TOKEN_PATH" "$PROBE_DIR/token"
         stat -c %a "$RAY_AUTH_TOKEN_PATH" > "$PROBE_DIR/mode"
         env -u RAY_AUTH_MODE -u RAY_AUTH_TOKEN_PATH HOME="$PROBE_DIR/outsider" bash -c "$(declare -f probe); probe" \\
@@ -248,7 +248,7 @@ FAKE_VENV = {
             model.warmup_steps=0 output_dir="$PROBE_DIR/train") > "$PROBE_DIR/train.txt" 2>&1
         echo "rc=$?" >> "$PROBE_DIR/train.txt"
         probe > "$PROBE_DIR/own.txt" 2>&1; echo "rc=$?" >> "$PROBE_DIR/own.txt"
-        "$REAL_PYTHON" -c 'import ray; from megatron_specrl.actors import init_ray; from megatron_specrl.config import \
+        "$REAL_PYTHON" -c 'import ray; from megatron_specrl.cluster.actors import init_ray; from megatron_specrl.config import \
         RayConfig; init_ray(RayConfig(address="auto")); print(ray.get(ray.remote(lambda: "a task ran").remote()))' \
             > "$PROBE_DIR/driver.txt" 2>&1
         exec "$REAL_SPECRL" "$@"

@@ -1,4 +1,4 @@
-"""The cluster path (plan.py, launch.py) with real-shaped HF configs.
+"""The cluster path (plan.py, cluster/launch.py) with real-shaped HF configs.
 
 The tests of this subject that start processes or engines; the rest are in tests/unit/test_cluster_configs.py.
 """
@@ -9,7 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 from megatron_specrl import checkpoint as ckpt
-from megatron_specrl.launch import launch_main
+from megatron_specrl.cluster.launch import launch_main
 
 
 from tests.helpers.paths import REPO_ROOT as ROOT

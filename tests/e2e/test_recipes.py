@@ -34,7 +34,7 @@ def test_recipe_runs(recipe, extra, tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     last = rows[-1]
     assert "eval/accuracy" in last and "train/loss" in last and last["weight_version"] == 3
-    from megatron_specrl.metric_keys import undocumented   # every key the run wrote is in docs/metrics.md
+    from megatron_specrl.metrics.keys import undocumented   # every key the run wrote is in docs/metrics.md
     assert undocumented(k for r in rows for k in r) == []
     assert (out / "hf_final" / "model.safetensors").is_file() and (out / "plots" / "reward.png").is_file()
     if recipe == "tiny-cpu-dapo":   # each round drew 12 prompts; each step trained on 8 groups

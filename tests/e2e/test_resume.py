@@ -96,7 +96,7 @@ def test_sigkill_in_rollout_and_in_training_then_resume_at_tp2_with_the_distribu
 
     # The GRPO recipe as a user runs it, at TP2: every key the run wrote is in docs/metrics.md; the resync
     # check and the learner's recomputed log-probs agree with the engine's; verl's engine keys reached vLLM
-    from megatron_specrl.metric_keys import undocumented
+    from megatron_specrl.metrics.keys import undocumented
     assert undocumented(k for r in metrics for k in r) == []
     assert "eval/accuracy" in metrics[-1] and "train/loss" in metrics[-1]
     step4 = metrics[3]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from megatron_specrl.ports import free_port
+from megatron_specrl.learner.ports import free_port
 
 
 # The reference batch and HF's computation of the objective live in the package, where

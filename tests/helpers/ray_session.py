@@ -12,7 +12,7 @@ def ray_session_for(module_name: str):
     import ray
     from ray import cloudpickle
 
-    from megatron_specrl.actors import init_ray
+    from megatron_specrl.cluster.actors import init_ray
     from megatron_specrl.config import RayConfig
     cloudpickle.register_pickle_by_value(sys.modules[module_name])
     started = init_ray(RayConfig(num_cpus=2))

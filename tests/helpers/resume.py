@@ -31,7 +31,7 @@ def _checkpoint(root, model_dir, hf_config=None, loader=None, critic=False, step
 
 
 def _build(tmp_path, tiny_llama, monkeypatch, *extra):
-    import megatron_specrl.actors as actors
+    import megatron_specrl.cluster.actors as actors
     from megatron_specrl.run.build import build_run
 
     def reached(*a, **k):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_specrl.metrics import MetricsLogger
+from megatron_specrl.metrics.sinks import MetricsLogger
 
 
 def _wandb_logger(out, resume_step, mode="online"):

@@ -3,7 +3,7 @@
 
 import json
 import pytest
-from megatron_specrl.bench_rollout import bench_rollout_main, mode_overrides, per_epoch, spread, summarize
+from megatron_specrl.benchmarks.rollout import bench_rollout_main, mode_overrides, per_epoch, spread, summarize
 
 def _row(step, rollout_s, acc, gen, reward=0.5, **extra):
     return {"step": step, "spec/rollout_s": rollout_s, "spec/accepted_tokens": acc,

@@ -4,7 +4,7 @@ The tests of this subject that start processes or engines; the rest are in tests
 """
 
 import json
-from megatron_specrl.metrics import read_metrics
+from megatron_specrl.metrics.sinks import read_metrics
 import subprocess
 import sys
 import textwrap
@@ -22,7 +22,7 @@ def test_truncation_that_fails_midway_keeps_the_file(tmp_path):
     child = textwrap.dedent(f"""
         import resource, signal
         from pathlib import Path
-        from megatron_specrl.metrics import truncate_jsonl
+        from megatron_specrl.metrics.sinks import truncate_jsonl
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)       # a write past the limit raises EFBIG
         resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))
         truncate_jsonl(Path({str(path)!r}), 30)

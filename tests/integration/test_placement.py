@@ -3,7 +3,7 @@
 
 import pytest
 from megatron_specrl.config import ConfigError, load_config
-from megatron_specrl.placement import plan_placement
+from megatron_specrl.config.placement import plan_placement
 
 def _cfg(*over):
     return load_config(None, list(over))
@@ -93,7 +93,7 @@ def test_ranks_get_a_gpu_each_tp_groups_stay_together_and_colocated_engines_shar
     """Ray with 8 fake GPUs: without placement groups Ray packed two 0.5-GPU learner ranks onto one GPU
     (NCCL refuses duplicate GPUs) and gave the "colocated" engines other GPUs."""
     import ray
-    from megatron_specrl.actors import learner_bundles
+    from megatron_specrl.cluster.actors import learner_bundles
     from megatron_specrl.config import LearnerConfig, RolloutConfig
     from megatron_specrl.engines.ray_engine import RayEngine
     from megatron_specrl.learner.group import LearnerGroup
@@ -145,7 +145,7 @@ def test_critic_and_reference_ranks_share_the_policy_ranks_gpus(tmp_path, coloca
     and waited forever. They share policy rank r's GPU (bundle), as verl colocates actor, critic and
     reference; build_actors starts all three groups and the engines on 8 fake GPUs."""
     import ray
-    from megatron_specrl import actors
+    from megatron_specrl.cluster import actors
     from megatron_specrl.config import LearnerConfig, RolloutConfig
 
     class _Rank:

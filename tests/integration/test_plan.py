@@ -16,7 +16,7 @@ from megatron_specrl.plan import (
     stage_parameters,
 )
 from tests.helpers.learner import loss_config
-from megatron_specrl.ports import free_port
+from megatron_specrl.learner.ports import free_port
 
 
 from tests.helpers.paths import REPO_ROOT as ROOT
@@ -63,7 +63,7 @@ def test_memory_estimate_matches_a_real_learner(tiny_llama, tmp_path):
     import torch.multiprocessing as mp
 
     from megatron_specrl.learner.model_provider import padded_vocab_size
-    from megatron_specrl.ports import free_port
+    from megatron_specrl.learner.ports import free_port
     layouts = [(1, 1, 4), (2, 1, 4), (1, 2, 2)]          # (tp, pp, micro_batch_size): dp2, tp2, pp2
     mp.spawn(_measure, args=(2, str(tiny_llama), layouts, [free_port("127.0.0.1") for _ in layouts], str(tmp_path)),
              nprocs=2, join=True)

@@ -162,7 +162,7 @@ def test_prompt_rendering_to_no_tokens_is_refused():
 # --------------------------------------------------------------------------- build_run up to Ray
 
 def _build(out, model_dir, monkeypatch, *extra):
-    import megatron_specrl.actors as actors
+    import megatron_specrl.cluster.actors as actors
     from megatron_specrl.run.build import build_run
 
     def reached(*a, **k):

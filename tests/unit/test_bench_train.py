@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_specrl.bench_train import ARMS, FIRST_TIMED_STEP, _parse, summarize_run
+from megatron_specrl.benchmarks.train import ARMS, FIRST_TIMED_STEP, _parse, summarize_run
 
 
 def _rows():

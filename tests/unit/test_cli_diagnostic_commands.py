@@ -1,5 +1,5 @@
 """The CLI commands that replaced the tools/ scripts: `doctor` (tools/gpu_check.py and the
-gpu_stack check) and `bench-resync` (tools/bench_resync.py) parse their own flags under their
+gpu_stack check) and `bench-resync` (megatron_specrl/benchmarks/resync.py) parse their own flags under their
 command's name; the removed wrappers' commands (bench-rollout, check-resync, convert) are listed."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The cluster path (plan.py, launch.py) with real-shaped HF configs.
+"""The cluster path (plan.py, cluster/launch.py) with real-shaped HF configs.
 
 - The learner is fp32 (worker.build_gpt_model), and TransformerEngine's flash and fused attention take
   fp16 / bf16 only, so on GPUs its attention is the unfused one that stores the s^2 probabilities: the

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from megatron_specrl.cli import main
 from megatron_specrl.config import ConfigError, load_config, to_yaml
-from megatron_specrl import config_hints
+from megatron_specrl.config import hints as config_hints
 from megatron_specrl.config import RunConfig
 from tests.helpers.paths import REPO_ROOT
 
@@ -148,8 +148,8 @@ def test_reward_name_from_the_cli(tmp_path, monkeypatch, capsys):
     assert fn("yes", None) == 1.0 and fn("no", None) == 0.0
     for bad, needle in [("my_rewards_mod.nothere", "has no attribute 'nothere'"),
                         ("nope", "unknown reward 'nope'")]:
-        with pytest.raises(ConfigError) as err:   # the resolve step checks the name (config.py imports no rewards)
-            from megatron_specrl.resolve import resolve
+        with pytest.raises(ConfigError) as err:   # the resolve step checks the name (the config schema imports no rewards)
+            from megatron_specrl.config.resolve import resolve
             resolve(load_config(recipe, [f"reward.name={bad}"]))
         assert f"'reward.name': '{bad}'" in str(err.value) and needle in str(err.value)
     assert main(["train", "tiny-cpu-grpo", "reward.name=gsm8k_strict", "--dry-run"]) == 0

@@ -1,9 +1,9 @@
 """docs/configuration.md is generated from the config schema: every key has a one-sentence description,
-and the committed page is what `python -m megatron_specrl.config_docs` writes now."""
+and the committed page is what `python -m megatron_specrl.config.docs` writes now."""
 
-from megatron_specrl import config_docs
 from megatron_specrl.config import RunConfig
-from megatron_specrl.config_hints import schema_keys
+from megatron_specrl.config import docs as config_docs
+from megatron_specrl.config.hints import schema_keys
 
 
 def test_every_config_key_has_a_description():
@@ -17,7 +17,7 @@ def test_the_generator_sees_every_key():
 
 def test_the_page_is_what_the_generator_writes():
     assert config_docs.PAGE.read_text() == config_docs.render(), \
-        "docs/configuration.md is stale: run python -m megatron_specrl.config_docs"
+        "docs/configuration.md is stale: run python -m megatron_specrl.config.docs"
 
 
 def test_a_key_without_a_description_is_found():

@@ -1,7 +1,7 @@
-"""The stack check every launched node and the container build run (megatron_specrl/gpu_stack.py).
+"""The stack check every launched node and the container build run (megatron_specrl/cluster/gpu_stack.py).
 """
 
-from megatron_specrl.gpu_stack import CONSTRAINTS, check_stack, read_pins
+from megatron_specrl.cluster.gpu_stack import CONSTRAINTS, check_stack, read_pins
 
 def test_pins_are_read_from_the_constraints_file():
     pins = read_pins(CONSTRAINTS)

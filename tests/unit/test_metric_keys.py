@@ -1,4 +1,4 @@
-"""Every metric key the package emits is documented in megatron_specrl/metric_keys.py, and
+"""Every metric key the package emits is documented in megatron_specrl/metrics/keys.py, and
 docs/metrics.md is the page generated from it.
 
 The emitted keys are collected statically, so a key added anywhere in the package fails here until it
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 import megatron_specrl
-from megatron_specrl import metric_keys
-from megatron_specrl.metric_keys import METRICS, families, lookup, render, undocumented
+from megatron_specrl.metrics import keys as metric_keys
+from megatron_specrl.metrics.keys import METRICS, families, lookup, render, undocumented
 
 PACKAGE = Path(megatron_specrl.__file__).resolve().parent
 KEY = re.compile(r"^[a-z][a-z0-9_]*/[A-Za-z0-9_@.{}/]+$")
@@ -34,7 +34,7 @@ NOT_METRIC_PREFIXES = {"off/",      # bench-rollout's "speedup vs off" column la
 
 def _sources():
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path.name == "metric_keys.py":    # the registry itself: its strings document keys, emit none
+        if path.relative_to(PACKAGE).as_posix() == "metrics/keys.py":    # the registry itself: its strings document keys, emit none
             continue
         yield path, ast.parse(path.read_text(), filename=str(path))
 
@@ -65,8 +65,8 @@ def fstring_prefixes() -> dict[str, str]:
 
 def test_docs_metrics_md_is_generated_from_the_registry():
     page = metric_keys.DOC
-    assert page.is_file(), f"{page} missing: run python -m megatron_specrl.metric_keys"
-    assert page.read_text() == render(), "docs/metrics.md is stale: run python -m megatron_specrl.metric_keys"
+    assert page.is_file(), f"{page} missing: run python -m megatron_specrl.metrics.keys"
+    assert page.read_text() == render(), "docs/metrics.md is stale: run python -m megatron_specrl.metrics.keys"
 
 
 def test_check_mode_reports_a_stale_page(tmp_path, capsys):
@@ -83,7 +83,7 @@ def test_every_literal_metric_key_in_the_package_is_documented():
     literals = emitted_literals()
     keys = {k: where for k, where in literals.items() if k not in NOT_METRICS}
     missing = {k: keys[k] for k in undocumented(keys)}
-    assert not missing, f"metric keys emitted but not in megatron_specrl/metric_keys.py METRICS: {missing}"
+    assert not missing, f"metric keys emitted but not in megatron_specrl/metrics/keys.py METRICS: {missing}"
     # the scan sees the keys it must: a sample of each emitting module
     for k in ("spec/reuse_ratio", "tree/accept_rate", "resync/seconds", "eval/accuracy", "dapo/kept_fraction",
               "actor/reward_kl_penalty", "critic/returns/mean", "engine/restarts", "time/step_s", "reward/mean"):

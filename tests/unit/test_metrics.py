@@ -17,7 +17,7 @@ would weigh a round of two samples like one of eight).
 """
 
 import json
-from megatron_specrl.metrics import MetricsLogger, read_metrics
+from megatron_specrl.metrics.sinks import MetricsLogger, read_metrics
 import sys
 import types
 import pytest

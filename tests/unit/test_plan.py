@@ -26,7 +26,7 @@ from megatron_specrl.plan import (
     load_hf_config,
 )
 import re
-from megatron_specrl.launch import launch_main
+from megatron_specrl.cluster.launch import launch_main
 from megatron_specrl.plan import PlanError
 from tests.helpers.paths import REPO_ROOT
 

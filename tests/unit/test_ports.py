@@ -3,7 +3,7 @@ gloo's pair connections get theirs), so a port asked ahead of its rendezvous is 
 """
 
 import socket
-from megatron_specrl import ports
+from megatron_specrl.learner import ports
 
 def test_port_is_free_and_below_the_ephemeral_range():
     low, _ = ports.ephemeral_range()

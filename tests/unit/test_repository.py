@@ -90,7 +90,7 @@ def test_collection_runs_end_to_end_files_first_and_unit_files_last():
 # ----------------------------------------------------------------------------- concern boundaries
 def test_package_respects_the_boundaries_and_has_no_cycles():
     """The speculative core needs no engine, Ray or Megatron; engines never see the learner; the
-    learner reaches neither an engine nor resync (resync/ drives it from actors.py); no cycles."""
+    learner reaches neither an engine nor resync (resync/ drives it from cluster/actors.py); no cycles."""
     from tests.helpers.import_graph import cycles, violations
     pkg = ROOT / "megatron_specrl"
     assert violations(pkg) == []

@@ -1,5 +1,5 @@
 """The resolve step: validation refuses, RunConfig.resolve_auto fills the keys left unset (auto) with the
-same values as before it was split from validation, and megatron_specrl.resolve reports them (logged
+same values as before it was split from validation, and megatron_specrl.config.resolve reports them (logged
 once, printed by --dry-run), checks reward.name and warns for experimental features."""
 
 import logging
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from megatron_specrl.config import ConfigError, RolloutConfig, RunConfig, load_config
-from megatron_specrl.resolve import experimental_features, resolve
+from megatron_specrl.config.resolve import experimental_features, resolve
 from tests.helpers.import_graph import imports_of, internal_graph
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,10 +110,10 @@ def test_a_rollout_config_resolves_as_the_run_does():
 
 def test_choices_are_logged_once(caplog):
     cfg = load_config(ROOT / "examples" / "tiny-cpu-grpo.yaml")
-    with caplog.at_level(logging.INFO, logger="megatron_specrl.resolve"):
+    with caplog.at_level(logging.INFO, logger="megatron_specrl.config.resolve"):
         resolve(cfg)
         resolve(cfg)
-    lines = [r.getMessage() for r in caplog.records if r.name == "megatron_specrl.resolve"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "megatron_specrl.config.resolve"]
     assert lines == [f"resolved {line}" for line in resolve(cfg, log_choices=False).lines()]
     assert "resolved rollout.verify=decode  (spec_mode=exact with draft=tree verifies in the decode loop)" in lines
 
@@ -126,7 +126,7 @@ def test_choices_are_logged_once(caplog):
 ])
 def test_experimental_features_warn_once(caplog, overrides, needle):
     cfg = load_config(ROOT / "examples" / "tiny-cpu-grpo.yaml", overrides)
-    with caplog.at_level(logging.INFO, logger="megatron_specrl.resolve"):
+    with caplog.at_level(logging.INFO, logger="megatron_specrl.config.resolve"):
         resolve(cfg)
         resolve(cfg)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

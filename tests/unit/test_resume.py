@@ -33,8 +33,8 @@ import json
 import logging
 from tests.helpers import resume as resume_checks
 from tests.helpers.rollouts import Tok, _sample
+from megatron_specrl.metrics.sinks import MetricsLogger
 from megatron_specrl.rollout.dump import dump_rollouts, read_rollouts
-from megatron_specrl.metrics import MetricsLogger
 
 
 

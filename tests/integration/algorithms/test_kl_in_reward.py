@@ -36,10 +36,10 @@ import torch
 import torch.multiprocessing as mp
 from megatron_specrl.algorithms.kl_reward import RewardKLController, kl_cost
 from megatron_specrl.config import ConfigError, load_config
-from megatron_specrl.ports import free_port
+from megatron_specrl.config import AlgorithmConfig, KLControlConfig
+from megatron_specrl.learner.ports import free_port
 from megatron_specrl.rollout.speculative import RolloutSample
 from megatron_specrl.trainer import train_step
-from megatron_specrl.config import AlgorithmConfig, KLControlConfig
 from tests.helpers.docs_tables import _config_tables, _documented_keys
 from tests.helpers.paths import REPO_ROOT
 

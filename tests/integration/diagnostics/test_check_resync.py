@@ -31,7 +31,7 @@ PAD = 0
 def ray_session():
     import ray
 
-    from megatron_specrl.actors import init_ray
+    from megatron_specrl.cluster.actors import init_ray
     from megatron_specrl.config import RayConfig
     started = init_ray(RayConfig(num_cpus=2))   # a Ray of its own, even if another one runs here
     yield

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 def ray_session():
     import ray
 
-    from megatron_specrl.actors import init_ray
+    from megatron_specrl.cluster.actors import init_ray
     from megatron_specrl.config import RayConfig
     started = init_ray(RayConfig(num_cpus=2))
     yield
@@ -25,7 +25,7 @@ def ray_session():
 
 
 def _actors(model_dir, dp: int, ep: int, tmp_path):
-    from megatron_specrl.actors import build_actors
+    from megatron_specrl.cluster.actors import build_actors
     from megatron_specrl.config import LearnerConfig, RolloutConfig
     return build_actors(model_dir, LearnerConfig(tp=1, pp=1, dp=dp, ep=ep), RolloutConfig(kv_cache_gb=0.25),
                         seed=0, log_dir=str(tmp_path / "logs"), engine_seed=0)

@@ -62,7 +62,7 @@ def test_a_draft_model_without_the_policys_vocabulary_is_refused_before_start(tm
 
 
 def test_bench_modes_draft_from_the_draft_model_they_are_given():
-    from megatron_specrl.bench_rollout import mode_overrides
+    from megatron_specrl.benchmarks.rollout import mode_overrides
     assert mode_overrides("exact+model", "/d") == ["rollout.spec_mode=exact", "rollout.draft=model", "rollout.runahead=0",
                                                    "rollout.verify=prefill", "rollout.draft_model=/d"]
     assert mode_overrides("model", "tiny-llama")[:2] == ["rollout.spec_mode=off", "rollout.draft=model"]

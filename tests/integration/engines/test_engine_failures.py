@@ -50,7 +50,7 @@ def ray_engine(tiny_llama, tmp_path_factory):
     from megatron_specrl.engines.ray_engine import RayEngine
     from megatron_specrl.engines.vllm import VLLMEngine
 
-    from megatron_specrl.actors import init_ray
+    from megatron_specrl.cluster.actors import init_ray
     from megatron_specrl.config import RayConfig
     init_ray(RayConfig(num_cpus=2))   # a Ray of its own, even if another one runs on the machine
     eng = RayEngine(VLLMEngine, dict(model_path=str(tiny_llama), max_model_len=256, kv_cache_gb=0.25),

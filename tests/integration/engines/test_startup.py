@@ -58,7 +58,7 @@ def test_gpu_engines_still_start_one_after_the_other(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("gpu", [False, True])
 def test_build_actors_overlaps_the_engine_with_the_learner_groups_on_cpu_only(monkeypatch, tmp_path, gpu):
-    from megatron_specrl import actors
+    from megatron_specrl.cluster import actors
     from megatron_specrl.engines import factory
 
     events = []
@@ -93,7 +93,7 @@ def test_build_actors_overlaps_the_engine_with_the_learner_groups_on_cpu_only(mo
 def test_ray_engines_launched_together_build_at_the_same_time_and_a_failed_start_raises_at_the_wait(tmp_path):
     import ray
 
-    from megatron_specrl.actors import init_ray
+    from megatron_specrl.cluster.actors import init_ray
     from megatron_specrl.config import RayConfig
     from megatron_specrl.engines.protocol import EngineError
     from megatron_specrl.engines.ray_engine import RayEngine

@@ -12,7 +12,7 @@ import pytest
 import torch
 from tests.helpers.learner import complete_batch, full_logits, hf_reference, loss_config, make_batch
 from megatron_specrl.config import ConfigError, load_config
-from megatron_specrl.ports import free_port
+from megatron_specrl.learner.ports import free_port
 
 # bf16 keeps 8 significant bits: each rounding is off by up to 2^-9 ~ 2e-3 relative. The tiny model's
 # logits are O(1) after 4 layers of bf16 matmuls and norms (each rounded), and the log-probs are fp32 from

@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import torch
 import torch.multiprocessing as mp
-from megatron_specrl.ports import free_port
+from megatron_specrl.learner.ports import free_port
 
 
 def _save_load_child(rank, port, out, use_queue):

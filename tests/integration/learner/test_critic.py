@@ -4,7 +4,7 @@
 import pytest
 import torch
 import torch.multiprocessing as mp
-from megatron_specrl.ports import free_port
+from megatron_specrl.learner.ports import free_port
 
 def _critic_child(rank, hf_dir, port, out):
     from megatron_specrl.config import LearnerConfig

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 from tests.helpers.learner import complete_batch, hf_reference, loss_config, make_batch
-from megatron_specrl.ports import free_port
+from megatron_specrl.learner.ports import free_port
 
 STEPS = 3
 

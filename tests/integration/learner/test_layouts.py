@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import pytest
 import torch
-from megatron_specrl.ports import free_port
+from megatron_specrl.learner.ports import free_port
 from tests.helpers.learner import B, T, TOL, make_batch, hf_reference, hf_routing, complete_batch, loss_config, full_logits, _run  # noqa: F401
 import json
 import shutil

@@ -6,7 +6,7 @@ on both optimizers, and a resumed learner continues the warm-up where its checkp
 import pytest
 import torch
 import torch.multiprocessing as mp
-from megatron_specrl.ports import free_port
+from megatron_specrl.learner.ports import free_port
 
 LR = 1e-3
 

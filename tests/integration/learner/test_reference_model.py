@@ -15,7 +15,7 @@ import json
 import time
 import pytest
 import torch
-from megatron_specrl.ports import free_port
+from megatron_specrl.learner.ports import free_port
 
 pytestmark = pytest.mark.slow
 B, T = 4, 12

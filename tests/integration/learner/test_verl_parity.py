@@ -40,7 +40,7 @@ import logging
 import math
 import torch.multiprocessing as mp
 from tests.helpers.learner import complete_batch, loss_config, make_batch, one_rank_state
-from megatron_specrl.ports import free_port
+from megatron_specrl.learner.ports import free_port
 from tests.helpers.paths import REPO_ROOT
 
 
@@ -61,7 +61,7 @@ def test_critic_lr_warmup_steps_is_its_own_key_default_off():
 
 def _settings_per_role(cfg) -> dict[str, LearnerConfig]:
     """What run.build.build_run hands each learner group (actors.build_actors with fake groups / engine)."""
-    from megatron_specrl import actors
+    from megatron_specrl.cluster import actors
     from megatron_specrl.run import build as run_build
     from megatron_specrl.engines import factory
 

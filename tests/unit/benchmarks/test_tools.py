@@ -2,7 +2,7 @@
 fed synthetic rollouts and counters (no engine).
 
 Edge cases of the benchmark tools (reviews): replay_drafts' arguments past what the dumps hold,
-bench-rollout's plot over every seed, bench_resync's model cache after an interrupted build.
+bench-rollout's plot over every seed, bench-resync's model cache after an interrupted build.
 No engine, no Megatron: synthetic dumps, fake per-epoch rows, a fake checkpoint writer.
 
 benchmarks/draft_bound.py: decode steps with the policy's own argmax continuation as the draft.
@@ -27,8 +27,8 @@ import math
 import pytest
 from argparse import Namespace
 import numpy as np
-from megatron_specrl import bench_rollout
-from megatron_specrl.bench_rollout import epoch_table, per_epoch, spread, summarize
+from megatron_specrl.benchmarks import rollout as bench_rollout
+from megatron_specrl.benchmarks.rollout import epoch_table, per_epoch, spread, summarize
 from megatron_specrl.rollout.tree_drafting.drafter import add_step_cost, fit_step_cost
 import torch
 from tests.helpers.paths import REPO_ROOT
@@ -105,7 +105,7 @@ def test_bench_own_draft_counts_the_plain_arms_engine_steps():
 
 
 
-# -- megatron_specrl/bench_rollout.py: --plot ------------------------------------------------------
+# -- megatron_specrl/benchmarks/rollout.py: --plot ------------------------------------------------------
 
 def _fake_runs(seeds=(7, 8), modes=("off", "tree"), epochs=3):
     """bench-rollout's `runs` (as its JSON holds them): per seed, per mode, per-epoch rows whose
@@ -120,7 +120,7 @@ def _fake_runs(seeds=(7, 8), modes=("off", "tree"), epochs=3):
 def test_bench_rollout_plot_draws_every_seed(tmp_path):
     """With --seeds N > 1 the plot drew runs[0] only: the other seeds' curves, whose spread the
     tables report, were missing from it."""
-    from megatron_specrl import bench_rollout
+    from megatron_specrl.benchmarks import rollout as bench_rollout
 
     runs = _fake_runs()
     series = bench_rollout.plot_series(runs)
@@ -153,7 +153,7 @@ def test_bench_rollout_plot_draws_every_seed(tmp_path):
         [("off", [701, 702, 703]), ("tree", [711, 712, 713])]
 
 
-# -- bench-resync (diagnostics/bench_resync.py): the cached model -------------------------------------------------------
+# -- bench-resync (megatron_specrl/benchmarks/resync.py): the cached model -------------------------------------------------------
 
 def test_bench_resync_never_reuses_a_half_written_model(tmp_path, monkeypatch):
     """The model was written straight into its cache directory, and a directory with config.json and
@@ -186,7 +186,7 @@ def test_bench_resync_never_reuses_a_half_written_model(tmp_path, monkeypatch):
             return FakeModel()
 
     monkeypatch.setattr(transformers, "AutoModelForCausalLM", FakeAuto)
-    from megatron_specrl.diagnostics import bench_resync
+    from megatron_specrl.benchmarks import resync as bench_resync
     with pytest.raises(KeyboardInterrupt):
         bench_resync.build_bench_model(128, 1, 256, 300)
     out = bench_resync.build_bench_model(128, 1, 256, 300)

@@ -47,11 +47,11 @@ from megatron_specrl.rollout.tree_drafting.drafter import (
 import json
 from types import SimpleNamespace
 import numpy as np
-from megatron_specrl.rollout.tree_drafting import drafter as td
+from megatron_specrl.benchmarks.rollout import per_epoch, summarize
 from megatron_specrl.engines.vllm import tree_proposer as tp
-from megatron_specrl.bench_rollout import per_epoch, summarize
 from megatron_specrl.rollout.dynamic import _merge
 from megatron_specrl.rollout.speculative import tree_metrics
+from megatron_specrl.rollout.tree_drafting import drafter as td
 from tests.helpers.capabilities import DraftsNothing
 import os
 from collections import Counter

@@ -3,9 +3,9 @@
 
 import pytest
 import torch
-from megatron_specrl import warmup
 from megatron_specrl.data import synthetic
-from megatron_specrl.warmup import read_warmup_info, warmup_key, warmup_sft
+from megatron_specrl.models import warmup
+from megatron_specrl.models.warmup import read_warmup_info, warmup_key, warmup_sft
 
 @pytest.fixture(scope="module")
 def warmed(tiny_llama, tmp_path_factory):
@@ -67,7 +67,7 @@ def test_a_half_written_dir_is_not_trusted(tiny_llama, tmp_path, monkeypatch):
 
 
 def test_synthetic_accuracy_reports_rates(warmed):
-    from megatron_specrl.warmup import synthetic_accuracy
+    from megatron_specrl.models.warmup import synthetic_accuracy
 
     _, out = warmed
     for temperature in (0.0, 1.0):

@@ -1,9 +1,9 @@
 """The resolve step: what a validated config's unset (auto) keys become, said once at start-up.
 
-Validation (config.py's pydantic validators) only refuses what cannot run. The keys left unset are
-filled by `RunConfig.resolve_auto` (load_config applies it; the rules are config.py's), and `resolve`
+Validation (the pydantic validators of config/schema.py) only refuses what cannot run. The keys left unset
+are filled by `RunConfig.resolve_auto` (load_config applies it; the rules are the schema's), and `resolve`
 here, called where a run is assembled (the CLI's train, `train()`), checks what needs the package's
-other modules (reward.name against rewards.py: config.py imports no module that imports it), logs
+other modules (reward.name against rewards.py: the schema imports no module that imports it), logs
 each chosen value once with why, and warns once for each experimental feature in use.
 
     cfg = load_config("tiny-cpu-grpo", ["rollout.draft=tree"])

@@ -79,7 +79,7 @@ def check_stack(engine: str = "vllm", gpus: int = 0) -> tuple[list[str], list[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatron_specrl.gpu_stack", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m megatron_specrl.cluster.gpu_stack", description=__doc__)
     p.add_argument("--gpus", type=int, default=0, help="GPUs this node must have (0: a CPU node)")
     p.add_argument("--engine", choices=sorted(STACK), default="vllm")
     args = p.parse_args(argv)

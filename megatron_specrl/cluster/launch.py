@@ -74,7 +74,7 @@ num_nodes=${{#nodes[@]}}
 head_node=${{nodes[0]}}
 # The head's routable address as Ray picks it (the host name can resolve to loopback on Debian hosts).
 head_ip=$(srun --nodes=1 --ntasks=1 -w "$head_node" "${{RAY_AUTH[@]}}" \\
-    "$VENV/bin/python" -m megatron_specrl.ray_join --print-head-ip --nodes "$num_nodes")
+    "$VENV/bin/python" -m megatron_specrl.cluster.ray_join --print-head-ip --nodes "$num_nodes")
 export RAY_ADDRESS="$head_ip:$RAY_PORT"
 ray_pids=()
 
@@ -90,7 +90,7 @@ stop_ray() {{
 trap stop_ray EXIT
 
 # 1. The GPU stack imports, has the pinned versions and sees its GPUs, on every node.
-srun --nodes="$num_nodes" --ntasks-per-node=1 "${{RAY_AUTH[@]}}" "$VENV/bin/python" -m megatron_specrl.gpu_stack \\
+srun --nodes="$num_nodes" --ntasks-per-node=1 "${{RAY_AUTH[@]}}" "$VENV/bin/python" -m megatron_specrl.cluster.gpu_stack \\
     --gpus "$GPUS_PER_NODE" --engine "$ENGINE"
 
 # 2. Ray: the head on the first node, a worker on each other node; wait until all have joined.
@@ -107,14 +107,14 @@ for node in "${{nodes[@]:1}}"; do
         --num-gpus="$GPUS_PER_NODE" --num-cpus="$CPUS_PER_NODE" --block &
     ray_pids+=("$!")
 done
-"${{RAY_AUTH[@]}}" "$VENV/bin/python" -m megatron_specrl.ray_join --address "$RAY_ADDRESS" --nodes "$num_nodes" \\
+"${{RAY_AUTH[@]}}" "$VENV/bin/python" -m megatron_specrl.cluster.ray_join --address "$RAY_ADDRESS" --nodes "$num_nodes" \\
     --gpus-per-node "$GPUS_PER_NODE" --timeout-s "$JOIN_TIMEOUT_S"
 
 # 3. Train on the head node; resume=auto continues a requeued job from its newest checkpoint. A restart
 #    continues this job's own run also where the first attempt had trainer.resume=never (which would refuse
 #    the directory it wrote) or an explicit checkpoint (which would set the run's later checkpoints aside).
 if [ "${{SLURM_RESTART_COUNT:-0}}" -gt 0 ] && [ "$FIRST_RESUME" != auto ] && "$VENV/bin/python" -c \
-    'import sys; from megatron_specrl.launch import continues_own_run as c; sys.exit(0 if c(*sys.argv[1:]) else 1)' \
+    'import sys; from megatron_specrl.cluster.launch import continues_own_run as c; sys.exit(0 if c(*sys.argv[1:]) else 1)' \
     "$OUTPUT_DIR" "$FIRST_RESUME"; then
     TRAIN_ARGS+=(trainer.resume=auto)
 fi

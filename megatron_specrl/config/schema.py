@@ -14,7 +14,7 @@ from typing import Any, Literal, NamedTuple
 from omegaconf import OmegaConf
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from megatron_specrl import config_hints
+from megatron_specrl.config import hints as config_hints
 from megatron_specrl.engines.protocol import ENGINE_KINDS, labels_with, settings_with
 from megatron_specrl.shipped import recipe_file, shipped_path
 
@@ -521,7 +521,7 @@ class RayConfig(_Strict):
                                 "under output_dir; errors still raise).")
 
 
-# --- cluster runs (issue #15): the allocation a recipe is planned for (plan.py, launch.py) ---
+# --- cluster runs (issue #15): the allocation a recipe is planned for (plan.py, cluster/launch.py) ---
 class ClusterConfig(_Strict):
     """The Slurm allocation: `launch` asks for it, the plan check fits the layout and memory to it.
     gpus_per_node 0 means a CPU run (no GPU count or memory fit to check)."""
@@ -533,7 +533,7 @@ class ClusterConfig(_Strict):
 
 class RunConfig(_Strict):
     """A whole run: every section of a recipe. Validation refuses what cannot run; `resolve_auto` (the
-    resolve step, megatron_specrl/resolve.py) then fills the keys left unset (auto)."""
+    resolve step, megatron_specrl/config/resolve.py) then fills the keys left unset (auto)."""
     output_dir: str = Field("outputs/tiny-cpu-grpo", description="Directory of the run's checkpoints, logs and "
                             "exports [trainer.default_local_dir].")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The policy's weights.")
@@ -779,7 +779,7 @@ def _format_validation_error(err: ValidationError) -> str:
 
 def load_config(recipe: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
     """Merge recipe + overrides, validate, and fill the keys left unset (auto) with RunConfig.resolve_auto
-    (the choices stay on the config: megatron_specrl.resolve.resolve reports and logs them, and checks
+    (the choices stay on the config: megatron_specrl.config.resolve.resolve reports and logs them, and checks
     what needs the package's other modules, such as reward.name). Raises ConfigError naming the bad key."""
     base: Any = OmegaConf.create({})
     if recipe is not None:

@@ -1,7 +1,7 @@
 """Start Ray and the run's actors: the learner group(s) and the rollout engine(s).
 
 The one place that wires them, used by run.build.build_run, the check-resync diagnostic and
-bench-resync (diagnostics/bench_resync.py), so all three run the same actors. It is also where the learner meets the
+bench-resync (benchmarks/resync.py), so all three run the same actors. It is also where the learner meets the
 resync machinery: the policy's ranks run resync.learner_actor.RayLearnerWorker, a LearnerWorker
 with the sync methods, injected here so that learner/ never imports resync/.
 """
@@ -44,8 +44,8 @@ def _check_ray_token(address: str) -> None:
     instead of ray.init's ConnectionError after its retries. A config error, so launch does not requeue."""
     from ray._private.services import canonicalize_bootstrap_address
 
+    from megatron_specrl.cluster.ray_join import token_refused
     from megatron_specrl.config import ConfigError
-    from megatron_specrl.ray_join import token_refused
     try:
         resolved = canonicalize_bootstrap_address(address)
     except Exception:   # no cluster found for "auto": ray.init says so

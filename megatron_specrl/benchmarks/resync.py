@@ -180,7 +180,7 @@ def bench_resync_main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from megatron_specrl.actors import build_actors, init_ray
+    from megatron_specrl.cluster.actors import build_actors, init_ray
     from megatron_specrl.config import LearnerConfig, RayConfig, RolloutConfig
     from megatron_specrl.learner.hf_mapping import expected_hf_shapes
     from megatron_specrl.resync.lifecycle import sync_weights

@@ -287,7 +287,7 @@ def plot(runs: list[dict], path: str):
 
 def run_mode(args, mode: str, seed: int, root: Path, steps_per_epoch: int, console: Console) -> list[dict]:
     from megatron_specrl.config import load_config, resolve_recipe
-    from megatron_specrl.metrics import read_metrics
+    from megatron_specrl.metrics.sinks import read_metrics
     from megatron_specrl.trainer import train
 
     out = root / f"seed{seed}" / mode.replace("+", "-")

@@ -102,7 +102,7 @@ def wait_for_cluster(address: str, nodes: int, gpus_per_node: int, timeout_s: fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatron_specrl.ray_join", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m megatron_specrl.cluster.ray_join", description=__doc__)
     p.add_argument("--print-head-ip", action="store_true",
                    help="print this node's routable address (as Ray picks it) and exit")
     p.add_argument("--address", help="head IP:port")

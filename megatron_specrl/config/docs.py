@@ -1,6 +1,6 @@
 """docs/configuration.md, generated from the config schema (config.RunConfig): a table per section
 with each key's type, default and description (its pydantic Field description, the one place it is
-written). `python -m megatron_specrl.config_docs` rewrites the page; `--check` exits 1 when the page
+written). `python -m megatron_specrl.config.docs` rewrites the page; `--check` exits 1 when the page
 differs from what it would write (tests/unit/test_configuration_page.py does the same). A developer tool:
 its default page is the checkout's; a wheel install has none and needs --out.
 """
@@ -22,9 +22,9 @@ PAGE = CHECKOUT / "docs" / "configuration.md" if CHECKOUT is not None else None
 HEADER = """# Configuration
 
 Every key of a recipe (`examples/*.yaml`) and of a `key=value` override, by section. Generated from the
-config schema (`megatron_specrl/config.py`) by `python -m megatron_specrl.config_docs`: edit the
+config schema (`megatron_specrl/config/schema.py`) by `python -m megatron_specrl.config.docs`: edit the
 `Field(description=...)` there, not this page. A name in brackets is verl's for the same setting
-(`megatron_specrl/config_hints.py` hints it when a recipe uses it). Keys whose default is *unset*
+(`megatron_specrl/config/hints.py` hints it when a recipe uses it). Keys whose default is *unset*
 are resolved when the run starts (`megatron-specrl train ... --dry-run` prints what they resolve to).
 """
 
@@ -107,7 +107,7 @@ def render(model=RunConfig) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m megatron_specrl.config_docs", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m megatron_specrl.config.docs", description=__doc__)
     ap.add_argument("--out", type=Path, default=PAGE, required=PAGE is None,
                     help="the page to write (default: the checkout's docs/configuration.md)")
     ap.add_argument("--check", action="store_true", help="exit 1 if the page is not what would be written")
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         same = args.out.is_file() and args.out.read_text() == text
         if not same:
-            print(f"{args.out} is stale: run python -m megatron_specrl.config_docs", file=sys.stderr)
+            print(f"{args.out} is stale: run python -m megatron_specrl.config.docs", file=sys.stderr)
         return 0 if same else 1
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
