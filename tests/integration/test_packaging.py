@@ -91,7 +91,7 @@ def test_a_dry_run_from_the_wheel_outside_the_checkout_finds_its_recipe(installe
 
 
 def test_the_gpu_stack_check_reads_the_pins_of_the_wheel(installed, tmp_path):
-    where = _run([sys.executable, "-c", "from megatron_specrl import gpu_stack as g; print(g.CONSTRAINTS); "
+    where = _run([sys.executable, "-c", "from megatron_specrl.cluster import gpu_stack as g; print(g.CONSTRAINTS); "
                                         "print(g.read_pins(g.CONSTRAINTS)['vllm'])"],
                  cwd=tmp_path, env=_env(installed, tmp_path / "cache"))
     assert where.returncode == 0, where.stderr

