@@ -60,3 +60,19 @@ def pytest_collection_modifyitems(items):
         return TIER_ORDER.index(parts[0]) if parts and parts[0] in TIER_ORDER else len(TIER_ORDER)
 
     items.sort(key=tier)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Each test file's seconds (setup, call and teardown of its tests, summed), the slowest 25 files: what a
+    merge or a shared fixture would save, next to --durations' slowest tests (docs/development.md, CI)."""
+    per_file: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for r in reports:
+            if hasattr(r, "duration") and hasattr(r, "nodeid") and r.nodeid:
+                f = r.nodeid.split("::")[0]
+                per_file[f] = per_file.get(f, 0.0) + r.duration
+    if not per_file:
+        return
+    terminalreporter.write_sep("=", f"slowest 25 of {len(per_file)} test files (s; {sum(per_file.values()):.0f} in all)")
+    for f, s in sorted(per_file.items(), key=lambda kv: -kv[1])[:25]:
+        terminalreporter.write_line(f"{s:8.1f}  {f}")

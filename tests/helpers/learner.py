@@ -20,7 +20,17 @@ def one_rank_state():
                         bf16=False)
 
 
-def _child(rank, world, layouts, hf_dir, out_dir, ports, train_and_checkpoint=False):
+def _child(rank, world, jobs, then=None):
+    """Every model's layouts in this one process (`jobs`: (layouts, hf_dir, out_dir, ports, train_and_checkpoint)
+    each), then `then` = (function, args) if given, called as function(rank, world, *args): the spawn and the
+    imports, most of a layout test's cost, are paid once for all of them."""
+    for job in jobs:
+        _layouts_of_one_model(rank, world, *job)
+    if then is not None:
+        then[0](rank, world, *then[1])
+
+
+def _layouts_of_one_model(rank, world, layouts, hf_dir, out_dir, ports, train_and_checkpoint=False):
     from megatron_specrl.config import LearnerConfig
     from megatron_specrl.learner.worker import LearnerWorker
 
@@ -154,24 +164,36 @@ def full_logits(w, batch):
 
 
 def _run(hf_dir, tmp_path, world, layouts, train_and_checkpoint=False):
+    """One model's layouts in `world` spawned processes, each checked against HF (run_models)."""
+    return run_models(world, {"model": (hf_dir, tmp_path, layouts, train_and_checkpoint)})["model"]
+
+
+def run_models(world, models: dict, then=None) -> dict:
+    """Several models' layouts in one spawn of `world` processes: {name: (hf_dir, out_dir, layouts,
+    train_and_checkpoint)} -> {name: {layout tag: result}}, every layout's logits, log-probs and gradients
+    checked against HF transformers' within TOL (a failure names the layout). `then`: (function, args) each
+    rank runs after them, in the same processes (a module-level function, as spawn pickles it)."""
     import torch.multiprocessing as mp
-    batch = make_batch(hf_dir)
-    logits, lp, grads = hf_reference(hf_dir, batch, loss_config())
-    torch.save({"batch": batch, "lp": lp}, tmp_path / "ref.pt")
-    ports = [free_port("127.0.0.1") for _ in layouts]
-    mp.spawn(_child, args=(world, layouts, str(hf_dir), str(tmp_path), ports, train_and_checkpoint),
-             nprocs=world, join=True)
-    am = batch["attention_mask"].bool()
-    results = {}
-    for layout in layouts:
-        tag = layout_tag(layout)
-        r = torch.load(tmp_path / f"{tag}.pt")
-        assert (r["logits"][am] - logits[am]).abs().max() <= TOL, tag
-        assert (r["lp"] - lp).abs().max() <= TOL, tag
-        assert set(r["grads"]) == set(grads), tag
-        for n, g in grads.items():
-            assert torch.allclose(r["grads"][n], g, atol=TOL, rtol=1e-4), (tag, n, (r["grads"][n] - g).abs().max())
-        results[tag] = r
-    return results
-
-
+    jobs, refs = [], {}
+    for name, (hf_dir, out_dir, layouts, train_and_checkpoint) in models.items():
+        batch = make_batch(hf_dir)
+        refs[name] = (batch, *hf_reference(hf_dir, batch, loss_config()))
+        torch.save({"batch": batch, "lp": refs[name][2]}, out_dir / "ref.pt")
+        jobs.append((layouts, str(hf_dir), str(out_dir), [free_port("127.0.0.1") for _ in layouts],
+                     train_and_checkpoint))
+    mp.spawn(_child, args=(world, jobs, then), nprocs=world, join=True)
+    out = {}
+    for name, (hf_dir, out_dir, layouts, _) in models.items():
+        batch, logits, lp, grads = refs[name]
+        am = batch["attention_mask"].bool()
+        results = out[name] = {}
+        for layout in layouts:
+            tag = layout_tag(layout)
+            r = torch.load(out_dir / f"{tag}.pt")
+            assert (r["logits"][am] - logits[am]).abs().max() <= TOL, (name, tag)
+            assert (r["lp"] - lp).abs().max() <= TOL, (name, tag)
+            assert set(r["grads"]) == set(grads), (name, tag)
+            for n, g in grads.items():
+                assert torch.allclose(r["grads"][n], g, atol=TOL, rtol=1e-4), (name, tag, n, (r["grads"][n] - g).abs().max())
+            results[tag] = r
+    return out

@@ -30,7 +30,7 @@ import math
 import pytest
 import torch
 from megatron_specrl.learner.ports import free_port
-from tests.helpers.learner import B, T, TOL, make_batch, hf_reference, hf_routing, complete_batch, loss_config, full_logits, _run  # noqa: F401
+from tests.helpers.learner import B, T, TOL, make_batch, hf_reference, hf_routing, complete_batch, loss_config, full_logits, _run, run_models  # noqa: F401
 import json
 import shutil
 from pathlib import Path
@@ -55,11 +55,33 @@ def test_two_process_layouts_match_hf(tiny_llama, tmp_path):
             assert torch.allclose(res[tag]["grads"][n], g, atol=1e-6, rtol=1e-5), (tag, n)
 
 
+@pytest.fixture(scope="module")
+def four_processes(tiny_qwen2, tiny_qwen3, tiny_qwen3_moe, tmp_path_factory):
+    """The four-process layouts of Qwen2, Qwen3 and Qwen3-MoE in one spawn of four ranks (each start of a
+    rank costs its torch and Megatron imports), each layout checked against HF within 1e-5 (run_models);
+    the tests below assert what is particular to each model. {model: {layout tag: result}}, out dirs."""
+    tmp = tmp_path_factory.mktemp("four-processes")
+    dirs = {name: tmp / name for name in ("qwen2", "qwen3", "moe")}
+    for d in dirs.values():
+        d.mkdir()
+    moe = _without_aux_loss(tiny_qwen3_moe, tmp / "moe-model")
+    balancing = tmp / "balancing"   # the MoE load-balancing loss's layouts, in the same ranks afterwards
+    balancing.mkdir()
+    batch = make_batch(tiny_qwen3_moe)
+    torch.save({"batch": batch, "lp": torch.zeros(batch["input_ids"].shape)}, balancing / "ref.pt")
+    then = (_load_balancing_child, ([free_port("127.0.0.1") for _ in BALANCING_LAYOUTS], BALANCING_LAYOUTS,
+                                    str(tiny_qwen3_moe), str(balancing)))
+    res = run_models(4, {"qwen2": (tiny_qwen2, dirs["qwen2"], [(2, 2, 1, None)], True),
+                         "qwen3": (tiny_qwen3, dirs["qwen3"], [(2, 2, 1, None)], False),
+                         "moe": (moe, dirs["moe"], [(2, 1, 2, None, 2), (1, 2, 2, 24, 2)], False)}, then=then)
+    return res, dirs, moe, balancing
+
+
 @pytest.mark.slow
-def test_four_process_tp2_pp2_matches_hf(tiny_qwen2, tmp_path):
+def test_four_process_tp2_pp2_matches_hf(four_processes, tiny_qwen2):
     """TP2 x PP2 on Qwen2 (QKV bias, tied embeddings shared across stages); then train_step and a
     dist-checkpoint save/load that restores weights, AdamW state and RNG exactly."""
-    res = _run(tiny_qwen2, tmp_path, 4, [(2, 2, 1, None)], train_and_checkpoint=True)
+    res = four_processes[0]["qwen2"]
     from safetensors.torch import load_file
     hf = load_file(str(tiny_qwen2 / "model.safetensors"))
     weights = res["tp2pp2dp1"]["weights"]
@@ -382,19 +404,19 @@ def _without_aux_loss(src: Path, dst: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_qwen3_at_tp2_pp2_matches_hf_and_gathers_its_weights_exactly(tiny_qwen3, tmp_path):
-    res = _run(tiny_qwen3, tmp_path, 4, [(2, 2, 1, None)])   # logits, log-probs and grads within 1e-5 of HF
+def test_qwen3_at_tp2_pp2_matches_hf_and_gathers_its_weights_exactly(four_processes, tiny_qwen3):
+    res = four_processes[0]["qwen3"]   # logits, log-probs and grads within 1e-5 of HF (run_models)
     hf = _hf_weights(tiny_qwen3)
     weights = res["tp2pp2dp1"]["weights"]
     assert set(weights) == set(hf) and all(torch.equal(weights[k], hf[k]) for k in hf)
 
 
 @pytest.mark.slow
-def test_qwen3_moe_at_tp2_ep2_and_pp2_ep2_matches_hf_and_gathers_its_experts_exactly(tiny_qwen3_moe, tmp_path):
+def test_qwen3_moe_at_tp2_ep2_and_pp2_ep2_matches_hf_and_gathers_its_experts_exactly(four_processes):
     """Experts split over two EP ranks (4 of the 8 each), with TP2 (sequence parallel) or PP2: the
     same logits, log-probs and gradients as HF's model, and every expert gathered back bit for bit."""
-    hf_dir = _without_aux_loss(tiny_qwen3_moe, tmp_path / "moe")
-    res = _run(hf_dir, tmp_path, 4, [(2, 1, 2, None, 2), (1, 2, 2, 24, 2)])
+    all_results, dirs, hf_dir, _ = four_processes
+    res, out_dir = all_results["moe"], dirs["moe"]
     hf = _hf_weights(hf_dir)
     for tag in ("tp2pp1dp2ep2", "tp1pp2dp2ep2"):
         weights = res[tag]["weights"]
@@ -404,7 +426,7 @@ def test_qwen3_moe_at_tp2_ep2_and_pp2_ep2_matches_hf_and_gathers_its_experts_exa
     batch = make_batch(hf_dir)
     want, am = hf_routing(hf_dir, batch), batch["attention_mask"].bool()
     got: dict[int, dict[int, torch.Tensor]] = {}
-    for f in tmp_path.glob("tp1pp2dp2ep2-routing-rank*.pt"):
+    for f in out_dir.glob("tp1pp2dp2ep2-routing-rank*.pt"):
         for layer, rows in torch.load(f).items():
             got.setdefault(layer, {}).update(rows)
     assert sorted(got) == sorted(want) == [0, 1]
@@ -427,6 +449,7 @@ def test_qwen3_moe_convert_round_trip_through_tp2_ep2(tiny_qwen3_moe, tmp_path):
 
 
 def _load_balancing_child(rank, world, ports, layouts, hf_dir, out_dir):
+    """The load-balancing loss and gradient norm of each (tp, dp, ep) layout, to balancing.pt."""
     from megatron_specrl.config import LearnerConfig
     from megatron_specrl.learner.worker import LearnerWorker
     ref = torch.load(f"{out_dir}/ref.pt")
@@ -442,18 +465,18 @@ def _load_balancing_child(rank, world, ports, layouts, hf_dir, out_dir):
         torch.save(res, f"{out_dir}/balancing.pt")
 
 
+BALANCING_LAYOUTS = [(1, 4, 2), (2, 2, 2)]   # (tp, dp, ep)
+
+
 @pytest.mark.slow
-def test_moe_load_balancing_loss_and_gradients_ignore_padding(tiny_qwen3_moe, tmp_path):
+def test_moe_load_balancing_loss_and_gradients_ignore_padding(four_processes, tiny_qwen3_moe):
     """With the load-balancing loss on (router_aux_loss_coef 0.001), TP2 pads every row to an even length
     for sequence parallelism and TP1 does not: the routers get the padding mask, so both give the same loss
-    and gradient norm (counted in, padding moved both; the pad token's zero embedding gave large gradients)."""
+    and gradient norm (counted in, padding moved both; the pad token's zero embedding gave large gradients).
+    Run in the four ranks of `four_processes`, after its layouts."""
     batch = make_batch(tiny_qwen3_moe)
     assert (batch["attention_mask"].sum(1) % 2).any()        # some row has an odd length: TP2 pads it
-    torch.save({"batch": batch, "lp": torch.zeros(batch["input_ids"].shape)}, tmp_path / "ref.pt")
-    layouts = [(1, 4, 2), (2, 2, 2)]
-    mp.spawn(_load_balancing_child, args=(4, [free_port("127.0.0.1") for _ in layouts], layouts,
-                                          str(tiny_qwen3_moe), str(tmp_path)), nprocs=4, join=True)
-    res = torch.load(tmp_path / "balancing.pt")
+    res = torch.load(four_processes[3] / "balancing.pt")
     (lb1, norm1), (lb2, norm2) = res[(1, 4, 2)], res[(2, 2, 2)]
     assert 0.5 < lb1 < 10 and abs(lb1 - lb2) < 1e-6 * lb1, res
     assert abs(norm1 - norm2) < 1e-5 * norm1, res
