@@ -32,9 +32,9 @@ def train_parser() -> argparse.ArgumentParser:
 def cmd_train(args) -> int:
     args = train_parser().parse_intermixed_args(args.rest)   # flags anywhere: RECIPE --dry-run key=value
     recipe, overrides = _split_recipe_and_overrides(args.items)
-    cfg = load_config(resolve_recipe(recipe), overrides)
     from megatron_specrl.config.resolve import resolve
-    resolved = resolve(cfg, log_choices=False)   # train() logs them; reward.name is checked here
+    # the resolve step, once: the plan, the dry run's print-out and train() all read this frozen config
+    cfg = resolve(load_config(resolve_recipe(recipe), overrides))
     from megatron_specrl.plan import build_plan, print_plan
     # layout, model, data and memory, before anything is written; a run loads model.path now, so a
     # shape-only config (examples/models/) passes the dry-run only
@@ -45,7 +45,7 @@ def cmd_train(args) -> int:
         check_engine_installed(cfg.rollout.engine)
         find_resume(cfg, Path(cfg.output_dir))
         print(to_yaml(cfg), end="")
-        print_resolved(resolved)
+        print_resolved(cfg)
     print_plan(plan)
     if args.dry_run:
         return 0
@@ -54,8 +54,11 @@ def cmd_train(args) -> int:
     return 0
 
 
-def print_resolved(resolved) -> None:
-    """--dry-run's block of the values the keys left unset (auto) resolved to, and experimental features."""
+def print_resolved(cfg) -> None:
+    """--dry-run's block of the values the resolved config's unset (auto) keys took, and its experimental
+    features: the lines train() logs (config.resolve.resolved_choices)."""
+    from megatron_specrl.config.resolve import resolved_choices
+    resolved = resolved_choices(cfg)
     print("resolved auto values:")
     for line in resolved.lines() or ["(none: every key is set)"]:
         print(f"  {line}")

@@ -16,7 +16,7 @@ from megatron_specrl.algorithms.kl_reward import kl_cost
 from megatron_specrl.algorithms.ppo import ppo_advantages
 from megatron_specrl.algorithms.rewards_step import group_ids_of, score_samples
 from megatron_specrl.config import RunConfig
-from megatron_specrl.config.resolve import resolve
+from megatron_specrl.config.resolve import log_resolved, resolve
 from megatron_specrl.resync.lifecycle import engines_of, release_engine_memory
 from megatron_specrl.rollout.batch import build_batch
 from megatron_specrl.rollout.dump import dump_rollouts
@@ -125,8 +125,14 @@ def learn(run: Run, batch: dict, release_engines: bool) -> dict[str, float]:
 
 
 def train(cfg: RunConfig) -> Run:
-    resolve(cfg)   # the auto values and experimental features, logged once; reward.name checked
+    """The whole run. `cfg`: the resolved config (the CLI resolves it for its plan and dry run), or one
+    from load_config, which the resolve step turns into it here (the Python API); either way it is
+    resolved once, and its auto values and experimental features are logged once."""
+    if not cfg.is_resolved:
+        cfg = resolve(cfg)
+    log_resolved(cfg)
     run = build_run(cfg)
+    cfg = run.cfg   # the same config, with rollout.draft_model located (run.build.prepare_model)
     hooks = faults.from_env(engines=lambda: engines_of(run.engine))   # crash tests only; no-op otherwise
     ahead = None
     try:

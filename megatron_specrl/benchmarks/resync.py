@@ -201,7 +201,7 @@ def bench_resync_main(argv: list[str] | None = None) -> int:
     actors = None
     try:
         actors = build_actors(model_dir, LearnerConfig(tp=args.tp, pp=args.pp),
-                              RolloutConfig(kv_cache_gb=0.25, engine_dtype=args.engine_dtype), seed=0,
+                              RolloutConfig(kv_cache_gb=0.25, engine_dtype=args.engine_dtype).resolved(), seed=0,
                               log_dir=tempfile.mkdtemp(prefix="bench-resync-"))
         learner, engine = actors.learner, actors.engine
         pids = {"learner rank 0": ray.get(learner.actors[0].__ray_call__.remote(_pid)),

@@ -1,15 +1,18 @@
-"""The resolve step: what a validated config's unset (auto) keys become, said once at start-up.
+"""The resolve step: a loaded config becomes the one config a run reads, resolved and frozen, once.
 
-Validation (the pydantic validators of config/schema.py) only refuses what cannot run. The keys left unset
-are filled by `RunConfig.resolve_auto` (load_config applies it; the rules are the schema's), and `resolve`
-here, called where a run is assembled (the CLI's train, `train()`), checks what needs the package's
-other modules (reward.name against rewards.py: the schema imports no module that imports it), logs
-each chosen value once with why, and warns once for each experimental feature in use.
+Validation (the pydantic validators of config/schema.py) only refuses what cannot run. `resolve` here
+turns a validated config into the run's: the keys left unset (auto) filled by `RunConfig.resolve_auto`
+(load_config filled them already; the rules are the schema's), reward.name checked against rewards.py
+(the schema imports no module that imports it), and the result frozen, so the CLI's --dry-run, train(),
+build_run and the engine factory all read the same values and none re-resolves. It is pure: it builds,
+downloads and starts nothing, so --dry-run runs it too. What does build, rollout.draft_model's directory
+(a tiny draft model is built and warmed up), is located once at run assembly (run/build.prepare_model),
+which puts the directory into the frozen config that Run.cfg holds.
 
-    cfg = load_config("tiny-cpu-grpo", ["rollout.draft=tree"])
-    for key, value, why in resolve(cfg).choices: ...
+    cfg = resolve(load_config("tiny-cpu-grpo", ["rollout.draft=tree"]))
+    for key, value, why in resolved_choices(cfg).choices: ...
 
-`megatron-specrl train ... --dry-run` prints the same list.
+train() logs those choices once (log_resolved); `megatron-specrl train ... --dry-run` prints the same list.
 """
 
 from __future__ import annotations
@@ -67,16 +70,27 @@ def check_reward(cfg: RunConfig) -> None:
         raise ConfigError(f"invalid value for 'reward.name': {name!r} (Value error, {e})") from None
 
 
-def resolve(cfg: RunConfig, *, log_choices: bool = True) -> ResolvedChoices:
-    """Fill `cfg`'s auto keys in place (nothing is left for a config from load_config), check
-    reward.name, and return the choices; with `log_choices`, log them and the experimental features,
-    once per config."""
+def resolve(cfg: RunConfig) -> RunConfig:
+    """The resolve step: check reward.name and return a frozen copy of `cfg` with its auto keys filled
+    (nothing is left to fill in a config from load_config; one built with RunConfig.model_validate gets
+    them here). Called once per run: by the CLI's train, or by train() when handed a loaded config."""
     check_reward(cfg)
-    out = ResolvedChoices(cfg.resolve_auto(), experimental_features(cfg))
-    if log_choices and not cfg._reported:
-        cfg._reported = True
-        for line in out.lines():
-            log.info("resolved %s", line)
-        for line in out.experimental:
-            log.warning("%s", line)
+    out = cfg.model_copy(deep=True)
+    out.resolve_auto()
+    out._freeze()
     return out
+
+
+def resolved_choices(cfg: RunConfig) -> ResolvedChoices:
+    """What the resolve step chose for `cfg`'s auto keys and the experimental features it turns on: the
+    lines train() logs and --dry-run prints."""
+    return ResolvedChoices(cfg.auto_chosen, experimental_features(cfg))
+
+
+def log_resolved(cfg: RunConfig) -> None:
+    """Log each auto value with why, and warn for each experimental feature: train() calls it once."""
+    report = resolved_choices(cfg)
+    for line in report.lines():
+        log.info("resolved %s", line)
+    for line in report.experimental:
+        log.warning("%s", line)

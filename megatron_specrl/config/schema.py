@@ -50,7 +50,32 @@ def resolve_recipe(recipe: str | None) -> Path | None:
 
 
 class _Strict(BaseModel):
+    """A config section: unknown keys refused, assignments validated, and frozen once resolved. The
+    resolve step (megatron_specrl.config.resolve.resolve; RolloutConfig.resolved for a RolloutConfig
+    built on its own) hands on a frozen copy, so every consumer reads the values that were resolved,
+    checked and reported, and none can change a key behind the others' back. Frozen per instance (a
+    flag, not pydantic's class-wide `frozen`) because a loaded, unresolved config stays editable."""
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    _frozen: bool = PrivateAttr(False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not name.startswith("_") and getattr(self, "_frozen", False):
+            raise TypeError(f"{type(self).__name__}.{name}: the resolved config is frozen; set the key in the "
+                            "recipe or as a key=value override, before the resolve step")
+        super().__setattr__(name, value)
+
+    @property
+    def is_resolved(self) -> bool:
+        """Made by the resolve step (and so frozen): what make_engine and build_run take."""
+        return bool(getattr(self, "_frozen", False))
+
+    def _freeze(self) -> None:
+        """Freeze this section and every section inside it (the resolve step's last act)."""
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, _Strict):
+                value._freeze()
+        self._frozen = True
 
 
 class Choice(NamedTuple):
@@ -317,10 +342,12 @@ class RolloutConfig(_Strict):
         return [c._replace(key="rollout." + c.key) for c in choices]
 
     def resolved(self) -> "RolloutConfig":
-        """A copy with the auto keys filled: what the engines and the rollout run with (the Python API's
-        resolve step; make_engine calls it too)."""
+        """The resolve step of a RolloutConfig built on its own (the Python API: check-resync,
+        bench-resync, tests): a frozen copy with the auto keys filled, which make_engine takes. A run's
+        engines get the rollout section of its resolved RunConfig (config.resolve.resolve) instead."""
         out = self.model_copy(deep=True)
         out.resolve_auto()
+        out._freeze()
         return out
 
 
@@ -532,8 +559,9 @@ class ClusterConfig(_Strict):
 
 
 class RunConfig(_Strict):
-    """A whole run: every section of a recipe. Validation refuses what cannot run; `resolve_auto` (the
-    resolve step, megatron_specrl/config/resolve.py) then fills the keys left unset (auto)."""
+    """A whole run: every section of a recipe. Validation refuses what cannot run; `resolve_auto` then
+    fills the keys left unset (auto), and the resolve step (megatron_specrl/config/resolve.py) makes the
+    frozen copy every part of the run reads."""
     output_dir: str = Field("outputs/tiny-cpu-grpo", description="Directory of the run's checkpoints, logs and "
                             "exports [trainer.default_local_dir].")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The policy's weights.")
@@ -552,7 +580,6 @@ class RunConfig(_Strict):
                                    "for.")
     # the auto choices resolve_auto made on this config (the resolve step reports them)
     _choices: list = PrivateAttr(default_factory=list)
-    _reported: bool = PrivateAttr(False)   # resolve() logged them
 
     @property
     def needs_reference(self) -> bool:
@@ -718,11 +745,10 @@ class RunConfig(_Strict):
         self._choices = list(self._choices) + choices
         return list(self._choices)
 
-    def resolved(self) -> "RunConfig":
-        """A copy with the auto keys filled (resolve_auto)."""
-        out = self.model_copy(deep=True)
-        out.resolve_auto()
-        return out
+    @property
+    def auto_chosen(self) -> list[Choice]:
+        """What resolve_auto chose on this config (load_config's or the resolve step's call), in order."""
+        return list(self._choices)
 
 
 def _one_line(e: BaseException) -> str:
@@ -779,8 +805,9 @@ def _format_validation_error(err: ValidationError) -> str:
 
 def load_config(recipe: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
     """Merge recipe + overrides, validate, and fill the keys left unset (auto) with RunConfig.resolve_auto
-    (the choices stay on the config: megatron_specrl.config.resolve.resolve reports and logs them, and checks
-    what needs the package's other modules, such as reward.name). Raises ConfigError naming the bad key."""
+    (the choices stay on the config). The result is still editable; megatron_specrl.config.resolve.resolve
+    turns it into the frozen config a run reads, checking what needs the package's other modules, such as
+    reward.name. Raises ConfigError naming the bad key."""
     base: Any = OmegaConf.create({})
     if recipe is not None:
         path = Path(recipe)

@@ -417,7 +417,7 @@ def check_resync_main(argv: list[str] | None = None, learner=None, engine=None) 
                           f"Ray actors), engine TP={args.engine_tp}, {model_dir}")
             built = build_actors(model_dir, LearnerConfig(tp=args.tp, pp=args.pp, dp=dp, ep=args.ep, lr=args.lr),
                                  RolloutConfig(kv_cache_gb=0.25, engine_dtype=args.engine_dtype,
-                                               engine_tp=args.engine_tp), seed=args.seed,
+                                               engine_tp=args.engine_tp).resolved(), seed=args.seed,
                                  log_dir=args.log_dir or tempfile.mkdtemp(prefix="check-resync-"),
                                  engine_seed=args.seed)
             learner, engine = built.learner, built.engine

@@ -15,11 +15,15 @@ from megatron_specrl.engines.protocol import RolloutEngine
 
 def engine_kwargs(cfg: RolloutConfig, model_path: str, log_dir: str | Path, index: int,
                   seed: int) -> tuple[type, dict]:
-    """Engine class and constructor kwargs for engine `index`; `cfg` is resolved first (its auto keys
-    filled, RolloutConfig.resolved), so a RolloutConfig built directly runs as a recipe's would."""
+    """Engine class and constructor kwargs for engine `index`. `cfg` is resolved already and read as
+    given: a run's resolved config's rollout section, or RolloutConfig.resolved() of one built directly
+    (its auto keys decide engine arguments, such as which vLLM patches verification needs)."""
     import torch
 
-    cfg = cfg.resolved()
+    if not cfg.is_resolved:
+        raise ValueError("the engines take a resolved RolloutConfig: the rollout section of the run's resolved "
+                         "config (megatron_specrl.config.resolve.resolve), or RolloutConfig.resolved() of one "
+                         "built directly")
     common = dict(model_path=str(model_path), name=f"{cfg.engine}-{index}", seed=seed + index,
                   max_model_len=cfg.max_model_len, tensor_parallel_size=cfg.engine_tp, dtype=cfg.engine_dtype,
                   gpu_memory_utilization=cfg.gpu_memory_utilization, log_dir=str(log_dir),

@@ -27,7 +27,6 @@ from megatron_specrl.run.state import Run
 if TYPE_CHECKING:   # types only: these pull in Ray, transformers and the dataset readers
     from transformers import PreTrainedTokenizerBase
 
-    from megatron_specrl.config import RolloutConfig
     from megatron_specrl.data.datasets import PromptLoader, PromptRecord
 
 log = logging.getLogger(__name__)
@@ -35,10 +34,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Model:
-    """The policy's directory, config and tokenizer; the rollout settings its engines get."""
+    """The policy's directory, config and tokenizer."""
     model_dir: Path
     hf_config: dict
-    rollout: RolloutConfig      # cfg.rollout, with rollout.draft_model resolved to its directory
     tokenizer: PreTrainedTokenizerBase
     pad_id: int
 
@@ -53,12 +51,17 @@ class _Data:
 
 
 def build_run(cfg: RunConfig) -> Run:
+    """`cfg`: the resolved config (config.resolve.resolve; train() hands it on), read as given. The Run
+    holds it with rollout.draft_model located (prepare_model): the one config of the run."""
     from megatron_specrl.rewards import default_reward_for, get_reward
 
+    if not cfg.is_resolved:
+        raise ValueError("build_run takes the resolved config: megatron_specrl.config.resolve.resolve(cfg) "
+                         "(train() resolves a loaded config itself)")
     out = Path(cfg.output_dir)
     check_engine_installed(cfg.rollout.engine)
     resume_from = find_resume(cfg, out)     # before anything is written into an earlier run's directory
-    model = prepare_model(cfg)
+    cfg, model = prepare_model(cfg)
     data = load_data(cfg, model.tokenizer)
     tokenizer_id = tokenizer_fingerprint(model.model_dir)
     # a checkpoint that is not this run's: one line, before Ray and the actors start
@@ -91,19 +94,22 @@ def build_run(cfg: RunConfig) -> Run:
     return run
 
 
-def prepare_model(cfg: RunConfig) -> _Model:
+def prepare_model(cfg: RunConfig) -> tuple[RunConfig, _Model]:
     """The model directory (built or fetched), checked against the parallel layout, the draft model's
-    directory (rollout.draft=model: checked before Ray and the engines start) and the tokenizer."""
+    directory (rollout.draft=model: checked before Ray and the engines start) and the tokenizer; with
+    `cfg` as the run holds it from here on: rollout.draft_model set to that directory. The one place a
+    config key is resolved by building something (a tiny draft model's name builds and warms it up),
+    which is why the pure resolve step (config.resolve) leaves it here."""
     model_dir = resolve_model(cfg.model, seed=0, task_terms=tuple(cfg.data.synthetic_terms))
     check_model_fits(cfg, model_dir)   # the plan's layout and context lines, for a run started without the CLI
     hf_config = read_hf_config(model_dir)
-    rollout_cfg = cfg.rollout
-    if cfg.rollout.draft == "model":   # engines get its directory
+    if cfg.rollout.draft == "model":   # the engines, and every later reader of cfg, get its directory
         draft_dir = resolve_draft_model(cfg.model, cfg.rollout.draft_model, model_dir, tuple(cfg.data.synthetic_terms))
-        rollout_cfg = cfg.rollout.model_copy(update={"draft_model": str(draft_dir)})
+        # model_copy keeps the copies frozen as the resolved config is (pydantic copies the private flag)
+        cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"draft_model": str(draft_dir)})})
     tokenizer = load_tokenizer(cfg.model.path, model_dir, hf_config)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return _Model(model_dir, hf_config, rollout_cfg, tokenizer, pad_id)
+    return cfg, _Model(model_dir, hf_config, tokenizer, pad_id)
 
 
 def load_data(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> _Data:
@@ -142,7 +148,7 @@ def start_actors(cfg: RunConfig, model: _Model, out: Path):
     transport = resolve_transport(cfg.trainer.resync_transport, placement, cfg.rollout.num_engines,
                                   cfg.rollout.engine)
     a = cfg.algorithm
-    actors = build_actors(model.model_dir, cfg.learner, model.rollout, seed=cfg.trainer.seed,
+    actors = build_actors(model.model_dir, cfg.learner, cfg.rollout, seed=cfg.trainer.seed,
                           log_dir=out / "engine_logs", critic_lr=a.critic_lr if a.name == "ppo" else None,
                           critic_lr_warmup_steps=a.critic_lr_warmup_steps, critic_weight_decay=a.critic_weight_decay,
                           critic_grad_clip=a.critic_grad_clip, reference=cfg.needs_reference,

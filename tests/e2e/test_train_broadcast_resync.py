@@ -14,7 +14,8 @@ WEIGHT_TOL, LOGPROB_TOL = 1e-6, 1e-4
 
 def _config(tmp_path, model_dir, tp: int):
     from megatron_specrl.config import load_config
-    return load_config(None, [
+    from megatron_specrl.config.resolve import resolve
+    return resolve(load_config(None, [
         f"output_dir={tmp_path / 'run'}", f"model.path={model_dir}", f"learner.tp={tp}",
         "trainer.resync_transport=broadcast", "trainer.total_steps=2", "trainer.prompts_per_step=4",
         "rollout.n_samples=4", "rollout.max_new_tokens=16", "rollout.kv_cache_gb=0.25", "data.num_synthetic=8",
@@ -22,7 +23,7 @@ def _config(tmp_path, model_dir, tp: int):
         "logging.wandb=false", "logging.plots=false", "ray.num_cpus=2",
         # the untrained tiny model scores 0 on every sample (zero advantages): the entropy bonus
         # makes the step move the weights anyway, so a sync that loads nothing would be caught
-        "learner.loss.entropy_coef=0.01"])
+        "learner.loss.entropy_coef=0.01"]))
 
 
 def _check(run, prompts):

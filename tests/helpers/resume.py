@@ -5,6 +5,7 @@ import shutil
 
 from megatron_specrl import checkpoint as ckpt
 from megatron_specrl.config import load_config
+from megatron_specrl.config.resolve import resolve
 from megatron_specrl.models.resolve import tokenizer_fingerprint
 
 
@@ -39,4 +40,4 @@ def _build(tmp_path, tiny_llama, monkeypatch, *extra):
     monkeypatch.setattr(actors, "init_ray", reached)
     cfg = load_config(None, [f"output_dir={tmp_path}", f"model.path={tiny_llama}", "data.num_synthetic=16",
                              "trainer.prompts_per_step=8", "data.num_eval=0", "trainer.seed=0", *extra])
-    return build_run(cfg)
+    return build_run(resolve(cfg))

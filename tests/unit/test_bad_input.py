@@ -10,6 +10,7 @@ import pytest
 from megatron_specrl import checkpoint as ckpt
 from megatron_specrl.cli import main
 from megatron_specrl.config import ConfigError, DataConfig, load_config
+from megatron_specrl.config.resolve import resolve
 from megatron_specrl.data.datasets import DatasetError, PromptRecord, load_file, render_all, render_prompt
 
 class _Reached(Exception):
@@ -170,7 +171,7 @@ def _build(out, model_dir, monkeypatch, *extra):
     monkeypatch.setattr(actors, "init_ray", reached)
     cfg = load_config(None, [f"output_dir={out}", f"model.path={model_dir}", "data.num_synthetic=16",
                              "trainer.prompts_per_step=8", "data.num_eval=0", *extra])
-    return build_run(cfg)
+    return build_run(resolve(cfg))
 
 
 def _model_copy(tmp_path, tiny_llama, name="model", drop=(), **config):

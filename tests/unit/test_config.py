@@ -160,13 +160,13 @@ def test_tree_drafting_keys_reach_both_engines_and_sglang_refuses_runahead():
     from megatron_specrl.engines.factory import engine_kwargs
     cfg = load_config(ROOT / "examples/tiny-cpu-grpo.yaml",
                       ["rollout.draft=tree", "rollout.drafter.tokens=12", "rollout.drafter.min_prob=0.2"])
-    _, kwargs = engine_kwargs(cfg.rollout, "m", "logs", 0, 0)
+    _, kwargs = engine_kwargs(cfg.rollout.resolved(), "m", "logs", 0, 0)
     assert kwargs["draft"] == "tree" and kwargs["drafter"].tokens == 12
     assert kwargs["drafter"].min_prob == 0.2
     cfg = load_config(ROOT / "examples/tiny-cpu-grpo.yaml",
                       ["rollout.draft=tree", "rollout.engine=sglang", "rollout.drafter.tokens=6",
                        "rollout.drafter.token_budget=512"])
-    cls, kwargs = engine_kwargs(cfg.rollout, "m", "logs", 0, 0)
+    cls, kwargs = engine_kwargs(cfg.rollout.resolved(), "m", "logs", 0, 0)
     assert cls.__name__ == "SGLangEngine" and kwargs["draft"] == "tree" and kwargs["drafter"].tokens == 6
     assert kwargs["drafter"].token_budget == 512
     with pytest.raises(ConfigError, match="rollout.runahead=2 with rollout.engine=sglang"):
@@ -175,7 +175,7 @@ def test_tree_drafting_keys_reach_both_engines_and_sglang_refuses_runahead():
     with pytest.raises(ConfigError, match="rollout.draft"):
         load_config(ROOT / "examples/tiny-cpu-grpo.yaml", ["rollout.draft=ngram"])
     cfg = load_config(ROOT / "examples/tiny-cpu-grpo.yaml", ["rollout.draft=tree", "rollout.drafter.shared_nodes=0"])
-    assert engine_kwargs(cfg.rollout, "m", "logs", 0, 0)[1]["drafter"].shared_nodes == 0
+    assert engine_kwargs(cfg.rollout.resolved(), "m", "logs", 0, 0)[1]["drafter"].shared_nodes == 0
     with pytest.raises(ConfigError, match="rollout.drafter.shared_nodes=4000000 must be below rollout.drafter.max_nodes"):
         load_config(ROOT / "examples/tiny-cpu-grpo.yaml", ["rollout.drafter.shared_nodes=4000000"])
 

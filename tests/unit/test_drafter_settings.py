@@ -47,8 +47,8 @@ def test_defaults_are_written_once():
                                             "rollout.drafter.tokens=7"]])
 def test_drafter_settings_reach_the_proposer_unchanged(overrides):
     cfg = load_config("examples/tiny-cpu-grpo.yaml", ["rollout.draft=tree", *overrides])
-    _, kwargs = engine_kwargs(cfg.rollout, "m", "logs", 0, 0)
-    assert kwargs["drafter"] == cfg.rollout.drafter            # passed whole, not rebuilt
+    _, kwargs = engine_kwargs(cfg.rollout.resolved(), "m", "logs", 0, 0)
+    assert kwargs["drafter"] == cfg.rollout.resolved().drafter   # passed whole, not rebuilt
     text = settings_env(kwargs["drafter"])                       # what VLLMEngine puts in SPECRL_TREE_PROPOSER
     back = read_settings(text)                                   # what TreeProposer reads in the worker
     assert {k: back[k] for k in DrafterConfig.model_fields} == cfg.rollout.drafter.model_dump()
@@ -67,8 +67,8 @@ def test_a_drafter_config_and_its_dict_give_the_same_drafter():
 
 
 def test_unset_tokens_resolve_by_draft():
-    assert engine_kwargs(RolloutConfig(draft="tree"), "m", "l", 0, 0)[1]["drafter"].tokens == 16
-    assert engine_kwargs(RolloutConfig(draft="model", draft_model="x"), "m", "l", 0, 0)[1]["drafter"].tokens == 4
+    assert engine_kwargs(RolloutConfig(draft="tree").resolved(), "m", "l", 0, 0)[1]["drafter"].tokens == 16
+    assert engine_kwargs(RolloutConfig(draft="model", draft_model="x").resolved(), "m", "l", 0, 0)[1]["drafter"].tokens == 4
     assert tree_drafter.as_drafter({"min_prob": 0.0}, "tree") == DrafterConfig(tokens=16, min_prob=0.0)
 
 

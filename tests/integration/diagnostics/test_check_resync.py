@@ -54,7 +54,7 @@ def learner(ray_session, tiny_llama):
 def engine(ray_session, tiny_llama, tmp_path_factory):
     from megatron_specrl.config import RolloutConfig
     from megatron_specrl.engines.factory import make_engine
-    eng = make_engine(RolloutConfig(kv_cache_gb=0.25), str(tiny_llama),
+    eng = make_engine(RolloutConfig(kv_cache_gb=0.25).resolved(), str(tiny_llama),
                       log_dir=tmp_path_factory.mktemp("resync-engine-logs"), use_ray=True, seed=0)
     yield eng
     eng.shutdown()

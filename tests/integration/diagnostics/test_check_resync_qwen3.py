@@ -27,8 +27,8 @@ def ray_session():
 def _actors(model_dir, dp: int, ep: int, tmp_path):
     from megatron_specrl.cluster.actors import build_actors
     from megatron_specrl.config import LearnerConfig, RolloutConfig
-    return build_actors(model_dir, LearnerConfig(tp=1, pp=1, dp=dp, ep=ep), RolloutConfig(kv_cache_gb=0.25),
-                        seed=0, log_dir=str(tmp_path / "logs"), engine_seed=0)
+    return build_actors(model_dir, LearnerConfig(tp=1, pp=1, dp=dp, ep=ep),
+                        RolloutConfig(kv_cache_gb=0.25).resolved(), seed=0, log_dir=str(tmp_path / "logs"), engine_seed=0)
 
 
 @pytest.mark.parametrize("fixture,ep", [("tiny_qwen3_moe", 2), ("tiny_qwen3", 1)])

@@ -20,13 +20,14 @@ BF16_TOL = LOGPROB_TOL["bfloat16"]
 
 def _config(tmp_path, model_dir):
     from megatron_specrl.config import load_config
-    return load_config(None, [
+    from megatron_specrl.config.resolve import resolve
+    return resolve(load_config(None, [
         f"output_dir={tmp_path / 'run'}", f"model.path={model_dir}", "rollout.engine_dtype=bfloat16",
         "trainer.resync_transport=ray", "trainer.total_steps=1", "trainer.prompts_per_step=4",
         "rollout.n_samples=4", "rollout.max_new_tokens=16", "rollout.kv_cache_gb=0.25", "data.num_synthetic=8",
         "data.num_eval=0", "trainer.eval_every=0", "trainer.checkpoint_every=0", "trainer.export_hf=false",
         "logging.wandb=false", "logging.plots=false", "ray.num_cpus=2",
-        "learner.loss.entropy_coef=0.01"])   # zero advantages on the untrained model: still move the weights
+        "learner.loss.entropy_coef=0.01"]))   # zero advantages on the untrained model: still move the weights
 
 
 def _failing(report) -> set[str]:

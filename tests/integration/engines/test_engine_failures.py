@@ -195,7 +195,7 @@ def test_engine_start_may_take_as_long_as_rollout_engine_timeout_s(monkeypatch, 
     seen = []
     monkeypatch.setattr(ray_engine, "RayEngine", lambda *a, **kw: seen.append(kw) or object())
     for timeout, start in ((3600.0, 3600.0), (60.0, 600.0)):
-        factory.make_engine(RolloutConfig(engine_timeout_s=timeout), str(tmp_path), log_dir=tmp_path, use_ray=True)
+        factory.make_engine(RolloutConfig(engine_timeout_s=timeout).resolved(), str(tmp_path), log_dir=tmp_path, use_ray=True)
         assert (seen[-1]["timeout_s"], seen[-1]["start_timeout_s"]) == (timeout, start)
 
 
@@ -235,8 +235,8 @@ def test_colocated_engines_on_gpus_can_hand_their_memory_to_the_learner(monkeypa
         fake.SGLangEngine = object
         monkeypatch.setitem(sys.modules, "megatron_specrl.engines.sglang", fake)
     for colocate in (True, False):
-        _, kwargs = factory.engine_kwargs(RolloutConfig(engine=engine, colocate=colocate), str(tmp_path), tmp_path,
-                                          0, 0)
+        _, kwargs = factory.engine_kwargs(RolloutConfig(engine=engine, colocate=colocate).resolved(), str(tmp_path),
+                                          tmp_path, 0, 0)
         assert kwargs.get(key, False) is colocate
 
 

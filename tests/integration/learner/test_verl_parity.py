@@ -35,6 +35,7 @@ from unittest import mock
 import pytest
 import torch
 from megatron_specrl.config import ConfigError, LearnerConfig, load_config
+from megatron_specrl.config.resolve import resolve
 from megatron_specrl.learner import losses as L
 import logging
 import math
@@ -80,7 +81,7 @@ def _settings_per_role(cfg) -> dict[str, LearnerConfig]:
                 learner_gpus_per_rank=0.0, gpus_per_engine=None)), \
             mock.patch.object(run_build, "resolve_transport", lambda *a: "ray"):
         with pytest.raises(Stop):
-            run_build.build_run(cfg)
+            run_build.build_run(resolve(cfg))
     args = captured_kwargs.pop("_args")
 
     seen = {}

@@ -76,5 +76,5 @@ def test_the_factory_tells_the_engine_which_features_the_rollout_uses(tmp_path, 
     from megatron_specrl.config import RolloutConfig
     from megatron_specrl.engines.factory import engine_kwargs
 
-    _, kwargs = engine_kwargs(RolloutConfig(**settings), str(tmp_path), tmp_path, 0, 0)
+    _, kwargs = engine_kwargs(RolloutConfig(**settings).resolved(), str(tmp_path), tmp_path, 0, 0)
     assert {k: kwargs[k] for k in uses} == uses

@@ -91,7 +91,8 @@ def test_factory_hands_each_engine_its_own_engine_kwargs(monkeypatch, tmp_path, 
         fake.SGLangEngine = object
         monkeypatch.setitem(sys.modules, "megatron_specrl.engines.sglang", fake)
     cfg = RolloutConfig(engine=engine, enforce_eager=False, cudagraph_capture_sizes=[4], max_num_seqs=32,
-                        engine_kwargs={"vllm": {"disable_log_stats": True}, "sglang": {"chunked_prefill_size": 1024}})
+                        engine_kwargs={"vllm": {"disable_log_stats": True},
+                                       "sglang": {"chunked_prefill_size": 1024}}).resolved()
     _, kw = factory.engine_kwargs(cfg, str(tmp_path), tmp_path, 0, 0)
     assert (kw["enforce_eager"], kw["cudagraph_capture_sizes"], kw["max_num_seqs"]) == (False, [4], 32)
     assert kw["engine_args"] == ({"disable_log_stats": True} if engine == "vllm" else {"chunked_prefill_size": 1024})
