@@ -80,13 +80,16 @@ def step_times(start: float, end: float, rollout: Collected, next_rollout: Colle
                train_s: float) -> dict[str, float]:
     """Where a step's wall time went: its own rollout (run in it, or ahead in the previous step), the next
     step's rollout that ran beside its training, and who waited. Idle: the step's seconds in which the
-    engines generated nothing (resync and the driver's work included), or the learner did not train."""
+    engines generated nothing (resync and the driver's work included; the exact overlap's refresh counts as
+    work), or the learner did not train."""
     window = (start, end)
     own = overlap_s(window, (rollout.started, rollout.finished))
     ahead = overlap_s(window, (next_rollout.started, next_rollout.finished)) if next_rollout is not None else 0.0
+    refresh = rollout.metrics.get("time/refresh_s", 0.0)   # the exact overlap's, in this step (engines busy)
     step_s = end - start
     return {"time/step_s": step_s, "time/rollout_s": rollout.rollout_s, "time/overlap_s": min(ahead, train_s),
-            "time/learner_idle_s": max(0.0, step_s - train_s), "time/engine_idle_s": max(0.0, step_s - own - ahead)}
+            "time/learner_idle_s": max(0.0, step_s - train_s),
+            "time/engine_idle_s": max(0.0, step_s - own - ahead - refresh)}
 
 
 def refresh_rollout(run: Run, step: int, got: Collected) -> Collected:

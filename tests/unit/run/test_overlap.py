@@ -222,6 +222,8 @@ def test_step_times_count_what_ran_beside_what():
     ran_before = Collected([], torch.zeros(0), {}, 0, started=-2.0, finished=-0.5)   # ran in the previous step
     assert step_times(0.0, 3.0, ran_before, None, 1.2)["time/engine_idle_s"] == 3.0
     assert overlap_s((0, 1), (2, 3)) == 0.0 and overlap_s((0, 2), (1, 3)) == 1.0
+    refreshed = Collected([], torch.zeros(0), {"time/refresh_s": 0.5}, 0, started=-2.0, finished=-0.5)
+    assert step_times(0.0, 3.0, refreshed, None, 1.2)["time/engine_idle_s"] == 2.5   # the refresh is engine work
 
 
 def test_an_overlapped_cpu_run_gives_the_engines_the_upper_half_of_the_cores():
