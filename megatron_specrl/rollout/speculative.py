@@ -305,7 +305,7 @@ class SpeculativeRollout:
                 step: int | str) -> tuple[list[RolloutSample], dict[str, float]]:
         """Coupled samples drawn under older weights, made samples of the current ones (trainer.overlap=exact,
         run/overlap.refresh_rollout): each response is its own draft, verified with its own noise in one
-        prefill (the prefix cache keeps the prompt's KV), kept up to its first changed draw c_n, and
+        prefill, kept up to its first changed draw c_n, and
         decoded on from there with the same noise (drafted from the prompt's trees, which hold the stale
         tail). Token for token what plain coupled generation with that noise gives under the current
         weights, so an exact sample of them wherever the noise is independent of the weights: fresh per
