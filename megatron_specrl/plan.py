@@ -467,10 +467,11 @@ def _layout(cfg: RunConfig) -> list[str]:
                        "with one learner rank; use engine_tp=1 or colocate=false")
         if r.num_engines > learner:
             out.append(f"rollout.num_engines={r.num_engines} exceeds the learner's {learner} GPUs it is colocated on")
-        if cfg.trainer.max_staleness:
-            out.append(f"trainer.max_staleness={cfg.trainer.max_staleness} with rollout.colocate=true: colocated "
+        if cfg.trainer.runs_ahead:
+            off = "trainer.overlap=none" if cfg.trainer.overlap else "trainer.max_staleness=0"
+            out.append(f"{cfg.trainer.overlap_key()} with rollout.colocate=true: colocated "
                        "engines sleep while the learner trains on their GPUs, so nothing can overlap; set "
-                       "rollout.colocate=false (engines on GPUs of their own) or trainer.max_staleness=0")
+                       f"rollout.colocate=false (engines on GPUs of their own) or {off}")
     if learner + engines != have:
         what = (f"learner.tp x pp x dp = {le.tp} x {le.pp} x {le.dp} = {learner}"
                 + ("" if r.colocate else f" plus rollout.num_engines x engine_tp = {r.num_engines} x {r.engine_tp} "

@@ -24,7 +24,9 @@ from megatron_specrl.rollout.dynamic import filter_rounds
 from megatron_specrl.run.build import build_run
 from megatron_specrl.run.checkpointing import save_final_checkpoint, save_run_checkpoint
 from megatron_specrl.run.evaluation import evaluate
-from megatron_specrl.run.overlap import Collected, RolloutAhead, staleness, starts_ahead, step_times, timed_collect
+from megatron_specrl.run.overlap import (
+    Collected, RolloutAhead, refresh_rollout, staleness, starts_ahead, step_times, timed_collect,
+)
 from megatron_specrl.run.recovery import collect_again, resync_with_recovery, with_engine_recovery
 from megatron_specrl.run.state import Run
 
@@ -34,7 +36,8 @@ def train_step(run: Run, step: int, hooks: faults.PhaseHooks = faults.PhaseHooks
     t0 = time.perf_counter()
     hooks.before("rollout", step)
     # 1-3. generate and reward (DAPO: rounds until enough informative groups): the rollout that ran beside
-    #      the previous step's training (trainer.max_staleness), or one now; a dead engine: restart, retry once
+    #      the previous step's training (trainer.overlap; exact: refreshed), or one now; a dead engine: restart,
+    #      retry once
     got = take_rollout(run, step, ahead)
     samples, rewards, metrics = got.samples, got.rewards, got.metrics
     run.record_data_order(step, samples)
@@ -61,10 +64,12 @@ def train_step(run: Run, step: int, hooks: faults.PhaseHooks = faults.PhaseHooks
 
 
 def take_rollout(run: Run, step: int, ahead: RolloutAhead | None) -> Collected:
-    """The step's rollout: the one in flight for it, else one collected now under the engines' weights."""
+    """The step's rollout: the one in flight for it (trainer.overlap=exact: refreshed under the engines'
+    weights), else one collected now under the engines' weights."""
     if ahead is not None and ahead.holds(step):
+        refresh = (lambda got: refresh_rollout(run, step, got)) if run.cfg.trainer.overlap_mode == "exact" else None
         return ahead.take(run, step, lambda state: Collected(*collect_again(run, step, state, lambda: collect(run, step)),
-                                                             version=run.version))
+                                                             version=run.version), refresh)
     return timed_collect(lambda: with_engine_recovery(run, step, lambda: collect(run, step)), run.version)
 
 
@@ -138,7 +143,7 @@ def train(cfg: RunConfig) -> Run:
     try:
         if cfg.trainer.eval_every and run.step == 0:   # the baseline every later eval is compared with
             run.logger.log(0, evaluate(run))
-        ahead = RolloutAhead() if cfg.trainer.max_staleness else None   # the rollout in flight, if any
+        ahead = RolloutAhead() if cfg.trainer.runs_ahead else None   # the rollout in flight, if any
         with run.progress:
             task = run.progress.add_task("training", total=cfg.trainer.total_steps, completed=run.step)
             while run.step < cfg.trainer.total_steps:

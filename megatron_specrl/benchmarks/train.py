@@ -1,12 +1,14 @@
 """megatron-specrl bench-train: the whole training step, synchronous and asynchronous
-(trainer.max_staleness), crossed with plain rollouts (`off`) and the recipe's speculative mode, side by
-side in one run on the same recipe, seeds and data.
+(trainer.max_staleness), crossed with plain rollouts (`off`) and the recipe's speculative mode, and the
+exact overlap (`async+exact`: trainer.overlap=exact with coupled rollouts, refreshed under the new weights),
+side by side in one run on the same recipe, seeds and data.
 
 Each arm is one `megatron-specrl train` process (its own Ray, engines and learner, so what one arm binds
 or warms cannot leak into the next), run one after the other in the order the arms are given, for every
 seed. Per arm: the median step seconds from step 5 on, the training loop's and the process's wall time,
 the learner's and the engines' idle fractions (time/learner_idle_s, time/engine_idle_s over time/step_s),
-the staleness and the held-out accuracy at the end, with mean, min and max over seeds; the curve of
+the staleness and the held-out accuracy at the end, and for the exact overlap the refresh's figures (kept
+tokens, seconds, its decode steps over the rollout's), with mean, min and max over seeds; the curve of
 held-out accuracy lands in the JSON.
 """
 
@@ -27,6 +29,8 @@ ARMS = {
     "sync+default": ["trainer.max_staleness=0"],
     "async+off": ["trainer.max_staleness=1", "rollout.spec_mode=off", "rollout.draft=none"],
     "async+default": ["trainer.max_staleness=1"],
+    "async+exact": ["trainer.max_staleness=0", "trainer.overlap=exact", "rollout.spec_mode=coupled",
+                    "rollout.coupled_refresh=1"],
 }
 FIRST_TIMED_STEP = 5   # the engines' and learner's warm-up steps are left out of the medians
 
@@ -66,9 +70,20 @@ def summarize_run(rows: list[dict], wall_s: float) -> dict[str, float]:
         "learner_idle": sum(r.get("time/learner_idle_s", 0.0) for r in timed) / total,
         "engine_idle": sum(r.get("time/engine_idle_s", 0.0) for r in timed) / total,
         "staleness_mean": statistics.fmean(r.get("async/staleness_mean", 0.0) for r in steps),
+        # the exact overlap's refresh (0 for the other arms: no step logs it)
+        "refresh_kept_token_frac": _mean_of(timed, "refresh/kept_token_frac"),
+        "refresh_s_median": statistics.median(r.get("time/refresh_s", 0.0) for r in timed),
+        "refresh_decode_steps_ratio": (sum(r.get("refresh/decode_steps", 0.0) for r in timed)
+                                       / max(sum(r.get("spec/decode_steps", 0.0) for r in timed
+                                                 if "refresh/decode_steps" in r), 1.0)),
         "eval_start": evals[0][1] if evals else float("nan"),
         "eval_end": evals[-1][1] if evals else float("nan"),
     }
+
+
+def _mean_of(rows: list[dict], key: str) -> float:
+    values = [r[key] for r in rows if key in r]
+    return statistics.fmean(values) if values else 0.0
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -97,7 +112,8 @@ def _row(name: str, s: dict[str, dict[str, float]]) -> str:
         return f"{v['mean']:{fmt}} ({v['min']:{fmt}}-{v['max']:{fmt}})"
     return (f"| {name} | {f('step_s_median', '.3f')} | {f('loop_s', '.1f')} | {f('wall_s', '.1f')} | "
             f"{f('learner_idle', '.2f')} | {f('engine_idle', '.2f')} | {f('staleness_mean', '.2f')} | "
-            f"{f('eval_start', '.3f')} | {f('eval_end', '.3f')} |")
+            f"{f('eval_start', '.3f')} | {f('eval_end', '.3f')} | {f('refresh_kept_token_frac', '.3f')} | "
+            f"{f('refresh_s_median', '.3f')} | {f('refresh_decode_steps_ratio', '.2f')} |")
 
 
 def bench_train_main(argv: list[str]) -> int:
@@ -123,8 +139,8 @@ def bench_train_main(argv: list[str]) -> int:
     spreads = {a: {k: spread([s[k] for s in per_arm[a]]) for k in per_arm[a][0]} for a in arms}
     print(f"\n{args.seeds} seed(s), {args.steps} steps, recipe {args.recipe} {' '.join(args.overrides)}")
     print("| arm | step s (median) | loop s | wall s | learner idle | engine idle | staleness | held-out start | "
-          "held-out end |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "held-out end | refresh kept tokens | refresh s | refresh / rollout decode steps |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for a in arms:
         print(_row(a, spreads[a]))
     ratios = {}
@@ -133,6 +149,11 @@ def bench_train_main(argv: list[str]) -> int:
         if s in spreads and a in spreads:
             ratios[spec] = spreads[s]["step_s_median"]["mean"] / spreads[a]["step_s_median"]["mean"]
             print(f"async over sync ({spec}): {ratios[spec]:.2f}x per step (medians' means)")
+    for base in ("sync+off", "sync+default", "async+default"):
+        if base in spreads and "async+exact" in spreads:
+            key = "async+exact over " + base
+            ratios[key] = spreads[base]["step_s_median"]["mean"] / spreads["async+exact"]["step_s_median"]["mean"]
+            print(f"{key}: {ratios[key]:.2f}x per step (medians' means)")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({"machine": host, "args": vars(args), "spread": spreads,
                                                     "ratios": ratios, "runs": runs}, indent=1))

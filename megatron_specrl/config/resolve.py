@@ -48,6 +48,9 @@ def experimental_features(cfg: RunConfig) -> list[str]:
     if r.spec_mode == "coupled":
         out.append("rollout.spec_mode=coupled is experimental: the policy is trained on the noise it is then "
                    "sampled with")
+    if cfg.trainer.overlap == "exact":
+        out.append("trainer.overlap=exact is experimental: the batch generated ahead is refreshed under the new "
+                   "weights before it is trained")
     if r.runahead:
         out.append(f"rollout.runahead={r.runahead} is experimental: its requests only feed the draft trees")
     if r.draft == "model":

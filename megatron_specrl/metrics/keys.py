@@ -51,7 +51,10 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "eval": ("Evaluation", "the run's evaluate() every trainer.eval_every steps (and at step 0): plain generation "
              "on the held-out prompts"),
     "time": ("Timing", "trainer.train_step and run/overlap.step_times"),
-    "async": ("Asynchronous rollouts", "run/overlap.staleness (trainer.max_staleness)"),
+    "async": ("Asynchronous rollouts", "run/overlap.staleness (trainer.overlap, trainer.max_staleness)"),
+    "refresh": ("Exact overlap's refresh", "rollout/speculative.SpeculativeRollout.refresh via "
+                "run/overlap.refresh_rollout (trainer.overlap=exact): logged at a step whose batch was generated "
+                "ahead and refreshed under the weights it is trained from"),
 }
 
 # key or pattern -> (unit, meaning)
@@ -215,18 +218,30 @@ METRICS: dict[str, tuple[str, str]] = {
     # -- timing ----------------------------------------------------------------------------------------
     "time/step_s": ("s", "Wall time of the training step: rollout, scoring, learning and resync."),
     "time/train_s": ("s", "Of which the learner's (and critic's) train steps."),
-    "time/rollout_s": ("s", "The step's rollout and scoring, in this step or, with trainer.max_staleness, beside "
+    "time/rollout_s": ("s", "The step's rollout and scoring, in this step or, with trainer.overlap, beside "
                             "the previous step's training."),
     "time/overlap_s": ("s", "Seconds the next step's rollout ran beside this step's training "
-                            "(trainer.max_staleness; 0 in the synchronous loop)."),
+                            "(trainer.overlap; 0 in the synchronous loop)."),
     "time/learner_idle_s": ("s", "Seconds of the step in which the learner did not train (it waited for the "
                                  "rollout, the driver or the resync)."),
     "time/engine_idle_s": ("s", "Seconds of the step in which the engines generated nothing (training they did "
                                 "not overlap, the resync, the driver's work)."),
-    # -- asynchronous rollouts (trainer.max_staleness) ------------------------------------------------
+    "time/refresh_s": ("s", "The exact overlap's refresh of the step's batch: verification, re-decoding and "
+                            "scoring again (trainer.overlap=exact; part of time/step_s)."),
+    # -- the exact overlap's refresh (trainer.overlap=exact) --------------------------------------------
+    "refresh/kept_token_frac": ("fraction", "Of the response tokens generated ahead, those the refresh kept: each "
+                                "response up to its first coupled draw that changed under the new weights."),
+    "refresh/changed_sample_frac": ("fraction", "Share of samples whose response the refresh changed."),
+    "refresh/generated_tokens": ("tokens", "Tokens the refresh decoded past the kept prefixes."),
+    "refresh/decode_steps": ("steps", "Engine decode steps of the refresh's generation batch (against "
+                             "spec/decode_steps, the rollout's)."),
+    "refresh/verify_s": ("s", "The refresh's verification prefill."),
+    "refresh/extend_s": ("s", "The refresh's generation batch (its longest re-decoded tail sets it)."),
+    # -- asynchronous rollouts (trainer.overlap, trainer.max_staleness) --------------------------------
     "async/staleness_mean": ("versions", "Mean over the trained samples of the weight versions between the "
                                          "weights that generated them and those the learner trained from."),
-    "async/staleness_max": ("versions", "Largest such lag in the step's batch (never above trainer.max_staleness)."),
+    "async/staleness_max": ("versions", "Largest such lag in the step's batch (never above trainer.max_staleness; 0 with "
+                                        "trainer.overlap=exact)."),
 }
 
 

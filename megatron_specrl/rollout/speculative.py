@@ -67,6 +67,7 @@ class RolloutSample:
     finish_reason: str
     num_reused: int            # leading response tokens taken from the draft
     weight_version: int
+    noise_seed: int | None = None   # spec_mode=coupled: the seed of its position-keyed noise
 
 
 @dataclass
@@ -87,6 +88,11 @@ class _Plan:
     noise_seed: int | None = None   # coupled: the seed of this (prompt, sample)'s position-keyed noise
     refreshed: bool = False         # coupled: the noise was re-drawn this step (rollout.coupled_refresh, or a redraw)
     redraw: bool = False            # an earlier round of this step drew the pair: its draft is this step's sample
+
+
+def _step_of(round_name) -> str:
+    """The step a rollout round belongs to: "7" of "7.1" (a DAPO round) and of "7.refresh"."""
+    return str(round_name).split(".")[0]
 
 
 def stable_seed(*parts) -> int:
@@ -292,18 +298,65 @@ class SpeculativeRollout:
         self._accept(r, step)                                 # 3. accepted prefix (+ the first new token)
         self._feed_trees(r)                                   #    samples the engine will not see
         self._extend(r, n_samples, step, weight_version, next_prompts)   # 4. one generation batch
-        samples = self._assemble(r, weight_version)           # 5. samples, and next epoch's drafts
+        samples = self._assemble(r, weight_version, str(step))   # 5. samples, and next epoch's drafts
         return samples, self._metrics(r, samples, t0)
+
+    def refresh(self, samples: list[RolloutSample], weight_version: int,
+                step: int | str) -> tuple[list[RolloutSample], dict[str, float]]:
+        """Coupled samples drawn under older weights, made samples of the current ones (trainer.overlap=exact,
+        run/overlap.refresh_rollout): each response is its own draft, verified with its own noise in one
+        prefill, kept up to its first changed draw c_n, and
+        decoded on from there with the same noise (drafted from the prompt's trees, which hold the stale
+        tail). Token for token what plain coupled generation with that noise gives under the current
+        weights, so an exact sample of them wherever the noise is independent of the weights: fresh per
+        step (rollout.coupled_refresh=1), never seen by the learner. The store gets the refreshed
+        responses. Metrics: `refresh/*`."""
+        if self.mode != "coupled" or self._in_decode:
+            raise ValueError(f"a refresh verifies coupled draws in a prefill: rollout.spec_mode={self.mode}, "
+                             f"rollout.verify={self.verify}; it needs spec_mode=coupled, verify=prefill")
+        t0, plans = time.perf_counter(), []
+        for s in samples:
+            if s.noise_seed is None:
+                raise ValueError(f"sample {s.prompt_id}/{s.sample_idx} has no noise seed: only coupled samples refresh")
+            stale = Trajectory(list(s.response_ids), list(s.logprobs), s.finish_reason, s.weight_version, s.noise_seed)
+            plans.append(self._with_draft(_Plan(s.prompt_id, s.sample_idx, s.prompt_ids, stale, noise_seed=s.noise_seed)))
+        r, tag = _Round(plans), f"{step}.refresh"
+        self._verify(r, tag, weight_version)
+        self._accept(r, tag)
+        # the stale samples are in the trees already; a changed one the engine will not see enters them
+        taken = [DraftResponse(p.prompt_id, list(p.prefix_ids)) for p in plans
+                 if not p.needs_generation and p.prefix_ids and p.prefix_ids != p.draft_ids]
+        if taken and isinstance(self.engine, DraftsFromTrees):
+            self.engine.add_to_draft_trees(taken)
+        self._extend(r, 0, tag, weight_version, ())
+        refreshed = self._assemble(r, weight_version, tag)
+        m = self._metrics(r, refreshed, t0)
+        stale_tokens = sum(len(s.response_ids) for s in samples)
+        changed = sum(a.response_ids != b.response_ids for a, b in zip(samples, refreshed))
+        return refreshed, {
+            # the stale tokens kept: each response up to its first changed draw
+            "refresh/kept_token_frac": sum(p.accepted for p in plans) / max(stale_tokens, 1),
+            "refresh/changed_sample_frac": changed / max(len(samples), 1),
+            "refresh/generated_tokens": m["spec/generated_tokens"],
+            "refresh/decode_steps": m["spec/decode_steps"],
+            "refresh/verify_s": m["spec/verify_s"],
+            "refresh/extend_s": m["spec/extend_s"],
+        }
 
     # 1. plan --------------------------------------------------------------------------------
     def _plan(self, prompt_id: str, k: int, prompt_ids: list[int], step, weight_version: int) -> _Plan:
         draft = self.store.get(prompt_id, k) if self.mode != "off" else None
         # a draft of the current weights is a sample an earlier round of this step stored (the version
-        # changes every step): lenient and coupled would serve it again, so they draw afresh
-        redraw = draft is not None and draft.weight_version == weight_version and self.mode in ("lenient", "coupled")
+        # changes every step; the exact overlap's refresh of the previous step is of the current weights
+        # too, but drawn with that step's noise): lenient and coupled would serve it again, so they draw afresh
+        redraw = (draft is not None and draft.weight_version == weight_version and self.mode in ("lenient", "coupled")
+                  and (draft.drawn_at is None or _step_of(draft.drawn_at) == _step_of(step)))
         plan = _Plan(prompt_id, k, prompt_ids, None if redraw else draft, redraw=redraw)
         if self.mode == "coupled":
             plan.noise_seed, plan.refreshed = self._noise_seed(prompt_id, k, draft, step, redraw)
+        return self._with_draft(plan)
+
+    def _with_draft(self, plan: _Plan) -> _Plan:
         draft = plan.draft
         if draft is not None and draft.token_ids:
             L = self.max_new_tokens
@@ -406,7 +459,7 @@ class SpeculativeRollout:
         r.extended, r.runahead = list(zip(to_extend, results[:len(requests)])), len(ahead)
 
     # 5. assemble ----------------------------------------------------------------------------
-    def _assemble(self, r: _Round, weight_version: int) -> list[RolloutSample]:
+    def _assemble(self, r: _Round, weight_version: int, drawn_at: str) -> list[RolloutSample]:
         by_plan = {id(p): g for p, g in r.extended}
         samples = []
         for p in r.plans:
@@ -420,9 +473,9 @@ class SpeculativeRollout:
                 p.accepted = common_prefix(p.draft_ids, response)
                 r.replaced += p.accepted < min(len(p.draft_ids), len(response))   # the sampler's draw without y_n
             samples.append(RolloutSample(p.prompt_id, p.sample_idx, p.prompt_ids, response, logprobs,
-                                         finish, p.accepted, weight_version))
+                                         finish, p.accepted, weight_version, p.noise_seed))
             self.store.put(p.prompt_id, p.sample_idx,
-                           Trajectory(response, logprobs, finish, weight_version, p.noise_seed))
+                           Trajectory(response, logprobs, finish, weight_version, p.noise_seed, drawn_at))
         return samples
 
     def _metrics(self, r: _Round, samples: list[RolloutSample], t0: float) -> dict[str, float]:

@@ -24,6 +24,10 @@ class Trajectory:
     # spec_mode=coupled: the noise seed the response was drawn with (kept across epochs unless
     # rollout.coupled_refresh re-draws it); None otherwise
     noise_seed: int | None = None
+    # the round that drew it (the rollout's `step`, "7.0"; not saved): whether a draft of the current
+    # weights comes from this step's earlier round (redrawn) or from the exact overlap's refresh of the
+    # previous step (drafted); None (a loaded store): by the weight version alone
+    drawn_at: str | None = None
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.logprobs):

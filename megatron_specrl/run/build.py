@@ -141,8 +141,7 @@ def start_actors(cfg: RunConfig, model: _Model, out: Path):
 
     binding = split_cores(cfg)   # trainer.max_staleness on CPU: the engines decode on cores of their own
     if binding:
-        log.info("trainer.max_staleness=%d: engines bound to CPUs %s, learner ranks on the others",
-                 cfg.trainer.max_staleness, binding)
+        log.info("%s: engines bound to CPUs %s, learner ranks on the others", cfg.trainer.overlap_key(), binding)
     init_ray(cfg.ray)
     placement = plan_placement(cfg, cluster_gpus())
     transport = resolve_transport(cfg.trainer.resync_transport, placement, cfg.rollout.num_engines,

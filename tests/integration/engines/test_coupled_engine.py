@@ -10,6 +10,11 @@
 - Under changed weights, coupled speculative rollouts (verify, keep the prefix, extend) equal coupled
   plain generation under the new weights token for token, over random weight perturbations and
   prompts, with and without tree drafts.
+- The exact overlap's refresh (trainer.overlap=exact): a batch generated under weights A with fresh
+  noise, refreshed under weights B (SpeculativeRollout.refresh), equals plain coupled generation under B
+  with that noise, token for token, with and without tree drafts; over many noise seeds the refreshed
+  samples have the distribution of plain sampling under B (temperature 0.7 / top-p 0.9), and the same
+  test rejects the batch before its refresh (samples of A).
 """
 
 import os
@@ -28,6 +33,7 @@ from tests.helpers.stats import _contingency_pvalue as _pvalue  # noqa: E402
 
 pytestmark = pytest.mark.slow
 N = 1500
+PERTURB = 0.1   # the refresh tests' weight change A -> B: small enough to keep most draws, large enough to tell apart
 T1 = SamplingSettings()
 T07_P09 = SamplingSettings(temperature=0.7, top_p=0.9)
 
@@ -125,3 +131,46 @@ def test_coupled_rollout_after_an_update_equals_plain_coupled_generation(engine,
     assert metrics["spec/replaced_tokens"] > 0
     if engine.draft == "tree":   # and the extensions really were drafted (vLLM's rejection step replaced)
         assert metrics["tree/accepted_tokens"] > 0 and metrics["tree/draft_tokens"] > metrics["tree/accepted_tokens"]
+
+
+def test_a_refresh_under_new_weights_equals_plain_coupled_generation(engine, tiny_llama):
+    prompts = [(f"r-{i}", p) for i, p in enumerate(_prompts(6, 200))]
+    L, seed, v = 40, 21, engine.weight_version
+    roll = SpeculativeRollout(engine, TrajectoryStore(), mode="coupled", lenience=1.0, sampling=T07_P09,
+                              max_new_tokens=L, seed=seed, coupled_refresh=1.0)
+    ahead, _ = roll.run(prompts, 4, v, step="1.0")          # generated ahead under A, noise fresh for the step
+    engine.update_weights(_perturbed(tiny_llama, 4), v + 1)    # B: chosen independently of the noise
+    engine.finish_update(v + 1)
+    refreshed, metrics = roll.refresh(ahead, v + 1, 1)
+    plain = engine.generate([GenerateRequest(list(s.prompt_ids), L, coupled_seed=s.noise_seed,
+                                             response_start=len(s.prompt_ids)) for s in ahead], T07_P09, v + 1)
+    assert [s.response_ids for s in refreshed] == [r.token_ids for r in plain]
+    assert np.allclose([x for s in refreshed for x in s.logprobs], [x for r in plain for x in r.logprobs], atol=1e-5)
+    # not trivial: prefixes were kept, and some samples changed under B
+    assert 0.2 < metrics["refresh/kept_token_frac"] < 1 and metrics["refresh/changed_sample_frac"] > 0
+
+
+def test_refreshed_samples_have_the_new_distribution_and_the_stale_batch_does_not(sharp_engine, sharp_llama):
+    """At temperature 0.7 / top-p 0.9 only (temperature 1 and the other settings: the tabular engine's
+    chi-square, tests/unit/rollout/test_exactness.py), with fewer seeds than the plain-sampling check:
+    the batch before its refresh is rejected at p ~1e-95 with 1,500."""
+    from safetensors.torch import load_file
+    sampling, n = T07_P09, 800
+    v = sharp_engine.weight_version
+    roll = SpeculativeRollout(sharp_engine, TrajectoryStore(), mode="coupled", lenience=1.0, sampling=sampling,
+                              max_new_tokens=2, seed=31, coupled_refresh=1.0)
+    ahead, _ = roll.run([("p", list(PROMPT))], n, v, step="1.0")   # under A
+    sharp_engine.update_weights(_perturbed(sharp_llama, 7, scale=PERTURB), v + 1)   # B
+    sharp_engine.finish_update(v + 1)
+    try:
+        refreshed, metrics = roll.refresh(ahead, v + 1, 1)
+        plain = sharp_engine.generate([GenerateRequest(list(PROMPT), 2, seed=70_000 + i) for i in range(n)],
+                                      sampling, v + 1)
+    finally:   # A again for the module's other tests
+        sharp_engine.update_weights(list(load_file(str(sharp_llama / "model.safetensors")).items()), v + 2)
+        sharp_engine.finish_update(v + 2)
+    b = [r.token_ids for r in plain]
+    p_refreshed, p_stale = _pvalue([s.response_ids for s in refreshed], b), _pvalue([s.response_ids for s in ahead], b)
+    assert p_refreshed > 1e-3
+    assert p_stale < 1e-6, "the test cannot tell samples of A from those of B"
+    assert metrics["refresh/changed_sample_frac"] > 0 and metrics["refresh/kept_token_frac"] > 0.3

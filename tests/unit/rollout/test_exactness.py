@@ -505,3 +505,79 @@ def test_dapo_finds_informative_groups_among_prompts_a_later_round_draws_again(m
     samples, _, metrics = filter_rounds(rollout_round, kept_first + 1, max_tries=2)
     assert metrics["dapo/rounds"] == 2 and len(samples) == (kept_first + 1) * G
     assert len({s.prompt_id for s in samples}) == kept_first + 1
+
+
+# ---- The exact overlap's refresh (trainer.overlap=exact): a batch generated ahead under old weights with fresh
+# coupled noise, refreshed under the new weights (SpeculativeRollout.refresh), is what plain coupled generation
+# with that noise gives under the new weights, so an exact sample of them; the batch before its refresh is not.
+
+def _ahead_and_refresh(old, new, n=N, sampling=T1, step=1):
+    """The rollout of step `step` generated under `old` (version 0) with noise fresh every step, then
+    refreshed under `new` (version 1): (ahead samples, refreshed samples, refresh metrics, engine, store)."""
+    store, engine = TrajectoryStore(), TabularEngine(old)
+    roll = _rollout(engine, store, refresh=1.0, sampling=sampling)
+    ahead, _ = roll.run([("p", PROMPT)], n, 0, step=f"{step}.0")
+    engine.set_policy(new, 1)
+    refreshed, metrics = roll.refresh(ahead, 1, step)
+    return ahead, refreshed, metrics, engine, store
+
+
+@pytest.mark.parametrize("drift,update_seed", [(0.3, 1), (1.0, 2), (3.0, 3)])
+def test_a_refreshed_sample_equals_plain_coupled_generation_under_the_new_weights(drift, update_seed):
+    from megatron_specrl.engines.protocol import GenerateRequest
+    new = TabularPolicy(3, update_seed=update_seed, drift=drift)
+    ahead, refreshed, metrics, engine, store = _ahead_and_refresh(OLD, new, n=400)
+    plain = engine.generate([GenerateRequest(list(PROMPT), L, coupled_seed=s.noise_seed, response_start=len(PROMPT))
+                             for s in ahead], T1, 1)
+    assert [s.response_ids for s in refreshed] == [g.token_ids for g in plain]
+    assert np.allclose([x for s in refreshed for x in s.logprobs], [x for g in plain for x in g.logprobs])
+    assert all(s.weight_version == 1 and s.noise_seed == a.noise_seed for s, a in zip(refreshed, ahead))
+    # the store drafts the next epoch from the refreshed responses
+    assert [store.get("p", k).token_ids for k in range(400)] == [s.response_ids for s in refreshed]
+    changed = np.mean([a.response_ids != s.response_ids for a, s in zip(ahead, refreshed)])
+    assert metrics["refresh/changed_sample_frac"] == pytest.approx(changed) and 0 < changed < 1
+    assert 0 < metrics["refresh/kept_token_frac"] < 1 and metrics["refresh/generated_tokens"] > 0
+
+
+@pytest.mark.parametrize("vocab,sampling", [(3, T1), (5, SamplingSettings(temperature=0.7, top_p=0.8))],
+                         ids=["T1", "T0.7-p0.8"])
+def test_refreshed_samples_are_exact_samples_of_the_new_weights_and_stale_ones_are_not(vocab, sampling):
+    scale = 2.5 if vocab == 3 else 1.5
+    old, new = TabularPolicy(vocab, scale=scale), TabularPolicy(vocab, update_seed=1, drift=1.0, scale=scale)
+    ahead, refreshed, metrics, _, _ = _ahead_and_refresh(old, new, n=3000, sampling=sampling)
+    pvalue, tv = _compare([tuple(s.response_ids) for s in refreshed], new, sampling)   # all inside the nucleus too
+    assert pvalue > 1e-3, f"refreshed samples differ from the new policy (p={pvalue:.2e}, tv={tv:.3f})"
+    stale = [tuple(s.response_ids) for s in ahead]
+    support = new.sequence_distribution(tuple(PROMPT), L, sampling)
+    if all(r in support for r in stale):   # else rejected already: a stale sample the new nucleus excludes
+        stale_p, _ = _compare(stale, new, sampling)
+        assert stale_p < 1e-6, f"the test cannot tell the stale batch from the new policy (p={stale_p:.2e})"
+    assert metrics["refresh/kept_token_frac"] > 0.3, "no reuse to check"
+
+
+def test_the_exact_overlap_draws_fresh_noise_every_step_and_drafts_from_the_refreshed_batch():
+    """Three steps of generate-ahead (version v) and refresh (version v + 1): a (prompt, sample) never meets
+    the same noise twice, and the next step's rollout drafts from the refreshed responses, of its own
+    weights, without taking them for an earlier round of its own step."""
+    n, store = 200, TrajectoryStore()
+    engine = TabularEngine(OLD)
+    roll = _rollout(engine, store, refresh=1.0)
+    seeds = []
+    for step in (1, 2, 3):
+        ahead, metrics = roll.run([("p", PROMPT)], n, step - 1, step=f"{step}.0")
+        if step > 1:
+            assert metrics["spec/redraws"] == 0 and metrics["spec/drafts"] == n
+        seeds.append([s.noise_seed for s in ahead])
+        engine.set_policy(TabularPolicy(3, update_seed=step, drift=0.3), step)
+        refreshed, _ = roll.refresh(ahead, step, step)
+        assert [s.noise_seed for s in refreshed] == seeds[-1]
+    assert len({x for s in seeds for x in s}) == 3 * n
+
+
+def test_a_refresh_needs_coupled_samples():
+    roll = _rollout(TabularEngine(OLD), TrajectoryStore(), mode="exact")
+    with pytest.raises(ValueError, match="spec_mode=coupled"):
+        roll.refresh([], 1, 1)
+    samples, _ = _rollout(TabularEngine(OLD), TrajectoryStore(), mode="off").run([("p", PROMPT)], 2, 0, step=0)
+    with pytest.raises(ValueError, match="no noise seed"):
+        _rollout(TabularEngine(OLD), TrajectoryStore()).refresh(samples, 1, 1)

@@ -1,6 +1,6 @@
-"""Bounded-staleness rollouts (trainer.max_staleness, run/overlap.py) without engines: which steps run a
-rollout ahead, the version lag of what is trained, the rollout in flight and its recovery, and the cores
-an overlapped CPU run gives its engines."""
+"""Overlapped rollouts (trainer.overlap, trainer.max_staleness, run/overlap.py) without engines: which steps
+run a rollout ahead, the version lag of what is trained, the exact overlap's refresh, the rollout in flight
+and its recovery, the settings refused, and the cores an overlapped CPU run gives its engines."""
 
 from __future__ import annotations
 
@@ -76,6 +76,98 @@ def test_no_trained_batch_is_more_than_one_version_behind():
     assert sum(lags) == 40 - 3               # all others one behind: not step 1, nor 17 and 33 (after 16, 32)
 
 
+def test_the_exact_overlap_trains_every_batch_at_staleness_zero():
+    """trainer.overlap=exact: the same loop, with the rollout in flight refreshed under the weights the
+    step trains from (refresh_rollout) when the step takes it; a batch collected in its own step is not."""
+    cfg = _cfg("trainer.overlap=exact", "rollout.spec_mode=coupled", "rollout.coupled_refresh=1")
+    run, ahead, lags, refreshed = _run(), RolloutAhead(), [], []
+
+    def refresh(got):
+        refreshed.append(got.version)
+        return Collected(got.samples, got.rewards, got.metrics, run.version)
+
+    for step in range(1, 41):
+        got = (ahead.take(run, step, None, refresh) if ahead.holds(step)
+               else Collected([], torch.zeros(0), {}, run.version))
+        if starts_ahead(cfg, step):
+            ahead.start(run, step + 1, lambda: ([], torch.zeros(0), {}))
+        ahead.wait()
+        lags.append(staleness(run.version, got.version)["async/staleness_max"])
+        run.version += 1
+    ahead.shutdown()
+    assert lags == [0.0] * 40
+    assert len(refreshed) == 40 - 3                 # every batch that ran ahead (not steps 1, 17, 33)
+
+
+class _RefreshingRollout:
+    def __init__(self):
+        self.calls = []
+
+    def refresh(self, samples, version, step):
+        self.calls.append((version, step))
+        return [s + "'" for s in samples], {"refresh/kept_token_frac": 0.9}
+
+
+def test_a_refresh_rescores_the_batch_under_the_current_version(monkeypatch):
+    import megatron_specrl.algorithms.rewards_step as rewards_step
+    from megatron_specrl.run.overlap import refresh_rollout
+
+    monkeypatch.setattr(rewards_step, "score_samples", lambda samples, *a: (torch.ones(len(samples)), None,
+                                                                             {"reward/mean": 1.0}))
+    cfg = _cfg("trainer.overlap=exact", "rollout.spec_mode=coupled", "rollout.coupled_refresh=1")
+    run = SimpleNamespace(version=5, rollout=_RefreshingRollout(), cfg=cfg, train_records={}, reward_fn=None,
+                          tokenizer=None)
+    ahead = Collected(["a", "b"], torch.zeros(2), {"reward/mean": 0.0, "spec/decode_steps": 9.0}, 4, 1.0, 2.0)
+    got = refresh_rollout(run, 6, ahead)
+    assert run.rollout.calls == [(5, 6)] and got.samples == ["a'", "b'"] and got.version == 5
+    assert got.rewards.tolist() == [1.0, 1.0] and got.metrics["reward/mean"] == 1.0
+    assert got.metrics["spec/decode_steps"] == 9.0 and got.metrics["refresh/kept_token_frac"] == 0.9
+    assert got.metrics["time/refresh_s"] >= 0 and (got.started, got.finished) == (1.0, 2.0)
+    current = Collected(["c"], torch.zeros(1), {}, 5)
+    assert refresh_rollout(run, 6, current) is current and len(run.rollout.calls) == 1   # of the current weights
+
+
+def test_an_engine_lost_in_the_refresh_collects_the_batch_again():
+    run, ahead = _run(version=3), RolloutAhead()
+    ahead.start(run, 4, lambda: (["s"], torch.zeros(1), {}))
+
+    def refresh(got):
+        raise EngineError("engine core died", "vllm-0")
+
+    got = ahead.take(run, 4, lambda state: Collected(["again"], torch.zeros(1), {}, run.version), refresh)
+    assert got.samples == ["again"] and got.version == 3
+    ahead.shutdown()
+
+
+@pytest.mark.parametrize("overrides,error", [
+    (["trainer.overlap=none", "trainer.max_staleness=1"], "trainer.overlap=none with trainer.max_staleness=1"),
+    (["trainer.overlap=exact", "trainer.max_staleness=1", "rollout.spec_mode=coupled", "rollout.coupled_refresh=1"],
+     "trainer.overlap=exact with trainer.max_staleness=1: the exact overlap trains every batch at staleness 0"),
+    (["trainer.overlap=exact"], "trainer.overlap=exact with rollout.spec_mode=exact: the refresh re-verifies"),
+    (["trainer.overlap=exact", "rollout.spec_mode=coupled"], "trainer.overlap=exact with rollout.coupled_refresh=0.0"),
+    (["trainer.overlap=exact", "rollout.spec_mode=coupled", "rollout.coupled_refresh=1", "rollout.engine=sglang"],
+     "rollout.spec_mode=coupled with rollout.engine=sglang"),
+    (["trainer.overlap=exact", "rollout.spec_mode=coupled", "rollout.coupled_refresh=1",
+      "algorithm.dynamic_sampling=true"], "trainer.overlap=exact with algorithm.dynamic_sampling"),
+    (["trainer.overlap=stale", "learner.loss.tis=off"], "trainer.overlap=stale with learner.loss.tis=off"),
+])
+def test_impossible_overlap_settings_are_refused_in_one_line(overrides, error):
+    from megatron_specrl.config.schema import ConfigError
+    with pytest.raises(ConfigError) as err:
+        _cfg(*overrides)
+    assert error in str(err.value) and "\n" not in str(err.value).strip()
+
+
+def test_max_staleness_still_means_the_stale_overlap():
+    assert _cfg("trainer.max_staleness=1").trainer.overlap_mode == "stale"
+    assert _cfg().trainer.overlap_mode == "none" and not _cfg().trainer.runs_ahead
+    stale = _cfg("trainer.overlap=stale")
+    assert stale.trainer.runs_ahead and stale.learner.recompute_old_logprobs is True   # the proximal policy
+    exact = _cfg("trainer.overlap=exact", "rollout.spec_mode=coupled", "rollout.coupled_refresh=1")
+    assert exact.trainer.runs_ahead and starts_ahead(exact, 1) and exact.learner.recompute_old_logprobs is False
+    assert split_cores(exact, {}, cpus=[0, 1]) == "1"
+
+
 def test_the_rollout_in_flight_runs_beside_the_caller():
     run, ahead, inside = _run(), RolloutAhead(), threading.Event()
 
@@ -130,6 +222,8 @@ def test_step_times_count_what_ran_beside_what():
     ran_before = Collected([], torch.zeros(0), {}, 0, started=-2.0, finished=-0.5)   # ran in the previous step
     assert step_times(0.0, 3.0, ran_before, None, 1.2)["time/engine_idle_s"] == 3.0
     assert overlap_s((0, 1), (2, 3)) == 0.0 and overlap_s((0, 2), (1, 3)) == 1.0
+    refreshed = Collected([], torch.zeros(0), {"time/refresh_s": 0.5}, 0, started=-2.0, finished=-0.5)
+    assert step_times(0.0, 3.0, refreshed, None, 1.2)["time/engine_idle_s"] == 2.5   # the refresh is engine work
 
 
 def test_an_overlapped_cpu_run_gives_the_engines_the_upper_half_of_the_cores():
