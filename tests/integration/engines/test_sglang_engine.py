@@ -1,0 +1,161 @@
+"""SGLangEngine against a real sglang 0.5.23 engine on the CPU and the tiny Llama (one engine per module),
+checked against HF transformers in fp32.
+
+SGLang runs here without its CUDA kernels: SGLANG_USE_CPU_ENGINE=1, the torch-native attention backend and
+the import-time stand-ins of patches/sglang_0_5_23_cpu_imports.py (engines/sglang/engine.py, CPU_SERVER_ARGS).
+Tests run in file order: those at the starting weights first, then the weight update, then the speculative
+rollout under the updated weights.
+"""
+
+import random
+
+import pytest
+import torch
+
+from megatron_specrl.engines.protocol import (
+    GenerateRequest, RolloutEngine, SamplingSettings, ScoreRequest, WeightVersionMismatch,
+)
+
+sglang = pytest.importorskip("sglang", reason="SGLang is installed by tools/setup_env.sh (CPU) or the sglang extra")
+
+pytestmark = pytest.mark.slow
+T1 = SamplingSettings()
+GREEDY = SamplingSettings(temperature=0.0, need_logprobs=False)
+VOCAB_LO, VOCAB_HI = 3, 263          # skip pad / eos / bos so responses never stop early
+
+
+def rand_ids(n, seed):
+    rng = random.Random(seed)
+    return [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama, tmp_path_factory):
+    from megatron_specrl.engines.sglang import SGLangEngine
+    eng = SGLangEngine(str(tiny_llama), name="sglang-test", seed=0, max_model_len=256,
+                       log_dir=tmp_path_factory.mktemp("sglang-logs"))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+
+
+def hf_logprobs(model, prompt, cont):
+    ids = torch.tensor([list(prompt) + list(cont)])
+    with torch.no_grad():
+        lp = model(ids).logits[0, :-1].float().log_softmax(-1)
+    tgt = ids[0, 1:]
+    return lp[torch.arange(len(tgt)), tgt][len(prompt) - 1:].tolist()
+
+
+def hf_greedy(model, prompt, n):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def maxdiff(a, b):
+    assert len(a) == len(b)
+    return max((abs(x - y) for x, y in zip(a, b)), default=0.0)
+
+
+def test_engine_starts_on_cpu_with_the_stand_ins(engine):
+    import sgl_kernel
+    assert engine.on_cpu and engine.server_args["device"] == "cpu" and isinstance(engine, RolloutEngine)
+    assert "stand-in" in (sgl_kernel.__doc__ or "")                # no CUDA kernels: SGLang's CPU path
+    h = engine.health()
+    assert h.alive and h.weight_version == 0 and h.detail["child_pids"]
+    with pytest.raises(WeightVersionMismatch):
+        engine.generate([GenerateRequest(rand_ids(8, 0), 4)], T1, weight_version=3)
+
+
+def test_greedy_tokens_equal_hf(engine, hf_model):
+    prompts = [rand_ids(12 + 9 * i, 10 + i) for i in range(3)]
+    gens = engine.generate([GenerateRequest(p, 12) for p in prompts], GREEDY, 0)
+    for p, g in zip(prompts, gens):
+        assert g.token_ids == hf_greedy(hf_model, p, 12) and g.weight_version == 0
+
+
+def test_prompt_and_sampling_logprobs_equal_hf_log_softmax(engine, hf_model):
+    prompts = [rand_ids(20 + 7 * i, 100 + i) for i in range(4)]
+    gens = engine.generate([GenerateRequest(p, 16, seed=i) for i, p in enumerate(prompts)], T1, 0)
+    scores = engine.score([ScoreRequest(p, g.token_ids) for p, g in zip(prompts, gens)], T1, 0)
+    for p, g, s in zip(prompts, gens, scores):
+        ref = hf_logprobs(hf_model, p, g.token_ids)
+        assert maxdiff(s.logprobs, ref) < 1e-4 and maxdiff(g.logprobs, ref) < 1e-4
+    # the vocabulary's last id, which SGLang reports as 0 in input_token_logprobs (requests._same_ids)
+    last = hf_model.config.vocab_size - 1
+    cont = [last, 5, last, 0]
+    s = engine.score([ScoreRequest(prompts[0], cont)], T1, 0)[0]
+    assert maxdiff(s.logprobs, hf_logprobs(hf_model, prompts[0], cont)) < 1e-4
+
+
+def test_update_weights_serves_the_new_weights(engine, tiny_llama, hf_model):
+    """Two buckets inside SGLang's weight-update window, then the radix cache flushed and the version set:
+    greedy tokens and log-probs follow HF under the new weights, and nothing cached under the old ones
+    is served (sglang 0.5.23 refused the update outside begin_weight_update / end_weight_update). The new
+    weights are perturbed, with a sharper LM head, so that verification under them accepts (next test)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    prompt = rand_ids(40, 7)
+    before = engine.generate([GenerateRequest(prompt, 12)], GREEDY, 0)[0]
+    g = torch.Generator().manual_seed(0)
+    new = {k: v * (1 + 0.3 * torch.randn(v.shape, generator=g)) for k, v in load_file(
+        str(tiny_llama / "model.safetensors")).items()}
+    new["lm_head.weight"] = new["lm_head.weight"] * 30
+    items = sorted(new.items())
+    engine.update_weights(items[: len(items) // 2], 1)
+    engine.update_weights(items[len(items) // 2:], 1)
+    with pytest.raises(WeightVersionMismatch):          # half-loaded weights are never served
+        engine.generate([GenerateRequest(prompt, 2)], T1, 0)
+    engine.finish_update(1)
+    assert engine.weight_version == 1 and engine.health().alive
+    hf_new = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+    hf_new.load_state_dict(new, strict=False)
+    after = engine.generate([GenerateRequest(prompt, 12)], GREEDY, 1)[0]
+    assert after.num_cached_tokens == 0                   # flushed: the prompt's old KV is gone
+    assert after.token_ids == hf_greedy(hf_new, prompt, 12) != before.token_ids
+    s = engine.score([ScoreRequest(prompt, after.token_ids)], T1, 1)[0]
+    assert maxdiff(s.logprobs, hf_logprobs(hf_new, prompt, after.token_ids)) < 1e-4
+    with pytest.raises(WeightVersionMismatch):
+        engine.update_weights(items[:1], 1)
+
+
+def test_exact_rollout_extends_verified_responses_from_the_radix_cache(engine):
+    """`exact` through SGLang: last epoch's responses verified by a prompt-log-prob prefill under the new
+    weights, the accepted prefix extended; the extension reads the verified KV from the radix cache."""
+    from megatron_specrl.rollout.speculative import SpeculativeRollout
+    from megatron_specrl.rollout.store import Trajectory, TrajectoryStore
+
+    class Recording:
+        def __init__(self, inner):
+            self.inner, self.extended = inner, []
+
+        def generate(self, requests, sampling, weight_version):
+            out = self.inner.generate(requests, sampling, weight_version)
+            self.extended += list(zip(requests, out))
+            return out
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    prompt, L = rand_ids(30, 3), 24
+    own = engine.generate([GenerateRequest(prompt, 12, seed=k) for k in range(6)], T1, 1)
+    drafts = [g.token_ids for g in own] + [rand_ids(12, 50 + k) for k in range(2)]   # mostly kept / rejected
+    store = TrajectoryStore()
+    for k, d in enumerate(drafts):
+        store.put("p", k, Trajectory(d, [-1.0] * len(d), "length", 0))
+    rec = Recording(engine)
+    roll = SpeculativeRollout(rec, store, mode="exact", lenience=1.0, sampling=T1, max_new_tokens=L, seed=0)
+    samples, metrics = roll.run([("p", prompt)], len(drafts), 1, step=1)
+    assert len(samples) == len(drafts) and metrics["spec/drafts"] == len(drafts)
+    assert metrics["spec/accepted_tokens"] > 0 and all(len(s.response_ids) <= L for s in samples)
+    extensions = [(r, g) for r, g in rec.extended if len(r.prompt_ids) > len(prompt) or r.ban_first_token is not None]
+    assert extensions and all(g.num_cached_tokens > 0 for _, g in extensions)
+    assert metrics["spec/cached_prompt_tokens"] >= sum(g.num_cached_tokens for _, g in extensions) > 0
