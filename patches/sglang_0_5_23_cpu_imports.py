@@ -28,7 +28,8 @@ spawned processes inherit): every other process of the environment, vLLM's inclu
 Our engine also calls `install()` in its own process before it imports SGLang.
 
 Pinned: `install()` acts only on sglang 0.5.23 (`SGLANG_VERSION`), where a real `sgl_kernel` /
-`torchvision` is not importable, and only once; `uninstall()` reverts it (tests).
+`torchvision` is not importable, and only once; `uninstall()` reverts it (our engine, once SGLang's
+processes run, and tests).
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ PTH_LINE = (f"import os; os.environ.get({ENV!r}) == '1' and "
             f"__import__('megatron_specrl.patches.sglang_0_5_23_cpu_imports', fromlist=['_']).install()")
 
 KERNEL, VISION = "sgl_kernel", "torchvision"
-_MARK = "__specrl_stand_in__"
 
 
 def installed_sglang_version() -> str | None:
@@ -104,16 +104,15 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return _StandInModule(spec.name, "stand-in: megatron_specrl.patches.sglang_0_5_23_cpu_imports")
 
     def exec_module(self, module):
-        setattr(module, _MARK, True)
-        if module.__name__ == VISION:
-            module.__version__ = "0.0.0+specrl-stand-in"
+        if module.__name__ == VISION:   # transformers compares it (is_torchvision_greater_or_equal)
+            module.__version__ = "0.0.0+specrl.stand.in"
 
 
 def _real(name: str) -> bool:
     """A real install of `name` is importable (our finder not consulted)."""
     mod = sys.modules.get(name)
     if mod is not None:
-        return not getattr(mod, _MARK, False)
+        return not isinstance(mod, _StandInModule)
     return any(f.find_spec(name, None) is not None for f in sys.meta_path
                if not isinstance(f, _Finder) and hasattr(f, "find_spec"))
 
@@ -135,10 +134,16 @@ def install() -> bool:
 
 
 def uninstall() -> None:
-    """Remove the finder and the stand-in modules it made."""
+    """Remove the finder and the stand-in modules it made, and forget what transformers cached about its
+    optional packages meanwhile: it finds torchvision through the finder (`is_torchvision_available()`, an
+    lru_cache), and would import the real, absent one later."""
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _Finder)]
-    for name in [n for n, m in sys.modules.items() if getattr(m, _MARK, False) is True]:
+    for name in [n for n, m in sys.modules.items() if isinstance(m, _StandInModule)]:
         del sys.modules[name]
+    import_utils = sys.modules.get("transformers.utils.import_utils")
+    for f in vars(import_utils).values() if import_utils is not None else ():
+        if callable(getattr(f, "cache_clear", None)):
+            f.cache_clear()
 
 
 def active() -> bool:

@@ -289,6 +289,26 @@ CPU_SERVER_ARGS = dict(device="cpu", attention_backend="torch_native", disable_c
 CPU_ENV = "SGLANG_USE_CPU_ENGINE"   # without it SGLang's is_cpu() is false and it takes its CUDA paths
 
 
+def _enter_sglang_cpu():
+    """SGLANG_USE_CPU_ENGINE=1 and the import-time stand-ins (patches/sglang_0_5_23_cpu_imports.py) in this
+    process while sglang.Engine starts: its scheduler and detokenizer inherit the variable, and through it
+    the .pth file's stand-ins. Returns the undo, called once they run: processes this one starts later
+    (vLLM's, Ray's, a learner's) see neither the variable nor the stand-ins."""
+    from megatron_specrl.patches import sglang_0_5_23_cpu_imports as cpu_imports
+    before, was_active = os.environ.get(CPU_ENV), cpu_imports.active()
+    os.environ[CPU_ENV] = "1"
+    cpu_imports.install()
+
+    def undo():
+        if before is None:
+            os.environ.pop(CPU_ENV, None)
+        else:
+            os.environ[CPU_ENV] = before
+        if not was_active:
+            cpu_imports.uninstall()
+    return undo
+
+
 class SGLangEngine(_SGLangBase):
     """In-process `sglang.Engine`: its CPU path without CUDA (CPU_SERVER_ARGS), else the GPU. `engine` may be
     injected (tests of pure plumbing pass a fake)."""
@@ -307,37 +327,40 @@ class SGLangEngine(_SGLangBase):
         `engine_args` (rollout.engine_kwargs.sglang) are passed on as they are. `engine_kwargs`: the
         factory's (enable_memory_saver) and tests' overrides."""
         self.on_cpu = engine is None and not torch.cuda.is_available()
-        if self.on_cpu:   # before anything imports SGLang: it reads the switch once (is_cpu() is cached)
-            if draft == "tree":
-                raise ValueError("rollout.draft=tree with rollout.engine=sglang needs a GPU: SGLang's NGRAM "
-                                 "verification has no CPU kernels and verifies greedily on CPU")
-            os.environ[CPU_ENV] = "1"
-            from megatron_specrl.patches.sglang_0_5_23_cpu_imports import install
-            install()
-        super().__init__(name, log_dir, use_ban_processor, draft)
-        check_engine_args("sglang", engine_args or {})
-        self.server_args = dict(model_path=str(model_path), random_seed=seed, context_length=max_model_len,
-                                tp_size=tensor_parallel_size, dtype=dtype, mem_fraction_static=gpu_memory_utilization,
-                                enable_custom_logit_processor=True, skip_tokenizer_init=True)
-        if enforce_eager:
-            self.server_args["disable_cuda_graph"] = True
-        if cudagraph_capture_sizes:
-            self.server_args["cuda_graph_bs"] = sorted({int(x) for x in cudagraph_capture_sizes})
-        if max_num_seqs is not None:
-            self.server_args["max_running_requests"] = int(max_num_seqs)
-        if draft == "tree":   # the scheduler processes SGLang starts inherit the patch settings
-            drafter = as_drafter(drafter, draft)
-            self.server_args.update(tree_server_args(drafter.tokens))
-            os.environ.update(tree_server_env(drafter))
-        if self.on_cpu:
-            self.server_args.update(CPU_SERVER_ARGS)
-        self.server_args.update(engine_args or {})
-        self.server_args.update(engine_kwargs)
-        if engine is None:
-            import sglang
-            if draft == "tree":
-                check_plugin_installed()
-            engine = sglang.Engine(**self.server_args)
+        if self.on_cpu and draft == "tree":
+            raise ValueError("rollout.draft=tree with rollout.engine=sglang needs a GPU: SGLang's NGRAM "
+                             "verification has no CPU kernels and verifies greedily on CPU")
+        # from before anything imports SGLang (it reads the switch once: is_cpu() is cached) until its
+        # processes have started
+        undo = _enter_sglang_cpu() if self.on_cpu else None
+        try:
+            super().__init__(name, log_dir, use_ban_processor, draft)
+            check_engine_args("sglang", engine_args or {})
+            self.server_args = dict(model_path=str(model_path), random_seed=seed, context_length=max_model_len,
+                                    tp_size=tensor_parallel_size, dtype=dtype, mem_fraction_static=gpu_memory_utilization,
+                                    enable_custom_logit_processor=True, skip_tokenizer_init=True)
+            if enforce_eager:
+                self.server_args["disable_cuda_graph"] = True
+            if cudagraph_capture_sizes:
+                self.server_args["cuda_graph_bs"] = sorted({int(x) for x in cudagraph_capture_sizes})
+            if max_num_seqs is not None:
+                self.server_args["max_running_requests"] = int(max_num_seqs)
+            if draft == "tree":   # the scheduler processes SGLang starts inherit the patch settings
+                drafter = as_drafter(drafter, draft)
+                self.server_args.update(tree_server_args(drafter.tokens))
+                os.environ.update(tree_server_env(drafter))
+            if self.on_cpu:
+                self.server_args.update(CPU_SERVER_ARGS)
+            self.server_args.update(engine_args or {})
+            self.server_args.update(engine_kwargs)
+            if engine is None:
+                import sglang
+                if draft == "tree":
+                    check_plugin_installed()
+                engine = sglang.Engine(**self.server_args)
+        finally:
+            if undo is not None:
+                undo()
         self.engine = engine
         # a real engine's answers carry the server's weight version ("default" at start): ours from here on
         self._records_version = hasattr(engine, "tokenizer_manager")

@@ -65,12 +65,18 @@ def maxdiff(a, b):
     return max((abs(x - y) for x, y in zip(a, b)), default=0.0)
 
 
-def test_engine_starts_on_cpu_with_the_stand_ins(engine):
-    import sgl_kernel
+def test_engine_starts_on_cpu_with_the_stand_ins_in_its_processes_only(engine):
+    """SGLang's processes run its CPU path (the switch, and through it the stand-ins' .pth); this process
+    is left as it was, so engines and processes it starts later see neither."""
+    import importlib.util
+    import os
+    from pathlib import Path
     assert engine.on_cpu and engine.server_args["device"] == "cpu" and isinstance(engine, RolloutEngine)
-    assert "stand-in" in (sgl_kernel.__doc__ or "")                # no CUDA kernels: SGLang's CPU path
     h = engine.health()
     assert h.alive and h.weight_version == 0 and h.detail["child_pids"]
+    for pid in h.detail["child_pids"]:
+        assert b"SGLANG_USE_CPU_ENGINE=1" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    assert "SGLANG_USE_CPU_ENGINE" not in os.environ and importlib.util.find_spec("sgl_kernel") is None
     with pytest.raises(WeightVersionMismatch):
         engine.generate([GenerateRequest(rand_ids(8, 0), 4)], T1, weight_version=3)
 
