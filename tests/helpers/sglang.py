@@ -34,14 +34,14 @@ class WeightUpdateWindow:
     def begin_weight_update(self, selector="all"):
         self.calls.append(("begin",))
         if self._window:
-            return False, "a weight-update session is already open; call end_weight_update() first"
+            return False, "begin_weight_update() twice: call end_weight_update() first"
         self._window = True
         return True, "Success"
 
     def end_weight_update(self):
         self.calls.append(("end",))
         if not self._window:
-            return False, "no weight-update session is open; call begin_weight_update() first"
+            return False, "end_weight_update() without begin_weight_update()"
         self._window = False
         return True, "Success"
 

@@ -507,3 +507,12 @@ def test_null_logprob_is_nan_in_its_row_only():
     assert acc.num_accepted == 1 and acc.nonfinite == 1      # rejected at the NaN, counted
     with pytest.raises(EngineError, match="do not cover the continuation"):   # other tokens: still an error
         parse_score_response([score_out([1, 2, 3, 4, 9, 6], 2, [-0.1, -0.2, -0.3])], reqs[:1], 3)
+
+
+def test_tree_drafting_is_refused_on_cpu_before_sglang_starts(monkeypatch):
+    """SGLang's NGRAM verification needs CUDA kernels and verifies greedily on CPU: one line, nothing started."""
+    import os
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="rollout.draft=tree with rollout.engine=sglang needs a GPU"):
+        SGLangEngine("/nonexistent", draft="tree", log_dir="/tmp/specrl-sgl-test")
+    assert "SGLANG_USE_CPU_ENGINE" not in os.environ
