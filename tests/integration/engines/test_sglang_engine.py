@@ -9,6 +9,7 @@ rollout under the updated weights.
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -102,28 +103,39 @@ def test_prompt_and_sampling_logprobs_equal_hf_log_softmax(engine, hf_model):
     assert maxdiff(s.logprobs, hf_logprobs(hf_model, prompts[0], cont)) < 1e-4
 
 
-def test_update_weights_serves_the_new_weights(engine, tiny_llama, hf_model):
-    """Two buckets inside SGLang's weight-update window, then the radix cache flushed and the version set:
-    greedy tokens and log-probs follow HF under the new weights, and nothing cached under the old ones
-    is served (sglang 0.5.23 refused the update outside begin_weight_update / end_weight_update). The new
-    weights are perturbed, with a sharper LM head, so that verification under them accepts (next test)."""
+@pytest.fixture(scope="module")
+def new_weights(tiny_llama):
+    """The tiny Llama perturbed, with a sharper LM head (verification under it accepts)."""
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-    prompt = rand_ids(40, 7)
-    before = engine.generate([GenerateRequest(prompt, 12)], GREEDY, 0)[0]
     g = torch.Generator().manual_seed(0)
     new = {k: v * (1 + 0.3 * torch.randn(v.shape, generator=g)) for k, v in load_file(
         str(tiny_llama / "model.safetensors")).items()}
     new["lm_head.weight"] = new["lm_head.weight"] * 30
-    items = sorted(new.items())
+    return new
+
+
+@pytest.fixture(scope="module")
+def hf_new(tiny_llama, new_weights):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+    model.load_state_dict(new_weights, strict=False)
+    return model
+
+
+def test_update_weights_serves_the_new_weights(engine, new_weights, hf_new):
+    """Two buckets inside SGLang's weight-update window, then the radix cache flushed and the version set:
+    greedy tokens and log-probs follow HF under the new weights, and nothing cached under the old ones
+    is served (sglang 0.5.23 refused the update outside begin_weight_update / end_weight_update). The new
+    weights are perturbed, with a sharper LM head, so that verification under them accepts (next test)."""
+    prompt = rand_ids(40, 7)
+    before = engine.generate([GenerateRequest(prompt, 12)], GREEDY, 0)[0]
+    items = sorted(new_weights.items())
     engine.update_weights(items[: len(items) // 2], 1)
     engine.update_weights(items[len(items) // 2:], 1)
     with pytest.raises(WeightVersionMismatch):          # half-loaded weights are never served
         engine.generate([GenerateRequest(prompt, 2)], T1, 0)
     engine.finish_update(1)
     assert engine.weight_version == 1 and engine.health().alive
-    hf_new = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
-    hf_new.load_state_dict(new, strict=False)
     after = engine.generate([GenerateRequest(prompt, 12)], GREEDY, 1)[0]
     assert after.num_cached_tokens == 0                   # flushed: the prompt's old KV is gone
     assert after.token_ids == hf_greedy(hf_new, prompt, 12) != before.token_ids
@@ -165,3 +177,47 @@ def test_exact_rollout_extends_verified_responses_from_the_radix_cache(engine):
     extensions = [(r, g) for r, g in rec.extended if len(r.prompt_ids) > len(prompt) or r.ban_first_token is not None]
     assert extensions and all(g.num_cached_tokens > 0 for _, g in extensions)
     assert metrics["spec/cached_prompt_tokens"] >= sum(g.num_cached_tokens for _, g in extensions) > 0
+
+
+class DropBan:
+    """A wrong `exact`: the extension samples the full distribution, the rejected token not banned."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def generate(self, requests, sampling, weight_version):
+        from dataclasses import replace
+        return self.inner.generate([replace(r, ban_first_token=None) for r in requests], sampling, weight_version)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_exact_samples_the_new_policy_through_sglang(engine, hf_new):
+    """Chi-square at temperature 1 (SGLang's only verifiable setting): one-token responses of `exact`, each
+    seeded with the same one-token draft, follow the new policy; the same rollout without the ban in the
+    extension does not."""
+    from scipy.stats import chisquare
+
+    from megatron_specrl.rollout.speculative import SpeculativeRollout
+    from megatron_specrl.rollout.store import Trajectory, TrajectoryStore
+    prompt, n = rand_ids(8, 5), 600
+    with torch.no_grad():
+        p = hf_new(torch.tensor([prompt])).logits[0, -1].double().softmax(-1).numpy()
+    draft = int(p.argmax())
+    assert 0.1 < p[draft] < 0.95                          # accepted and rejected both often (0.82 here)
+    keep = p * n >= 5                                     # rare outcomes pooled into one bin
+    pvalues = []
+    for wrap in (lambda e: e, DropBan):
+        store = TrajectoryStore()
+        for k in range(n):
+            store.put("p", k, Trajectory([draft], [-1.0], "length", 0))
+        roll = SpeculativeRollout(wrap(engine), store, mode="exact", lenience=1.0, sampling=T1, max_new_tokens=1,
+                                  seed=1)
+        samples, _ = roll.run([("p", prompt)], n, 1, step=2)
+        counts = np.bincount([s.response_ids[0] for s in samples], minlength=len(p)).astype(float)
+        obs = np.append(counts[keep], counts[~keep].sum())
+        exp = np.append(p[keep], p[~keep].sum()) * n
+        pvalues.append(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
+    print(f"exact through SGLang: chi-square p = {pvalues[0]:.3g}; without the ban p = {pvalues[1]:.3g}")
+    assert pvalues[0] > 1e-3 and pvalues[1] < 1e-6
