@@ -7,6 +7,7 @@ Tests run in file order: those at the starting weights first, then the weight up
 rollout under the updated weights.
 """
 
+import importlib.util
 import random
 
 import numpy as np
@@ -17,9 +18,9 @@ from megatron_specrl.engines.protocol import (
     GenerateRequest, RolloutEngine, SamplingSettings, ScoreRequest, WeightVersionMismatch,
 )
 
-sglang = pytest.importorskip("sglang", reason="SGLang is installed by tools/setup_env.sh (CPU) or the sglang extra")
-
-pytestmark = pytest.mark.slow
+# not imported at collection: importing SGLang patches transformers and reads SGLANG_USE_CPU_ENGINE once
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
+                                                   reason="SGLang: tools/setup_env.sh (CPU) or the sglang extra")]
 T1 = SamplingSettings()
 GREEDY = SamplingSettings(temperature=0.0, need_logprobs=False)
 VOCAB_LO, VOCAB_HI = 3, 263          # skip pad / eos / bos so responses never stop early
@@ -69,7 +70,6 @@ def maxdiff(a, b):
 def test_engine_starts_on_cpu_with_the_stand_ins_in_its_processes_only(engine):
     """SGLang's processes run its CPU path (the switch, and through it the stand-ins' .pth); this process
     is left as it was, so engines and processes it starts later see neither."""
-    import importlib.util
     import os
     from pathlib import Path
     assert engine.on_cpu and engine.server_args["device"] == "cpu" and isinstance(engine, RolloutEngine)
