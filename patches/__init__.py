@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
-
 TESTED_VERSIONS = ("0.16.1",)
 
 
@@ -52,6 +50,8 @@ def _module():
 
 def apply(force: bool = False) -> bool:
     """Install the CPU shims when CUDA is absent (or `force`). Returns True if installed."""
+    import torch   # here, not at import: the SGLang CPU stand-ins' .pth imports this package at start
+
     if torch.cuda.is_available() and not force:
         return False
     return _module().apply()
@@ -59,6 +59,8 @@ def apply(force: bool = False) -> bool:
 
 def cuda_to_cpu():
     """Context manager: rewrite device="cuda" allocations in the pipeline schedules to CPU."""
+    import torch
+
     if torch.cuda.is_available():
         return contextlib.nullcontext()
     return _module().cuda_to_cpu()
@@ -66,6 +68,8 @@ def cuda_to_cpu():
 
 def megatron_optimizer_on_cpu():
     """Context manager: Megatron's DDP and (distributed) optimizer run on CPU tensors (null on GPUs)."""
+    import torch
+
     if torch.cuda.is_available():
         return contextlib.nullcontext()
     return _module().megatron_optimizer_on_cpu()

@@ -1,4 +1,5 @@
-"""CUDA-only: a real SGLang engine. The same engine class against a strict fake of sglang's API is
+"""CUDA-only: a real SGLang engine on a GPU. The same engine class on SGLang's CPU path, against HF
+transformers, is tests/integration/engines/test_sglang_engine.py; its plumbing against fakes,
 tests/unit/engines/test_sglang_engine.py.
 """
 
@@ -10,7 +11,6 @@ from megatron_specrl.engines.protocol import (
 from megatron_specrl.engines.sglang import (
     SGLangEngine,
 )
-from tests.helpers.sglang import FakeSGLang, gen_out, score_out  # noqa: F401
 
 
 from megatron_specrl.engines.protocol import SamplingSettings

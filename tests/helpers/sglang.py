@@ -22,7 +22,37 @@ def score_out(input_ids, start, lps, version=None):
     return {"output_ids": [7], "meta_info": meta}
 
 
-class FakeSGLang:
+class WeightUpdateWindow:
+    """sglang 0.5.23's weight-update window (srt/managers/scheduler_components/weight_updater.py):
+    update_weights_from_tensor is refused outside begin_weight_update() ... end_weight_update(), and a
+    window opens once. The real engine's behaviour is tested in tests/integration/engines/test_sglang_engine.py;
+    fakes with it test plumbing (call order, error paths)."""
+
+    calls: list
+    _window = False
+
+    def begin_weight_update(self, selector="all"):
+        self.calls.append(("begin",))
+        if self._window:
+            return False, "begin_weight_update() twice: call end_weight_update() first"
+        self._window = True
+        return True, "Success"
+
+    def end_weight_update(self):
+        self.calls.append(("end",))
+        if not self._window:
+            return False, "end_weight_update() without begin_weight_update()"
+        self._window = False
+        return True, "Success"
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        self.calls.append(("update", [n for n, _ in named_tensors], flush_cache))
+        if not self._window:
+            return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+        return True, "Succeeded to update model weights."
+
+
+class FakeSGLang(WeightUpdateWindow):
     """Records calls in order; answers like sglang.Engine."""
 
     def __init__(self):
@@ -40,10 +70,6 @@ class FakeSGLang:
             return [score_out(ids, s, [-0.5] * (len(ids) - s - 1))
                     for ids, s in zip(kw["input_ids"], kw["logprob_start_len"])]
         return [gen_out([10 + i, 11], [-2.0, -3.0]) for i in range(len(kw["input_ids"]))]
-
-    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
-        self.calls.append(("update", [n for n, _ in named_tensors], flush_cache))
-        return True, "ok"
 
     def flush_cache(self):
         self.calls.append(("flush",))

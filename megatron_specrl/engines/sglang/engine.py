@@ -1,8 +1,11 @@
 """RolloutEngine over SGLang: `sglang.Engine` (in-process) or a running HTTP server.
 
-SGLang cannot run on our CPU machines (its CPU path needs sgl_kernel, shipped
-for CUDA only), so the request building, response parsing and update order are
-pure functions tested on CPU against fake engines; GPU tests are marked `gpu`.
+On a CPU (no CUDA) `SGLangEngine` starts SGLang's CPU path: `SGLANG_USE_CPU_ENGINE=1` in the environment
+its scheduler processes inherit, `CPU_SERVER_ARGS` (device cpu, the torch-native attention backend, no CUDA
+graphs, a small KV pool), and the import-time stand-ins of patches/sglang_0_5_23_cpu_imports.py for the
+CUDA-only `sgl_kernel` and `torchvision` (which tools/setup_env.sh's CPU install puts in SGLang's spawned
+processes through a .pth file). tests/integration/engines/test_sglang_engine.py runs it against HF
+transformers; the request building and answer parsing are also tested as pure functions.
 
 Semantics (read from sglang 0.5.23):
 - `generate(input_ids=..., return_logprob=True)` -> `meta_info.output_token_logprobs`
@@ -14,8 +17,11 @@ Semantics (read from sglang 0.5.23):
   settings, and its exact rule falls back to ban_first_token, exact at temperature 1).
 - A custom logit processor runs before the log-probs are taken, so the first token of a
   ban_first_token request is re-scored (one cached prefill) to report its unbanned log-prob.
-- Weights: `update_weights_from_tensor(named_tensors, load_format, flush_cache=False)` per
-  bucket, then one `flush_cache()` (radix cache) before the version is bumped.
+- Weights: sglang 0.5.23 refuses `update_weights_from_tensor` outside a weight-update window:
+  `begin_weight_update()` before the first bucket of a version, `update_weights_from_tensor(named_tensors,
+  load_format, flush_cache=False)` per bucket, then at finish_update `end_weight_update()`, one
+  `flush_cache()` (radix cache: KV of the old weights) and the server's weight version set to ours, which
+  every answer's `meta_info.weight_version` is then checked against.
 - SGLang refuses inputs of context_length tokens or more and input + max_new_tokens above it, so
   score() verifies a continuation reaching the last position up to the token before it (protocol.score).
 - Colocated GPUs: release_memory / resume_memory map onto `release_memory_occupation` /
@@ -50,8 +56,8 @@ from megatron_specrl.engines.protocol import (   # capabilities these engines de
     DraftsFromTrees, EngineCapabilities, SleepsWhileTraining,
 )
 from megatron_specrl.engines.sglang.requests import (
-    ban_processor_str, build_generate_payload, build_score_payload, check_temperature, parse_generate_response,
-    parse_score_response, succeeded,
+    ban_processor_str, build_generate_payload, build_score_payload, check_temperature, message_of,
+    parse_generate_response, parse_score_response, succeeded,
 )
 from megatron_specrl.engines.sglang.server import check_plugin_installed, tree_server_args, tree_server_env
 from megatron_specrl.rollout.tree_drafting.drafter import as_drafter
@@ -71,14 +77,18 @@ class _SGLangBase(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, kind
         self._log_handler = attach_log_file(self.log_path)
         self._log = logging.getLogger(f"megatron_specrl.engines.{name}")
         self._version, self._pending = 0, None
+        self._updating = False   # between begin_weight_update() and end_weight_update()
         self._ban_proc = ban_processor_str() if use_ban_processor else None
 
     # backend hooks
     def _generate_raw(self, payload: dict) -> list[dict]: raise NotImplementedError
+    def _begin_update(self) -> Any: raise NotImplementedError
     def _load_tensors(self, named: list[tuple[str, torch.Tensor]]) -> Any: raise NotImplementedError
+    def _end_update(self) -> Any: raise NotImplementedError
     def _flush(self) -> Any: raise NotImplementedError
     def _set_server_version(self, version: int) -> None: pass
     def _context_len(self) -> int | None: return None   # None: unknown, continuations sent whole
+    def _vocab_size(self) -> int | None: return None    # None: unknown (parse_score_response)
     def _memory(self, call: str, tags: list[str] | None) -> Any: raise NotImplementedError
     def _tree_rpc(self, call: str, path: str) -> None:
         raise NotImplementedError(f"engine {self.name}: SGLang's HTTP server has no collective_rpc route; the "
@@ -141,7 +151,8 @@ class _SGLangBase(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, kind
         if todo:
             sub = [requests[i] for i in todo]
             outs = self._call(build_score_payload(sub, sampling, self.name))
-            for i, r in zip(todo, parse_score_response(outs, sub, weight_version, self._meta_version(), self.name)):
+            for i, r in zip(todo, parse_score_response(outs, sub, weight_version, self._meta_version(), self.name,
+                                                                 self._vocab_size())):
                 results[i] = r
         self._check(weight_version)
         return results
@@ -150,20 +161,40 @@ class _SGLangBase(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, kind
         return None
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """One bucket (or the whole state dict) of `version`; the first opens SGLang's weight-update
+        window (begin_weight_update), which finish_update closes. A failed load leaves the version
+        pending (never served) and the window open, so the update can be sent again."""
         if version <= self._version:
             raise WeightVersionMismatch(f"engine {self.name}: update to {version}, serving {self._version}")
-        self._pending = version
         named = list(named_tensors)
-        if not succeeded(self._load_tensors(named)):
-            raise EngineError(f"update_weights_from_tensor failed for version {version}", self.name,
-                              tail_lines(self.log_path))
+        if not self._updating:
+            self._control("begin_weight_update", self._begin_update)
+            self._updating = True
+        self._pending = version
+        self._control(f"update_weights_from_tensor (version {version})", lambda: self._load_tensors(named))
 
     def finish_update(self, version: int) -> None:
         if self._pending not in (None, version):
             raise WeightVersionMismatch(f"finish_update({version}) but loaded {self._pending}")
+        if self._updating:
+            self._control("end_weight_update", self._end_update)
+            self._updating = False
         self.reset_prefix_cache()
         self._set_server_version(version)
         self._version, self._pending = version, None
+
+    def _control(self, what: str, call) -> Any:
+        """A control call (weight update, flush); a refusal or an exception is an EngineError naming
+        the call and SGLang's message."""
+        try:
+            ret = call()
+        except EngineError:
+            raise
+        except Exception as e:
+            raise EngineError(f"{what} failed: {type(e).__name__}: {e}", self.name, tail_lines(self.log_path)) from e
+        if not succeeded(ret):
+            raise EngineError(f"{what} failed: {message_of(ret)}", self.name, tail_lines(self.log_path))
+        return ret
 
     # colocated GPUs (resync.lifecycle): SGLang's release_memory_occupation / resume_memory_occupation;
     # the memory is freed only on a server started with enable_memory_saver=True
@@ -188,8 +219,10 @@ class _SGLangBase(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, kind
             raise EngineError(f"{call}_memory_occupation({tags}) failed", self.name, tail_lines(self.log_path))
 
     def reset_prefix_cache(self) -> None:
-        if not succeeded(self._flush()):
-            raise EngineError("flush_cache failed (requests still running?)", self.name, tail_lines(self.log_path))
+        ret = self._flush()
+        if not succeeded(ret):
+            raise EngineError(f"flush_cache failed (requests still running?): {message_of(ret)}", self.name,
+                              tail_lines(self.log_path))
 
     # -- draft trees (draft="tree") ----------------------------------------------------------
     @property
@@ -246,8 +279,39 @@ class _SGLangBase(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, kind
         detach_log_file(self._log_handler)
 
 
+# sglang.Engine's arguments on a CPU (no CUDA), under rollout.engine_kwargs.sglang and tests' overrides:
+# SGLang's CPU device with its torch-native attention (the only backend without CUDA kernels), no CUDA
+# graphs, no warm-up request, and a small KV pool (mem_fraction_static is a fraction of the host's memory
+# there; max_total_tokens bounds it).
+CPU_SERVER_ARGS = dict(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
+                       mem_fraction_static=0.05, max_total_tokens=16384,
+                       skip_server_warmup=True)
+CPU_ENV = "SGLANG_USE_CPU_ENGINE"   # without it SGLang's is_cpu() is false and it takes its CUDA paths
+
+
+def _enter_sglang_cpu():
+    """SGLANG_USE_CPU_ENGINE=1 and the import-time stand-ins (patches/sglang_0_5_23_cpu_imports.py) in this
+    process while sglang.Engine starts: its scheduler and detokenizer inherit the variable, and through it
+    the .pth file's stand-ins. Returns the undo, called once they run: processes this one starts later
+    (vLLM's, Ray's, a learner's) see neither the variable nor the stand-ins."""
+    from megatron_specrl.patches import sglang_0_5_23_cpu_imports as cpu_imports
+    before, was_active = os.environ.get(CPU_ENV), cpu_imports.active()
+    os.environ[CPU_ENV] = "1"
+    cpu_imports.install()
+
+    def undo():
+        if before is None:
+            os.environ.pop(CPU_ENV, None)
+        else:
+            os.environ[CPU_ENV] = before
+        if not was_active:
+            cpu_imports.uninstall()
+    return undo
+
+
 class SGLangEngine(_SGLangBase):
-    """In-process `sglang.Engine` (GPU). `engine` may be injected (tests pass a fake)."""
+    """In-process `sglang.Engine`: its CPU path without CUDA (CPU_SERVER_ARGS), else the GPU. `engine` may be
+    injected (tests of pure plumbing pass a fake)."""
 
     def __init__(self, model_path: str | None = None, name: str = "sglang-0", seed: int = 0,
                  max_model_len: int = 256, tensor_parallel_size: int = 1, dtype: str = "float32",
@@ -262,29 +326,45 @@ class SGLangEngine(_SGLangBase):
         rest reaches the patch's TreeDrafter through its environment variable);
         `engine_args` (rollout.engine_kwargs.sglang) are passed on as they are. `engine_kwargs`: the
         factory's (enable_memory_saver) and tests' overrides."""
-        super().__init__(name, log_dir, use_ban_processor, draft)
-        check_engine_args("sglang", engine_args or {})
-        self.server_args = dict(model_path=str(model_path), random_seed=seed, context_length=max_model_len,
-                                tp_size=tensor_parallel_size, dtype=dtype, mem_fraction_static=gpu_memory_utilization,
-                                enable_custom_logit_processor=True, skip_tokenizer_init=True)
-        if enforce_eager:
-            self.server_args["disable_cuda_graph"] = True
-        if cudagraph_capture_sizes:
-            self.server_args["cuda_graph_bs"] = sorted({int(x) for x in cudagraph_capture_sizes})
-        if max_num_seqs is not None:
-            self.server_args["max_running_requests"] = int(max_num_seqs)
-        if draft == "tree":   # the scheduler processes SGLang starts inherit the patch settings
-            drafter = as_drafter(drafter, draft)
-            self.server_args.update(tree_server_args(drafter.tokens))
-            os.environ.update(tree_server_env(drafter))
-        self.server_args.update(engine_args or {})
-        self.server_args.update(engine_kwargs)
-        if engine is None:
-            import sglang
-            if draft == "tree":
-                check_plugin_installed()
-            engine = sglang.Engine(**self.server_args)
+        self.on_cpu = engine is None and not torch.cuda.is_available()
+        if self.on_cpu and draft == "tree":
+            raise ValueError("rollout.draft=tree with rollout.engine=sglang needs a GPU: SGLang's NGRAM "
+                             "verification has no CPU kernels and verifies greedily on CPU")
+        # from before anything imports SGLang (it reads the switch once: is_cpu() is cached) until its
+        # processes have started
+        undo = _enter_sglang_cpu() if self.on_cpu else None
+        try:
+            super().__init__(name, log_dir, use_ban_processor, draft)
+            check_engine_args("sglang", engine_args or {})
+            self.server_args = dict(model_path=str(model_path), random_seed=seed, context_length=max_model_len,
+                                    tp_size=tensor_parallel_size, dtype=dtype, mem_fraction_static=gpu_memory_utilization,
+                                    enable_custom_logit_processor=True, skip_tokenizer_init=True)
+            if enforce_eager:
+                self.server_args["disable_cuda_graph"] = True
+            if cudagraph_capture_sizes:
+                self.server_args["cuda_graph_bs"] = sorted({int(x) for x in cudagraph_capture_sizes})
+            if max_num_seqs is not None:
+                self.server_args["max_running_requests"] = int(max_num_seqs)
+            if draft == "tree":   # the scheduler processes SGLang starts inherit the patch settings
+                drafter = as_drafter(drafter, draft)
+                self.server_args.update(tree_server_args(drafter.tokens))
+                os.environ.update(tree_server_env(drafter))
+            if self.on_cpu:
+                self.server_args.update(CPU_SERVER_ARGS)
+            self.server_args.update(engine_args or {})
+            self.server_args.update(engine_kwargs)
+            if engine is None:
+                import sglang
+                if draft == "tree":
+                    check_plugin_installed()
+                engine = sglang.Engine(**self.server_args)
+        finally:
+            if undo is not None:
+                undo()
         self.engine = engine
+        # a real engine's answers carry the server's weight version ("default" at start): ours from here on
+        self._records_version = hasattr(engine, "tokenizer_manager")
+        self._set_server_version(0)
 
     def _generate_raw(self, payload):
         return self.engine.generate(**payload)
@@ -293,11 +373,47 @@ class SGLangEngine(_SGLangBase):
         n = self.server_args.get("context_length")
         return None if n is None else int(n)
 
+    def _vocab_size(self):
+        config = getattr(getattr(self.engine, "tokenizer_manager", None), "model_config", None)
+        return getattr(config, "vocab_size", None)
+
+    def _begin_update(self):
+        return self.engine.begin_weight_update()
+
     def _load_tensors(self, named):
         return self.engine.update_weights_from_tensor(named_tensors=named, load_format=None, flush_cache=False)
 
+    def _end_update(self):
+        return self.engine.end_weight_update()
+
     def _flush(self):
         return self.engine.flush_cache()
+
+    def _meta_version(self) -> int | None:
+        return self._version if self._records_version else None
+
+    def _set_server_version(self, version: int) -> None:
+        """sglang.Engine has no method for it; its HTTP server's /update_weight_version does this call."""
+        if not self._records_version:
+            return
+        from sglang.srt.managers.io_struct import UpdateWeightVersionReqInput
+        req = UpdateWeightVersionReqInput(new_version=str(version), abort_all_requests=False)
+        self._control(f"update_weight_version({version})",
+                      lambda: self.engine.loop.run_until_complete(self.engine.tokenizer_manager.update_weight_version(req))
+                      or (True, ""))
+
+    def health(self) -> EngineHealth:
+        """Alive while SGLang's scheduler and detokenizer processes are."""
+        pids = []
+        try:
+            pids = list(self.engine.get_all_child_pids()) if self._records_version else []
+        except Exception:
+            pass
+        import psutil
+        dead = [p for p in pids if not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE]
+        return EngineHealth(alive=self.engine is not None and not dead, weight_version=self._version,
+                            detail={"name": self.name, "pending_version": self._pending, "pid": os.getpid(),
+                                    "child_pids": pids, "dead_child_pids": dead, "log": str(self.log_path)})
 
     def _memory(self, call, tags):
         return getattr(self.engine, f"{call}_memory_occupation")(tags=tags)
@@ -307,8 +423,10 @@ class SGLangEngine(_SGLangBase):
         self.engine.collective_rpc(RPC_METHOD, call=call, path=path)
 
     def shutdown(self) -> None:
+        engine, self.engine = self.engine, None
         try:
-            self.engine.shutdown()
+            if engine is not None:
+                engine.shutdown()
         finally:
             super().shutdown()
 
@@ -353,6 +471,12 @@ class SGLangHTTPEngine(_SGLangBase):
 
     def _generate_raw(self, payload):
         return self._post("/generate", payload)
+
+    def _begin_update(self):
+        return self._post("/begin_weight_update", {})
+
+    def _end_update(self):
+        return self._post("/end_weight_update", {})
 
     def _load_tensors(self, named):
         from sglang.srt.utils import MultiprocessingSerializer

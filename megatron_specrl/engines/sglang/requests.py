@@ -137,22 +137,44 @@ def build_score_payload(requests: list[ScoreRequest], sampling: SamplingSettings
             "logprob_start_len": [len(r.prompt_ids) - 1 for r in requests]}
 
 
+def _same_ids(got: list[int], want: list[int], vocab_size: int | None) -> bool:
+    """sglang 0.5.23 reports the input token id vocab_size - 1 as 0 in input_token_logprobs (its clip of
+    image-token hashes, `x if x < vocab_size - 1 else 0`, srt/managers/scheduler_components/
+    logprob_result_processor.py); the log-prob itself is the token's. A 0 stands for that id (for any id
+    where the vocabulary size is unknown)."""
+    return len(got) == len(want) and all(
+        g == w or (g == 0 and (vocab_size is None or w == vocab_size - 1)) for g, w in zip(got, want))
+
+
 def parse_score_response(outputs: list[dict], requests: list[ScoreRequest], weight_version: int,
-                         meta_version: int | None = None, engine: str = "sglang") -> list[ScoreResult]:
+                         meta_version: int | None = None, engine: str = "sglang",
+                         vocab_size: int | None = None) -> list[ScoreResult]:
     results = []
     for out, r in zip(outputs, requests, strict=True):
         meta = out["meta_info"]
         _check_meta_version(meta, meta_version, engine)
         n = len(r.continuation_ids)
         tail = meta["input_token_logprobs"][len(meta["input_token_logprobs"]) - n:] if n else []
-        if [t for _, t, *_ in tail] != list(r.continuation_ids):
-            raise EngineError("input_token_logprobs do not cover the continuation", engine)
+        if not _same_ids([t for _, t, *_ in tail], list(r.continuation_ids), vocab_size):
+            raise EngineError(f"input_token_logprobs ({len(meta['input_token_logprobs'])} of an input of "
+                              f"{len(r.prompt_ids) + n}, {meta.get('cached_tokens')} cached) do not cover the "
+                              f"continuation ({n} tokens): ids {[t for _, t, *_ in tail][:16]}, continuation "
+                              f"{list(r.continuation_ids)[:16]}", engine)
         # A NaN log-prob arrives over HTTP as JSON null: NaN again, as the vLLM engine returns it, so the
         # acceptance rejects the draft there and counts it (spec/nonfinite_logprobs) instead of the whole
         # score batch failing on one row
         results.append(ScoreResult(logprobs=[math.nan if v is None else float(v) for v, *_ in tail],
-                                   weight_version=weight_version))
+                                   weight_version=weight_version, num_cached_tokens=int(meta.get("cached_tokens") or 0)))
     return results
+
+
+def message_of(ret) -> str:
+    """SGLang's message in a (success, message) tuple or an object / dict with .message."""
+    if isinstance(ret, tuple) and len(ret) > 1:
+        return str(ret[1])
+    if isinstance(ret, dict):
+        return str(ret.get("message", ret))
+    return str(getattr(ret, "message", ret))
 
 
 def succeeded(ret) -> bool:

@@ -230,7 +230,7 @@ def test_colocated_engines_on_gpus_can_hand_their_memory_to_the_learner(monkeypa
     from megatron_specrl.config import RolloutConfig
     from megatron_specrl.engines import factory
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    if engine == "sglang":   # not installable here; the factory only needs the class
+    if engine == "sglang":   # the factory only needs the class (this test starts no engine)
         fake = types.ModuleType("megatron_specrl.engines.sglang")
         fake.SGLangEngine = object
         monkeypatch.setitem(sys.modules, "megatron_specrl.engines.sglang", fake)

@@ -1,9 +1,11 @@
-"""SGLang engine at the API boundary (CPU, fake Engine / HTTP) + a GPU integration test.
+"""SGLang engine at the API boundary (CPU, fake Engine / HTTP): pure plumbing.
 
-SGLang cannot start on CPU (sgl_kernel is CUDA-only), so these tests check what we
-send (input_ids, sampling params, logprob_start_len, the ban processor) and how we
-read answers (meta_info logprobs, finish reasons, weight versions) and the
-update -> flush -> version order.
+The engine's behaviour against a real sglang 0.5.23 engine on the CPU (generation, log-probs and the
+weight update against HF transformers, the radix cache under a speculative rollout) is
+tests/integration/engines/test_sglang_engine.py. These tests check what we send (input_ids, sampling
+params, logprob_start_len, the ban processor) and how we read answers (meta_info logprobs, finish
+reasons, weight versions), the order of the weight-update calls and the error paths a real engine
+does not reach on demand (refusals, HTTP errors, NaN, colocated memory calls).
 
 Review of the SGLang engine against sglang 0.5.23's real API (CPU, a strict fake Engine).
 
@@ -42,7 +44,7 @@ from megatron_specrl.engines.sglang import (
     BAN_PARAM, SGLangEngine, SGLangHTTPEngine, build_generate_payload, build_score_payload,
     parse_generate_response, parse_score_response,
 )
-from tests.helpers.sglang import FakeSGLang, gen_out, score_out  # noqa: F401
+from tests.helpers.sglang import FakeSGLang, WeightUpdateWindow, gen_out, score_out  # noqa: F401
 import io
 import urllib.error
 import urllib.request
@@ -139,21 +141,25 @@ def test_engine_generate_rescores_banned_first_token():
     assert out[0].logprobs == [-0.5, -3.0] and out[1].logprobs == [-2.0, -3.0]
 
 
-def test_update_then_flush_then_version():
+def test_buckets_load_inside_one_weight_update_window():
+    """Plumbing (the real engine: tests/integration/engines/test_sglang_engine.py): one begin before the
+    first bucket, one end and one flush at finish_update; a refused load leaves the window open and the
+    version pending, so the update can be sent again."""
     fake = FakeSGLang()
     eng = make(fake)
     eng.update_weights([("a", torch.zeros(1))], 1)
     eng.update_weights([("b", torch.zeros(1))], 1)
-    with pytest.raises(WeightVersionMismatch):          # half-loaded weights are never served
-        eng.generate([GenerateRequest([1], 1)], T1, 0)
-    assert eng.weight_version == 0
     eng.finish_update(1)
-    assert fake.calls == [("update", ["a"], False), ("update", ["b"], False), ("flush",)]
-    assert eng.weight_version == 1
-    with pytest.raises(WeightVersionMismatch):
-        eng.generate([GenerateRequest([1], 1)], T1, 0)
-    with pytest.raises(WeightVersionMismatch):
-        eng.update_weights([("a", torch.zeros(1))], 1)
+    assert fake.calls == [("begin",), ("update", ["a"], False), ("update", ["b"], False), ("end",), ("flush",)]
+    fake.calls.clear()
+    fake.update_weights_from_tensor = lambda **kw: (False, "Failed to update parameter online: shape")
+    with pytest.raises(EngineError, match="update_weights_from_tensor.*shape"):
+        eng.update_weights([("a", torch.zeros(1))], 2)
+    assert fake.calls == [("begin",)] and eng.weight_version == 1
+    del fake.update_weights_from_tensor
+    eng.update_weights([("a", torch.zeros(1))], 2)
+    eng.finish_update(2)
+    assert fake.calls[1:] == [("update", ["a"], False), ("end",), ("flush",)] and eng.weight_version == 2
 
 
 def test_failed_flush_keeps_old_version():
@@ -174,8 +180,8 @@ def test_http_engine_sets_and_checks_server_version():
         if path == "/update_weight_version":
             server["version"] = body["new_version"]
             return {"success": True}
-        if path == "/flush_cache":
-            return {"success": True, "message": "Cache flushed."}
+        if path in ("/flush_cache", "/begin_weight_update", "/end_weight_update"):
+            return {"success": True, "message": "Success"}
         if path == "/generate":
             return [gen_out([5], [-1.0], version=server["version"]) for _ in body["input_ids"]]
         raise AssertionError(path)
@@ -187,8 +193,11 @@ def test_http_engine_sets_and_checks_server_version():
     with pytest.raises(WeightVersionMismatch):
         eng.generate([GenerateRequest([1], 1)], T1, 0)
     server["version"] = "0"
+    eng._load_tensors = lambda named: posts.append("/update_weights_from_tensor") or {"success": True}
+    eng.update_weights([("a", torch.zeros(1))], 1)
     eng.finish_update(1)
-    assert posts[-2:] == ["/flush_cache", "/update_weight_version"] and server["version"] == "1"
+    assert posts[-5:] == ["/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update",
+                          "/flush_cache", "/update_weight_version"] and server["version"] == "1"
 
 
 
@@ -214,7 +223,7 @@ SAMPLING_FIELDS = {
 }
 
 
-class StrictSGLang:
+class StrictSGLang(WeightUpdateWindow):
     """sglang.Engine(skip_tokenizer_init=True) at its generate boundary, with its validation."""
 
     def __init__(self, context_len=64):
@@ -261,9 +270,6 @@ class StrictSGLang:
 
     def flush_cache(self):
         return type("FlushCacheReqOutput", (), {"success": True, "message": ""})()
-
-    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
-        return True, "Succeeded to update model weights."
 
 
 def _make_strict(context_len=64, **kw):
@@ -336,6 +342,8 @@ def test_http_control_call_failures_are_engine_errors(monkeypatch):
     /update_weights_from_tensor a failed load with 400 and {"success": false, ...}: urlopen raises
     HTTPError for both, which must become the engine's EngineError (the version stays)."""
     answers = {"/update_weight_version": (200, b'{"success": true, "message": "ok"}'),
+               "/begin_weight_update": (200, b'{"success": true, "message": "Success"}'),
+               "/end_weight_update": (200, b'{"success": true, "message": "Success"}'),
                "/update_weights_from_tensor": (200, b'{"success": true, "message": "ok"}'),
                "/flush_cache": (400, b"Flush cache failed.\n")}
 
@@ -499,3 +507,12 @@ def test_null_logprob_is_nan_in_its_row_only():
     assert acc.num_accepted == 1 and acc.nonfinite == 1      # rejected at the NaN, counted
     with pytest.raises(EngineError, match="do not cover the continuation"):   # other tokens: still an error
         parse_score_response([score_out([1, 2, 3, 4, 9, 6], 2, [-0.1, -0.2, -0.3])], reqs[:1], 3)
+
+
+def test_tree_drafting_is_refused_on_cpu_before_sglang_starts(monkeypatch):
+    """SGLang's NGRAM verification needs CUDA kernels and verifies greedily on CPU: one line, nothing started."""
+    import os
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="rollout.draft=tree with rollout.engine=sglang needs a GPU"):
+        SGLangEngine("/nonexistent", draft="tree", log_dir="/tmp/specrl-sgl-test")
+    assert "SGLANG_USE_CPU_ENGINE" not in os.environ
