@@ -452,6 +452,11 @@ def _layout(cfg: RunConfig) -> list[str]:
         if le.recompute != "none":
             out.append(f"learner.recompute={le.recompute} with cluster.gpus_per_node=0: Megatron's activation "
                        "recompute needs CUDA (it saves CUDA RNG states); use learner.recompute=none on CPU")
+        from megatron_specrl.engines.protocol import ENGINE_KINDS
+        kind = ENGINE_KINDS[r.engine]
+        if r.draft not in kind.cpu_drafts:
+            out.append(f"rollout.draft={r.draft} with rollout.engine={r.engine} on CPU (cluster.gpus_per_node=0): "
+                       f"{kind.why_not('cpu_drafts')}; use rollout.draft={kind.cpu_drafts[-1]} on CPU")
         return out      # a CPU run: Ray places ranks and engines on cores
     have = c.nodes * c.gpus_per_node
     learner, engines = gpus_needed(cfg)

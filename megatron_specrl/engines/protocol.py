@@ -202,6 +202,7 @@ class EngineKind:
     drafts: tuple[str, ...]                         # the rollout.draft values it builds with
     runs_ahead: bool                                # run-ahead requests (rollout.runahead, with tree drafting)
     runs_fresh_prompts_undrafted: bool              # rollout.drafter.fresh_prompts=false
+    cpu_drafts: tuple[str, ...] = ("none",)          # the rollout.draft values it builds with on a CPU
     # why it lacks a capability, by the capability's field name, where messages say why
     lacks: dict[str, str] = field(default_factory=dict)
 
@@ -211,13 +212,16 @@ class EngineKind:
 
 ENGINE_KINDS: dict[str, EngineKind] = {
     "vllm": EngineKind("vLLM", verifies_processed_distribution=True, samples_coupled=True,
-                       drafts=("none", "tree", "model"), runs_ahead=True, runs_fresh_prompts_undrafted=True),
+                       drafts=("none", "tree", "model"), runs_ahead=True, runs_fresh_prompts_undrafted=True,
+                       cpu_drafts=("none", "tree", "model")),
     "sglang": EngineKind("SGLang", verifies_processed_distribution=False, samples_coupled=False,
                          drafts=("none", "tree"), runs_ahead=False, runs_fresh_prompts_undrafted=False,
                          lacks={"verifies_processed_distribution": "SGLang scores drafts with untempered, "
                                                                    "untruncated log-probs",
                                 "runs_fresh_prompts_undrafted": "SGLang drafts every prompt",
-                                "runs_ahead": "SGLang drafts from the trees without them"}),
+                                "runs_ahead": "SGLang drafts from the trees without them",
+                                "cpu_drafts": "SGLang's NGRAM verification has no CPU kernels and verifies "
+                                              "greedily on CPU"}),
 }
 
 

@@ -660,3 +660,21 @@ def test_staleness_with_colocated_gpu_engines_is_refused_and_disaggregated_passe
         build_plan(_cfg("qwen2.5-7b-dapo-1node", "trainer.max_staleness=1"), check_data=False)
     build_plan(_cfg("qwen2.5-32b-dapo-4node", "trainer.max_staleness=1"), check_data=False)   # colocate=false
     build_plan(_cfg("tiny-cpu-grpo", "trainer.max_staleness=1"), check_data=False)           # CPU: no GPUs to share
+
+
+def test_sglang_tree_drafting_is_refused_on_a_cpu_run_by_the_plan_and_allowed_on_gpus(capsys):
+    """SGLang verifies drafts greedily on CPU: the recipe's draft=tree with rollout.engine=sglang is one plan
+    line naming the fix, before Ray starts; draft=none passes, and a GPU cluster's plan does not refuse it."""
+    assert main(["train", "tiny-cpu-grpo", "rollout.engine=sglang", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.draft=tree with rollout.engine=sglang on CPU (cluster.gpus_per_node=0)" in err
+    assert "verifies greedily on CPU; use rollout.draft=none on CPU" in err
+    assert main(["train", "tiny-cpu-grpo", "rollout.engine=sglang", "rollout.draft=none", "--dry-run"]) == 0
+    capsys.readouterr()
+    gpu = load_config(ROOT / "examples/qwen3-8b-dapo-1node.yaml", ["rollout.engine=sglang", "rollout.draft=tree"])
+    assert not any("on CPU" in line for line in _layout_lines(gpu))
+
+
+def _layout_lines(cfg) -> list[str]:
+    from megatron_specrl.plan import _layout
+    return _layout(cfg)

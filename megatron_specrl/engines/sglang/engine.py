@@ -327,9 +327,9 @@ class SGLangEngine(_SGLangBase):
         `engine_args` (rollout.engine_kwargs.sglang) are passed on as they are. `engine_kwargs`: the
         factory's (enable_memory_saver) and tests' overrides."""
         self.on_cpu = engine is None and not torch.cuda.is_available()
-        if self.on_cpu and draft == "tree":
-            raise ValueError("rollout.draft=tree with rollout.engine=sglang needs a GPU: SGLang's NGRAM "
-                             "verification has no CPU kernels and verifies greedily on CPU")
+        if self.on_cpu and draft not in self.engine_kind.cpu_drafts:   # the plan refuses it first (CLI)
+            raise ValueError(f"rollout.draft={draft} with rollout.engine=sglang needs a GPU: "
+                             f"{self.engine_kind.why_not('cpu_drafts')}")
         # from before anything imports SGLang (it reads the switch once: is_cpu() is cached) until its
         # processes have started
         undo = _enter_sglang_cpu() if self.on_cpu else None

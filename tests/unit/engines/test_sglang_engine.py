@@ -513,6 +513,6 @@ def test_tree_drafting_is_refused_on_cpu_before_sglang_starts(monkeypatch):
     """SGLang's NGRAM verification needs CUDA kernels and verifies greedily on CPU: one line, nothing started."""
     import os
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ValueError, match="rollout.draft=tree with rollout.engine=sglang needs a GPU"):
+    with pytest.raises(ValueError, match="rollout.draft=tree with rollout.engine=sglang needs a GPU: SGLang.s NGRAM"):
         SGLangEngine("/nonexistent", draft="tree", log_dir="/tmp/specrl-sgl-test")
     assert "SGLANG_USE_CPU_ENGINE" not in os.environ
