@@ -1,4 +1,4 @@
-"""Engine fixtures of this folder: a sharpened tiny Llama."""
+"""Engine fixtures of this folder: a sharpened tiny Llama, and HF transformers' tiny Llama to compare engines with."""
 
 import shutil
 
@@ -24,3 +24,10 @@ def sharp_llama(tiny_llama, tmp_path_factory):
     w["lm_head.weight"] = head.contiguous()
     save_file(w, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama):
+    """HF transformers' tiny Llama in fp32 (tests.helpers.engines.hf_logprobs scores with it)."""
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()

@@ -17,6 +17,7 @@ import torch
 from megatron_specrl.engines.protocol import (
     GenerateRequest, RolloutEngine, SamplingSettings, ScoreRequest, WeightVersionMismatch,
 )
+from tests.helpers.engines import hf_logprobs
 
 # not imported at collection: importing SGLang patches transformers and reads SGLANG_USE_CPU_ENGINE once
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
@@ -38,20 +39,6 @@ def engine(tiny_llama, tmp_path_factory):
                        log_dir=tmp_path_factory.mktemp("sglang-logs"))
     yield eng
     eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_llama):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
-
-
-def hf_logprobs(model, prompt, cont):
-    ids = torch.tensor([list(prompt) + list(cont)])
-    with torch.no_grad():
-        lp = model(ids).logits[0, :-1].float().log_softmax(-1)
-    tgt = ids[0, 1:]
-    return lp[torch.arange(len(tgt)), tgt][len(prompt) - 1:].tolist()
 
 
 def hf_greedy(model, prompt, n):

@@ -14,6 +14,7 @@ from megatron_specrl.engines.protocol import (  # noqa: E402
     GenerateRequest, RolloutEngine, SamplingSettings, ScoreRequest, WeightVersionMismatch,
 )
 from megatron_specrl.engines.vllm import token_logprobs  # noqa: E402
+from tests.helpers.engines import hf_logprobs  # noqa: E402
 
 pytestmark = pytest.mark.slow
 BLOCK = 32
@@ -33,20 +34,6 @@ def engine(tiny_llama, tmp_path_factory):
                      block_size=BLOCK, log_dir=tmp_path_factory.mktemp("engine-logs"))
     yield eng
     eng.shutdown()
-
-
-@pytest.fixture(scope="session")
-def hf_model(tiny_llama):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
-
-
-def hf_logprobs(model, prompt, cont):
-    ids = torch.tensor([list(prompt) + list(cont)])
-    with torch.no_grad():
-        lp = model(ids).logits[0, :-1].float().log_softmax(-1)
-    tgt = ids[0, 1:]
-    return lp[torch.arange(len(tgt)), tgt][len(prompt) - 1:].tolist()
 
 
 def maxdiff(a, b):
