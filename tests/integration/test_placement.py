@@ -88,8 +88,30 @@ def test_transport_key_rejects_unknown_values():
     assert _cfg().trainer.resync_transport == "auto"
 
 
+@pytest.fixture(scope="module")
+def fake_gpu_ray():
+    """One local Ray with 16 CPUs and 8 fake GPUs for this file's placement tests (each start of Ray costs
+    ~10 s of the 2 cores); every test removes its actors and placement groups, so the next finds all 8 free."""
+    import ray
+    ray.init(address="local", num_cpus=16, num_gpus=8, include_dashboard=False, logging_level="ERROR")
+    yield ray
+    ray.shutdown()
+
+
+def _all_gpus_free(ray, timeout_s: float = 30.0) -> bool:
+    """All 8 fake GPUs free again (Ray returns a killed actor's and a removed group's resources shortly after)."""
+    import time
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get("GPU", 0) != 8:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
 @pytest.mark.parametrize("colocate", [True, False])
-def test_ranks_get_a_gpu_each_tp_groups_stay_together_and_colocated_engines_share_their_gpu(tmp_path, colocate):
+def test_ranks_get_a_gpu_each_tp_groups_stay_together_and_colocated_engines_share_their_gpu(tmp_path, colocate,
+                                                                                             fake_gpu_ray):
     """Ray with 8 fake GPUs: without placement groups Ray packed two 0.5-GPU learner ranks onto one GPU
     (NCCL refuses duplicate GPUs) and gave the "colocated" engines other GPUs."""
     import ray
@@ -109,7 +131,9 @@ def test_ranks_get_a_gpu_each_tp_groups_stay_together_and_colocated_engines_shar
         def __init__(self, **kwargs):
             pass
 
-    ray.init(address="local", num_cpus=16, num_gpus=8, include_dashboard=False, logging_level="ERROR")
+    from ray.util.placement_group import remove_placement_group
+    assert _all_gpus_free(ray)
+    groups = []
     try:
         # colocated: 2 TP groups of 2 ranks (half a GPU each) and 4 engines, 8 Ray workers on a 2-core machine
         learner = LearnerConfig(tp=2 if colocate else 4, dp=2 if colocate else 1)
@@ -136,11 +160,12 @@ def test_ranks_get_a_gpu_each_tp_groups_stay_together_and_colocated_engines_shar
             ray.kill(a)
         assert len(groups) == learner.dp * learner.pp
     finally:
-        ray.shutdown()
+        for pg in groups:
+            remove_placement_group(pg)
 
 
 @pytest.mark.parametrize("colocate", [True, False])
-def test_critic_and_reference_ranks_share_the_policy_ranks_gpus(tmp_path, colocate):
+def test_critic_and_reference_ranks_share_the_policy_ranks_gpus(tmp_path, colocate, fake_gpu_ray):
     """PPO's critic and the KL reference, outside the policy's placement groups, found every GPU reserved
     and waited forever. They share policy rank r's GPU (bundle), as verl colocates actor, critic and
     reference; build_actors starts all three groups and the engines on 8 fake GPUs."""
@@ -165,25 +190,22 @@ def test_critic_and_reference_ranks_share_the_policy_ranks_gpus(tmp_path, coloca
         def __init__(self, **kwargs):
             pass
 
-    ray.init(address="local", num_cpus=16, num_gpus=8, include_dashboard=False, logging_level="ERROR")
+    assert _all_gpus_free(ray)
+    learner = LearnerConfig(tp=2, dp=2 if colocate else 1)
+    rollout = RolloutConfig(num_engines=4 if colocate else 1, engine_tp=1 if colocate else 2, colocate=colocate,
+                            engine_timeout_s=60)
+    built, engine_share = _build_with_fakes(actors, learner, rollout, _Rank, _Engine, 0.5 if colocate else 1.0,
+                                            None if colocate else 2.0, tmp_path)
+    assert engine_share == (0.25 if colocate else 2.0)     # policy, critic, reference (and engine) a GPU
     try:
-        learner = LearnerConfig(tp=2, dp=2 if colocate else 1)
-        rollout = RolloutConfig(num_engines=4 if colocate else 1, engine_tp=1 if colocate else 2, colocate=colocate,
-                                engine_timeout_s=60)
-        built, engine_share = _build_with_fakes(actors, learner, rollout, _Rank, _Engine, 0.5 if colocate else 1.0,
-                                                None if colocate else 2.0, tmp_path)
-        assert engine_share == (0.25 if colocate else 2.0)     # policy, critic, reference (and engine) a GPU
-        try:
-            where = {g: ray.get([a.where.remote() for a in getattr(built, g).actors], timeout=60)
-                     for g in ("learner", "critic", "reference")}
-            policy_gpus = [ids for _, ids in where["learner"]]
-            assert all(len(ids) == 1 for ids in policy_gpus) and len({i[0] for i in policy_gpus}) == len(policy_gpus)
-            assert [ids for _, ids in where["critic"]] == policy_gpus == [ids for _, ids in where["reference"]]
-            assert [r for r, _ in where["critic"]] == ["critic"] * len(policy_gpus)
-        finally:
-            built.shutdown()
+        where = {g: ray.get([a.where.remote() for a in getattr(built, g).actors], timeout=60)
+                 for g in ("learner", "critic", "reference")}
+        policy_gpus = [ids for _, ids in where["learner"]]
+        assert all(len(ids) == 1 for ids in policy_gpus) and len({i[0] for i in policy_gpus}) == len(policy_gpus)
+        assert [ids for _, ids in where["critic"]] == policy_gpus == [ids for _, ids in where["reference"]]
+        assert [r for r, _ in where["critic"]] == ["critic"] * len(policy_gpus)
     finally:
-        ray.shutdown()
+        built.shutdown()
 
 
 def _build_with_fakes(actors, learner, rollout, rank_cls, engine_cls, per_rank, per_engine, tmp_path):
