@@ -79,18 +79,30 @@ def _plain_tensors(w, path) -> dict:
     return {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
 
 
+def _two_rank_child(rank, world, hf_dir, out_dir, ports, roles_hf_dir, roles_dir, roles_ports):
+    """The DP2 runs and their reshards (tiny Llama), then the critic and tied-embedding runs (tiny Qwen2), in
+    the same two processes: each rank's start (torch and Megatron imports) is most of a spawn's cost."""
+    _child(rank, world, hf_dir, out_dir, ports)
+    _roles_child(rank, roles_hf_dir, roles_dir, roles_ports)
+
+
 @pytest.fixture(scope="module")
-def runs(tiny_llama, tmp_path_factory):
+def runs(tiny_llama, tiny_qwen2, tmp_path_factory):
     import torch.multiprocessing as mp
     tmp = tmp_path_factory.mktemp("distopt")
     batch = make_batch(tiny_llama)
     _, lp, grads = hf_reference(tiny_llama, batch, loss_config())
     torch.save({"batch": batch, "lp": lp}, tmp / "ref.pt")
-    ports = [free_port("127.0.0.1") for _ in range(4)]
-    mp.spawn(_child, args=(2, str(tiny_llama), str(tmp), ports), nprocs=2, join=True)
+    roles = tmp_path_factory.mktemp("distopt_roles")
+    roles_batch = make_batch(tiny_qwen2)
+    _, roles_lp, _ = hf_reference(tiny_qwen2, roles_batch, loss_config())
+    torch.save({"batch": roles_batch, "lp": roles_lp}, roles / "ref.pt")
+    ports, roles_ports = ([free_port("127.0.0.1") for _ in range(4)] for _ in range(2))
+    mp.spawn(_two_rank_child, args=(2, str(tiny_llama), str(tmp), ports, str(tiny_qwen2), str(roles), roles_ports),
+             nprocs=2, join=True)
     def load(tag, r=0):
         return torch.load(tmp / f"{tag}.rank{r}.pt")
-    return {"dir": tmp, "hf_grads": grads, "load": load}
+    return {"dir": tmp, "hf_grads": grads, "load": load, "roles_dir": roles}
 
 
 def _assert_close(a: dict, b: dict, atol: float, what: str):
@@ -191,15 +203,11 @@ def _roles_child(rank, hf_dir, out_dir, ports):
 
 
 @pytest.mark.slow
-def test_critic_and_tied_embeddings_across_stages_match_replicated(tiny_qwen2, tmp_path):
+def test_critic_and_tied_embeddings_across_stages_match_replicated(runs):
     """A critic (value head) at DP2, and a policy with tied embeddings split over PP2 (the embedding
-    group's gradient all-reduce goes through finalize_model_grads): same weights on both paths."""
-    import torch.multiprocessing as mp
-    batch = make_batch(tiny_qwen2)
-    _, lp, _ = hf_reference(tiny_qwen2, batch, loss_config())
-    torch.save({"batch": batch, "lp": lp}, tmp_path / "ref.pt")
-    mp.spawn(_roles_child, args=(str(tiny_qwen2), str(tmp_path), [free_port("127.0.0.1") for _ in range(4)]),
-             nprocs=2, join=True)
+    group's gradient all-reduce goes through finalize_model_grads): same weights on both paths. Run on tiny
+    Qwen2 in the two ranks of `runs`, after its DP2 runs."""
+    tmp_path = runs["roles_dir"]
     for tag in ("critic_pp1", "policy_pp2"):
         rep, dist_ = (torch.load(tmp_path / f"{tag}_{d}.rank0.pt") for d in (False, True))
         for m_rep, m_dist in zip(rep["metrics"], dist_["metrics"]):
