@@ -34,7 +34,6 @@ from tests.helpers.learner import B, T, TOL, make_batch, hf_reference, hf_routin
 import json
 import shutil
 from pathlib import Path
-import torch.multiprocessing as mp
 from unittest import mock
 from megatron_specrl.config import DataConfig, LearnerConfig
 from megatron_specrl.data.datasets import DatasetError, load_file
@@ -43,10 +42,24 @@ from megatron_specrl.data.datasets import DatasetError, load_file
 
 # ---- TP / PP / DP layouts of the Megatron learner agree with each other and with HF transformers.
 
+@pytest.fixture(scope="module")
+def two_ranks(tiny_llama, tmp_path_factory):
+    """The two-process layouts of tiny Llama checked against HF (run_models), then the bf16 resync gather's
+    runs (_gather_child), in one spawn of two ranks: (layout results, gather dir)."""
+    tmp = tmp_path_factory.mktemp("two-ranks")
+    (tmp / "layouts").mkdir()
+    (tmp / "gather").mkdir()
+    res = run_models(2, {"llama": (tiny_llama, tmp / "layouts", [(1, 1, 2, None), (2, 1, 1, None), (1, 2, 1, 24)],
+                                   False)},
+                     then=(_gather_child, (str(tiny_llama), str(tmp / "gather"),
+                                           [free_port("127.0.0.1") for _ in range(4)])))
+    return res["llama"], tmp / "gather"
+
+
 @pytest.mark.slow
-def test_two_process_layouts_match_hf(tiny_llama, tmp_path):
-    """DP2 (= TP1 per rank), TP2 and PP2 (dynamic batching) vs HF and vs each other."""
-    res = _run(tiny_llama, tmp_path, 2, [(1, 1, 2, None), (2, 1, 1, None), (1, 2, 1, 24)])
+def test_two_process_layouts_match_hf(two_ranks, tiny_llama):
+    """DP2 (= TP1 per rank), TP2 and PP2 (dynamic batching) vs HF (run_models) and vs each other."""
+    res = two_ranks[0]
     base = res["tp1pp1dp2"]
     am = make_batch(tiny_llama)["attention_mask"].bool()
     for tag in ("tp2pp1dp1", "tp1pp2dp1"):
@@ -122,20 +135,39 @@ def _with_rope_scaling(src: Path, dst: Path, scaling: dict) -> Path:
     return dst
 
 
+@pytest.fixture(scope="module")
+def one_rank(tiny_llama, tmp_path_factory):
+    """The single-rank checks of this file in one spawned process (each start of a rank costs its torch and
+    Megatron imports): Llama 3.1's RoPE scaling against HF (run_models), then shutdown's weak references
+    and the non-finite gradient on both optimizers (_single_rank_checks). {"llama3": hf_dir, "dir": out}"""
+    tmp = tmp_path_factory.mktemp("one-rank")
+    hf_dir = _with_rope_scaling(tiny_llama, tmp / "llama3", LLAMA3)
+    (tmp / "run").mkdir()
+    nonfinite = [(free_port("127.0.0.1"), str(tmp / f"nonfinite-{d}.pt"), d) for d in (False, True)]
+    run_models(1, {"llama3": (hf_dir, tmp / "run", [(1, 1, 1, None)], False)},     # logits, log-probs, grads vs HF
+               then=(_single_rank_checks, (str(tiny_llama), str(tmp / "alive.json"), nonfinite)))
+    return {"llama3": hf_dir, "dir": tmp}
+
+
+def _single_rank_checks(rank, _world, hf_dir, alive_out, nonfinite):
+    _child(rank, hf_dir, alive_out)
+    for port, out, distributed in nonfinite:
+        _nonfinite_child(rank, hf_dir, port, out, distributed)
+
+
 @pytest.mark.slow
-def test_llama3_rope_scaling_matches_hf(tiny_llama, tmp_path):
+def test_llama3_rope_scaling_matches_hf(one_rank, tiny_llama, tmp_path):
+    """The learner's logits, log-probs and gradients equal HF's within 1e-5 (in `one_rank`), and the scaling
+    moves HF's logits more than that."""
     from transformers import AutoModelForCausalLM
-    hf_dir = _with_rope_scaling(tiny_llama, tmp_path / "llama3", LLAMA3)
+    hf_dir = one_rank["llama3"]
     plain = _with_rope_scaling(tiny_llama, tmp_path / "plain", {"rope_type": "default"})
     ids = make_batch(hf_dir)["input_ids"]
     scaled_logits = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)(ids).logits
     plain_logits = AutoModelForCausalLM.from_pretrained(str(plain), dtype=torch.float32)(ids).logits
     # On 12 positions only the slowest frequencies are scaled, so the logits move little (5e-5 measured),
-    # still 5x the 1e-5 the learner is held to below; the frequencies themselves are compared exactly next.
+    # still 5x the 1e-5 the learner is held to; the frequencies themselves are compared exactly next.
     assert (scaled_logits - plain_logits).abs().max() > 3e-5
-    out = tmp_path / "run"
-    out.mkdir()
-    _run(hf_dir, out, 1, [(1, 1, 1, None)])                         # logits, log-probs, grads vs HF at 1e-5
     assert B == ids.shape[0]
 
 
@@ -198,11 +230,8 @@ def _child(_rank, hf_dir, out):
         json.dump(alive, f)
 
 
-def test_shutdown_leaves_no_parameter_alive(tiny_llama, tmp_path):
-    import torch.multiprocessing as mp
-    out = tmp_path / "alive.json"
-    mp.spawn(_child, args=(str(tiny_llama), str(out)), nprocs=1, join=True)
-    assert json.loads(out.read_text()) == {tag: 0 for tag in SETTINGS}
+def test_shutdown_leaves_no_parameter_alive(one_rank):
+    assert json.loads((one_rank["dir"] / "alive.json").read_text()) == {tag: 0 for tag in SETTINGS}
 
 
 # ---- A non-finite gradient must not reach the weights, on either learner optimizer.
@@ -242,10 +271,8 @@ def _nonfinite_child(rank, hf_dir, port, out, distributed):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("distributed", [False, True], ids=["adamw", "megatron-distributed"])
-def test_nan_gradients_skip_the_step_and_raise(tiny_llama, tmp_path, distributed):
-    out = tmp_path / "r.pt"
-    mp.spawn(_nonfinite_child, args=(str(tiny_llama), free_port("127.0.0.1"), str(out), distributed), nprocs=1, join=True)
-    r = torch.load(out)
+def test_nan_gradients_skip_the_step_and_raise(one_rank, distributed):
+    r = torch.load(one_rank["dir"] / f"nonfinite-{distributed}.pt")
     assert r["finite"] and r["unchanged"], r
     assert r["error"] is not None and "non-finite" in r["error"], r
     assert r["trained_finite"] and r["moved"], r
@@ -311,7 +338,6 @@ def _gather_child(rank, world, hf_dir, out_dir, ports):
     import torch.distributed as dist
 
     from megatron_specrl.learner.worker import LearnerWorker
-    pass  # merged: from test_learner_layouts import loss_config
     # the last: an fp32 learner resyncing a bf16 engine casts its shards before the gather
     runs = [("bf16_tp2", 2, 1, "bfloat16", None), ("bf16_pp2", 1, 2, "bfloat16", None),
             ("fp32_pp2", 1, 2, "float32", None), ("fp32_tp2_cast_bf16", 2, 1, "float32", torch.bfloat16)]
@@ -337,12 +363,9 @@ def _gather_child(rank, world, hf_dir, out_dir, ports):
 
 
 @pytest.fixture(scope="module")
-def gathered(tiny_llama, tmp_path_factory):
-    import torch.multiprocessing as mp
-    tmp = tmp_path_factory.mktemp("gather")
-    mp.spawn(_gather_child, args=(2, str(tiny_llama), str(tmp), [free_port("127.0.0.1") for _ in range(4)]),
-             nprocs=2, join=True)
-    return lambda tag, r=0: torch.load(tmp / f"{tag}.rank{r}.pt")
+def gathered(two_ranks):
+    """The bf16 gather's results, from the two ranks of `two_ranks`."""
+    return lambda tag, r=0: torch.load(two_ranks[1] / f"{tag}.rank{r}.pt")
 
 
 def _hf_state(hf_dir) -> dict[str, torch.Tensor]:
