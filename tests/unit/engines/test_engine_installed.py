@@ -30,7 +30,8 @@ def test_a_missing_engine_package_is_named(sglang_missing):
 def test_dry_run_and_train_stop_before_anything_starts(sglang_missing, tmp_path, capsys):
     out = tmp_path / "run"
     for extra in (["--dry-run"], []):
-        assert main(["train", RECIPE, f"output_dir={out}", "rollout.engine=sglang", *extra]) == 2
+        # draft=none: the recipe's tree drafting with SGLang is a GPU setting, which the plan refuses on CPU
+        assert main(["train", RECIPE, f"output_dir={out}", "rollout.engine=sglang", "rollout.draft=none", *extra]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err == ["megatron-specrl: config error: rollout.engine='sglang': the sglang package is not "
                        "installed in this environment (the default engine is vllm)"]
