@@ -210,19 +210,10 @@ class _SGLangBase(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, kind
         self._memory_call("resume", tags)
 
     def _memory_call(self, call: str, tags: list[str] | None) -> None:
-        try:
-            ret = self._memory(call, tags)
-        except Exception as e:
-            raise EngineError(f"{call}_memory_occupation({tags}) failed: {type(e).__name__}: {e}", self.name,
-                              tail_lines(self.log_path)) from e
-        if not succeeded(ret):
-            raise EngineError(f"{call}_memory_occupation({tags}) failed", self.name, tail_lines(self.log_path))
+        self._control(f"{call}_memory_occupation({tags})", lambda: self._memory(call, tags))
 
     def reset_prefix_cache(self) -> None:
-        ret = self._flush()
-        if not succeeded(ret):
-            raise EngineError(f"flush_cache failed (requests still running?): {message_of(ret)}", self.name,
-                              tail_lines(self.log_path))
+        self._control("flush_cache (requests still running?)", self._flush)
 
     # -- draft trees (draft="tree") ----------------------------------------------------------
     @property
