@@ -14,7 +14,7 @@ from megatron_specrl import faults
 from megatron_specrl.algorithms.advantages import grpo_advantages, terminal_rewards
 from megatron_specrl.algorithms.kl_reward import kl_cost
 from megatron_specrl.algorithms.ppo import ppo_advantages
-from megatron_specrl.algorithms.rewards_step import group_ids_of, score_samples
+from megatron_specrl.algorithms.rewards_step import group_ids_of
 from megatron_specrl.config import RunConfig
 from megatron_specrl.config.resolve import log_resolved, resolve
 from megatron_specrl.resync.lifecycle import engines_of, release_engine_memory
@@ -83,8 +83,7 @@ def collect(run: Run, step: int):
         upcoming = run.upcoming_prompts() if cfg.rollout.runahead else []   # run-ahead feeds their draft trees
         samples, metrics = run.rollout.run(prompts, cfg.rollout.n_samples, run.version, step=f"{step}.{i}",
                                            next_prompts=upcoming)
-        rewards, filter_values, reward_metrics = score_samples(samples, run.train_records, run.reward_fn,
-                                                               run.tokenizer, alg, cfg.rollout.max_new_tokens)
+        rewards, filter_values, reward_metrics = run.score(samples)
         return samples, rewards, filter_values, {**metrics, **reward_metrics}
 
     if alg.dynamic_sampling:

@@ -98,13 +98,9 @@ def refresh_rollout(run: Run, step: int, got: Collected) -> Collected:
     as it is. Logs refresh/* and time/refresh_s."""
     if got.version == run.version:
         return got
-    from megatron_specrl.algorithms.rewards_step import score_samples
-
     t0 = time.perf_counter()
     samples, metrics = run.rollout.refresh(got.samples, run.version, step)
-    cfg = run.cfg
-    rewards, _, reward_metrics = score_samples(samples, run.train_records, run.reward_fn, run.tokenizer,
-                                               cfg.algorithm, cfg.rollout.max_new_tokens)
+    rewards, _, reward_metrics = run.score(samples)
     metrics.update(reward_metrics)
     metrics["time/refresh_s"] = time.perf_counter() - t0
     return Collected(samples, rewards, {**got.metrics, **metrics}, run.version, got.started, got.finished)

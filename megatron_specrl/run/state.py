@@ -79,6 +79,13 @@ class Run:
                             wake_engines=wake_engines, route=self.resync_route,
                             dtype=self.cfg.rollout.engine_dtype)
 
+    def score(self, samples):
+        """(rewards, filter values, metrics) of samples of this run's prompts, with its reward function
+        (algorithms/rewards_step.score_samples): a rollout round's, and the exact overlap's refreshed batch."""
+        from megatron_specrl.algorithms.rewards_step import score_samples
+        return score_samples(samples, self.train_records, self.reward_fn, self.tokenizer, self.cfg.algorithm,
+                             self.cfg.rollout.max_new_tokens)
+
     def record_data_order(self, step: int, samples) -> None:
         """Which prompts each step trained on: makes data order after a resume checkable."""
         import json

@@ -138,7 +138,11 @@ def stand_in_run(**fields) -> SimpleNamespace:
                 loader=SimpleNamespace(state_dict=lambda: {}), store=SimpleNamespace(begin_step=lambda: None),
                 record_data_order=lambda step, samples: None,
                 placement=SimpleNamespace(engines_sleep_during_training=False), resync=lambda wake_engines: {})
-    return SimpleNamespace(**{**base, **fields})
+    run = SimpleNamespace(**{**base, **fields})
+    if "score" not in fields:   # the real Run.score on these stand-ins' fields
+        from megatron_specrl.run.state import Run
+        run.score = lambda samples: Run.score(run, samples)
+    return run
 
 
 def _run(name: str, use_kl: bool, recompute: bool, responses: list[list[int]]):

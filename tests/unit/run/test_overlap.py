@@ -108,15 +108,12 @@ class _RefreshingRollout:
         return [s + "'" for s in samples], {"refresh/kept_token_frac": 0.9}
 
 
-def test_a_refresh_rescores_the_batch_under_the_current_version(monkeypatch):
-    import megatron_specrl.algorithms.rewards_step as rewards_step
+def test_a_refresh_rescores_the_batch_under_the_current_version():
     from megatron_specrl.run.overlap import refresh_rollout
 
-    monkeypatch.setattr(rewards_step, "score_samples", lambda samples, *a: (torch.ones(len(samples)), None,
-                                                                             {"reward/mean": 1.0}))
     cfg = _cfg("trainer.overlap=exact", "rollout.spec_mode=coupled", "rollout.coupled_refresh=1")
-    run = SimpleNamespace(version=5, rollout=_RefreshingRollout(), cfg=cfg, train_records={}, reward_fn=None,
-                          tokenizer=None)
+    run = SimpleNamespace(version=5, rollout=_RefreshingRollout(), cfg=cfg,
+                          score=lambda samples: (torch.ones(len(samples)), None, {"reward/mean": 1.0}))
     ahead = Collected(["a", "b"], torch.zeros(2), {"reward/mean": 0.0, "spec/decode_steps": 9.0}, 4, 1.0, 2.0)
     got = refresh_rollout(run, 6, ahead)
     assert run.rollout.calls == [(5, 6)] and got.samples == ["a'", "b'"] and got.version == 5
