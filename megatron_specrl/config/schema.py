@@ -299,9 +299,11 @@ class RolloutConfig(_Strict):
     seed_requests: bool | None = Field(
         None, description="vLLM: each request carries a seed of (trainer.seed, step, prompt, sample) so a resumed "
         "run draws the same samples; unset: on CPU only.")
-    draft: Literal["none", "tree", "model"] = Field(
+    draft: Literal["none", "tree", "model", "auto"] = Field(
         "none", description="Speculative decoding during generation: none, tree (drafts from per-prompt trees of "
-        "earlier responses, SRT) or model (Experimental: a smaller draft model, rollout.draft_model, vLLM only).")
+        "earlier responses, SRT), model (Experimental: a smaller draft model, rollout.draft_model, vLLM only) or "
+        "auto: tree where the engine verifies a sampled draft exactly on the run's device (SGLang does not on "
+        "CPU), else none.")
     draft_model: str | None = Field(None, description="HF directory of the draft model of rollout.draft=model, "
                                     "sharing the policy's tokenizer.")
     drafter: DrafterConfig = Field(default_factory=DrafterConfig, description="The drafter's settings "
@@ -319,19 +321,42 @@ class RolloutConfig(_Strict):
         """YAML 1.1 reads a bare `off` as False; the user meant the mode."""
         return "off" if v is False else v
 
-    def auto_choices(self, prefix: str = "rollout.") -> list[Choice]:
-        """The values this config's unset (auto) keys take, with why: resolve_auto applies them."""
+    def draft_choice(self, on_gpus: bool) -> Choice | None:
+        """What draft=auto resolves to on the run's device: tree drafting where the engine verifies a
+        sampled draft exactly there (engines.protocol.ENGINE_KINDS owns which), else none; None when
+        rollout.draft is set."""
+        if self.draft != "auto":
+            return None
+        kind = ENGINE_KINDS[self.engine]
+        if "tree" in (kind.drafts if on_gpus else kind.cpu_drafts):
+            return Choice("draft", "tree", f"{kind.label} verifies sampled tree drafts exactly on "
+                          f"{'GPUs' if on_gpus else 'CPU'}")
+        return Choice("draft", "none", kind.why_not("cpu_drafts"))
+
+    def effective_draft(self, on_gpus: bool) -> str:
+        """rollout.draft, with auto read as what it resolves to (the checks before the resolve step)."""
+        choice = self.draft_choice(on_gpus)
+        return self.draft if choice is None else choice.value
+
+    def auto_choices(self, prefix: str = "rollout.", on_gpus: bool = False) -> list[Choice]:
+        """The values this config's unset (auto) keys take, with why: resolve_auto applies them. `on_gpus`:
+        whether the engines run on GPUs (a RunConfig knows from its cluster section; a RolloutConfig on its
+        own assumes a CPU, where draft=auto never picks a draft the engine cannot verify exactly)."""
         out = []
+        draft = self.effective_draft(on_gpus)
+        if self.draft == "auto":
+            choice = self.draft_choice(on_gpus)
+            out.append(choice._replace(key=f"{prefix}draft"))
         if self.drafter.tokens is None:
-            why = ("a draft-model token costs a forward of the draft model" if self.draft == "model"
+            why = ("a draft-model token costs a forward of the draft model" if draft == "model"
                    else "a tree draft costs only its verification")
-            out.append(Choice(f"{prefix}drafter.tokens", DRAFT_TOKENS_AUTO[self.draft], why))
+            out.append(Choice(f"{prefix}drafter.tokens", DRAFT_TOKENS_AUTO[draft], why))
         if self.verify == "auto":
-            decode = self.spec_mode == "exact" and self.draft == "tree"
+            decode = self.spec_mode == "exact" and draft == "tree"
             out.append(Choice(f"{prefix}verify", "decode" if decode else "prefill",
                               "spec_mode=exact with draft=tree verifies in the decode loop" if decode else
                               f"decode needs spec_mode=exact and draft=tree (spec_mode={self.spec_mode}, "
-                              f"draft={self.draft})"))
+                              f"draft={draft})"))
         return out
 
     def resolve_auto(self) -> list[Choice]:
@@ -650,6 +675,7 @@ class RunConfig(_Strict):
             raise ValueError(f"rollout.spec_mode=coupled with rollout.engine={r.engine}: position-keyed sampling "
                              f"is built into the {labels_with('samples_coupled')} engine only; use "
                              f"{settings_with('samples_coupled')} or another spec_mode")
+        draft = r.effective_draft(on_gpus=self.cluster.gpus_per_node > 0)   # auto: what it resolves to
         dr, cap = r.drafter, "runs_fresh_prompts_undrafted"
         if dr.fresh_prompts is False and not kind.runs_fresh_prompts_undrafted:
             raise ValueError(f"rollout.drafter.fresh_prompts=false with rollout.engine={r.engine}: only the "
@@ -658,27 +684,27 @@ class RunConfig(_Strict):
         if dr.shared_nodes >= dr.max_nodes:
             raise ValueError(f"rollout.drafter.shared_nodes={dr.shared_nodes} must be below rollout.drafter.max_nodes="
                              f"{dr.max_nodes}: the shared tree lives within the trees' memory bound")
-        if r.draft == "model" and not r.draft_model:
+        if draft == "model" and not r.draft_model:
             raise ValueError("rollout.draft=model needs rollout.draft_model: the HF directory of a smaller model with "
                              "the policy's tokenizer")
-        if r.draft_model and r.draft != "model":
-            raise ValueError(f"rollout.draft_model={r.draft_model!r} with rollout.draft={r.draft}: the draft model "
+        if r.draft_model and draft != "model":
+            raise ValueError(f"rollout.draft_model={r.draft_model!r} with rollout.draft={draft}: the draft model "
                              "drafts only with rollout.draft=model")
-        if r.draft == "model" and "model" not in kind.drafts:
+        if draft == "model" and "model" not in kind.drafts:
             def drafts_with_model(k):
                 return "model" in k.drafts
             raise ValueError(f"rollout.draft=model with rollout.engine={r.engine}: draft-model speculative decoding is "
                              f"wired for {labels_with(drafts_with_model)} engines only; use "
                              f"{settings_with(drafts_with_model)} or rollout.draft=tree")
-        if r.runahead and r.draft != "tree":
-            raise ValueError(f"rollout.runahead={r.runahead} with rollout.draft={r.draft}: run-ahead tokens only "
+        if r.runahead and draft != "tree":
+            raise ValueError(f"rollout.runahead={r.runahead} with rollout.draft={draft}: run-ahead tokens only "
                              "feed draft trees; set rollout.draft=tree or rollout.runahead=0")
-        if r.verify == "decode" and (r.spec_mode != "exact" or r.draft != "tree"):
-            raise ValueError(f"rollout.verify=decode with rollout.spec_mode={r.spec_mode}, rollout.draft={r.draft}: "
+        if r.verify == "decode" and (r.spec_mode != "exact" or draft != "tree"):
+            raise ValueError(f"rollout.verify=decode with rollout.spec_mode={r.spec_mode}, rollout.draft={draft}: "
                              "verification in the decode loop is the engine's rejection sampler, which is the exact "
                              "rule and runs only with tree drafting; set spec_mode=exact and draft=tree, or "
                              "verify=prefill")
-        if r.draft == "tree" and not kind.runs_ahead and r.runahead:
+        if draft == "tree" and not kind.runs_ahead and r.runahead:
             raise ValueError(f"rollout.runahead={r.runahead} with rollout.engine={r.engine}: run-ahead requests are "
                              f"built into the {labels_with('runs_ahead')} engine only ({kind.why_not('runs_ahead')}); "
                              f"use {settings_with('runs_ahead')} or rollout.runahead=0")
@@ -771,7 +797,7 @@ class RunConfig(_Strict):
         """The values the keys left unset (auto) take, and why; the same rules as before the resolve step
         was split from validation, so a recipe and a seed give the same run."""
         r, le, t = self.rollout, self.learner, self.trainer
-        out = r.auto_choices()
+        out = r.auto_choices(on_gpus=self.cluster.gpus_per_node > 0)
         if le.recompute_old_logprobs is None:
             # a bf16 learner's log-probs differ from an fp32 engine's as a bf16 engine's differ from an fp32
             # learner's: the same reason to recompute them

@@ -663,16 +663,38 @@ def test_staleness_with_colocated_gpu_engines_is_refused_and_disaggregated_passe
 
 
 def test_sglang_tree_drafting_is_refused_on_a_cpu_run_by_the_plan_and_allowed_on_gpus(capsys):
-    """SGLang verifies drafts greedily on CPU: the recipe's draft=tree with rollout.engine=sglang is one plan
-    line naming the fix, before Ray starts; draft=none passes, and a GPU cluster's plan does not refuse it."""
-    assert main(["train", "tiny-cpu-grpo", "rollout.engine=sglang", "--dry-run"]) == 2
+    """SGLang verifies drafts greedily on CPU: rollout.draft=tree with rollout.engine=sglang is one plan line
+    naming the fix, before Ray starts; the recipe as written (draft=auto) resolves to none there and runs, and
+    a GPU cluster's plan does not refuse tree drafting."""
+    assert main(["train", "tiny-cpu-grpo", "rollout.engine=sglang", "rollout.draft=tree", "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert "rollout.draft=tree with rollout.engine=sglang on CPU (cluster.gpus_per_node=0)" in err
     assert "verifies greedily on CPU; use rollout.draft=none on CPU" in err
-    assert main(["train", "tiny-cpu-grpo", "rollout.engine=sglang", "rollout.draft=none", "--dry-run"]) == 0
-    capsys.readouterr()
+    assert main(["train", "tiny-cpu-grpo", "rollout.engine=sglang", "--dry-run"]) == 0
+    out = capsys.readouterr()
+    assert "rollout.draft=none" in out.out + out.err
     gpu = load_config(ROOT / "examples/qwen3-8b-dapo-1node.yaml", ["rollout.engine=sglang", "rollout.draft=tree"])
     assert not any("on CPU" in line for line in _layout_lines(gpu))
+
+
+def test_draft_auto_resolves_by_the_engine_and_the_device():
+    """rollout.draft=auto is tree drafting where the engine verifies a sampled draft exactly on the run's
+    device (engines.protocol.ENGINE_KINDS) and none elsewhere; the keys that follow from the draft (verify,
+    drafter.tokens) follow the resolved value, and the checks before the resolve step read it too."""
+    from megatron_specrl.config import ConfigError
+    from megatron_specrl.config.resolve import resolve
+
+    def chosen(*overrides):
+        cfg = resolve(load_config(ROOT / "examples/tiny-cpu-grpo.yaml", ["rollout.draft=auto", *overrides]))
+        return cfg.rollout.draft, cfg.rollout.verify
+
+    assert chosen() == ("tree", "decode")
+    assert chosen("rollout.engine=sglang") == ("none", "prefill")
+    assert chosen("rollout.engine=sglang", "cluster.gpus_per_node=8") == ("tree", "decode")
+    # run-ahead needs tree drafting: accepted where auto is tree, refused in one line where it is none
+    assert resolve(load_config(ROOT / "examples/tiny-cpu-grpo.yaml", ["rollout.runahead=4"])).rollout.runahead == 4
+    with pytest.raises(ConfigError, match="rollout.runahead=4 with rollout.draft=none"):
+        load_config(ROOT / "examples/tiny-cpu-grpo.yaml", ["rollout.runahead=4", "rollout.engine=sglang"])
 
 
 def _layout_lines(cfg) -> list[str]:

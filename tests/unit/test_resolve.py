@@ -81,7 +81,7 @@ def test_explicit_values_are_kept_and_not_reported():
     cfg = load_config(ROOT / "examples" / "tiny-cpu-grpo.yaml",
                       ["rollout.verify=prefill", "learner.recompute_old_logprobs=true",
                        "learner.loss.loss_scale_factor=3", "trainer.gen_prompts_per_step=16",
-                       "rollout.drafter.tokens=5"])
+                       "rollout.drafter.tokens=5", "rollout.draft=tree"])
     assert resolved_choices(resolve(cfg)).choices == []
     assert _values(cfg) == ("prefill", True, 3.0, 16, 5)
 
@@ -205,13 +205,14 @@ def test_dry_run_prints_the_resolved_values(capsys):
     assert main(["train", "tiny-cpu-grpo", "--dry-run", "rollout.runahead=2"]) == 0
     out = capsys.readouterr().out
     block = out[out.index("resolved auto values:"):].splitlines()
-    assert block[1:6] == [
+    assert block[1:7] == [
+        "  rollout.draft=tree  (vLLM verifies sampled tree drafts exactly on CPU)",
         "  rollout.drafter.tokens=16  (a tree draft costs only its verification)",
         "  rollout.verify=decode  (spec_mode=exact with draft=tree verifies in the decode loop)",
         "  learner.recompute_old_logprobs=false  (fp32 engine and learner, no top_p / top_k: their log-probs agree)",
         "  learner.loss.loss_scale_factor=64.0  (rollout.max_new_tokens)",
         "  trainer.gen_prompts_per_step=16  (trainer.prompts_per_step)"]
-    assert block[6].startswith("  warning: rollout.runahead=2 is experimental")
+    assert block[7].startswith("  warning: rollout.runahead=2 is experimental")
 
 
 def test_the_resolved_config_is_frozen():
