@@ -38,7 +38,7 @@ def train_step(run: Run, step: int, hooks: faults.PhaseHooks = faults.PhaseHooks
     # 1-3. generate and reward (DAPO: rounds until enough informative groups): the rollout that ran beside
     #      the previous step's training (trainer.overlap; exact: refreshed, then DAPO's filter), or one now;
     #      a dead engine: restart, retry once
-    got = take_rollout(run, step, ahead)
+    got = take_rollout(run, step, ahead, hooks)
     samples, rewards, metrics = got.samples, got.rewards, got.metrics
     run.record_data_order(step, samples)
     if run.cfg.trainer.rollout_data_dir:   # verl's rollout dump: the step's samples and rewards as JSON lines
@@ -63,22 +63,25 @@ def train_step(run: Run, step: int, hooks: faults.PhaseHooks = faults.PhaseHooks
     return metrics
 
 
-def take_rollout(run: Run, step: int, ahead: RolloutAhead | None) -> Collected:
+def take_rollout(run: Run, step: int, ahead: RolloutAhead | None,
+                 hooks: faults.PhaseHooks = faults.PhaseHooks()) -> Collected:
     """The step's rollout: the one in flight for it (trainer.overlap=exact: refreshed under the engines'
     weights, then DAPO's filter), else one collected now under the engines' weights."""
     if ahead is not None and ahead.holds(step):
-        refresh = (lambda got: refresh_and_filter(run, step, got)) if run.cfg.trainer.overlap_mode == "exact" else None
+        refresh = ((lambda got: refresh_and_filter(run, step, got, hooks)) if run.cfg.trainer.overlap_mode == "exact"
+                   else None)
         return ahead.take(run, step, lambda state: Collected(*collect_again(run, step, state, lambda: collect(run, step)),
                                                              version=run.version), refresh)
     return timed_collect(lambda: with_engine_recovery(run, step, lambda: collect(run, step)), run.version)
 
 
-def refresh_and_filter(run: Run, step: int, got: Collected) -> Collected:
+def refresh_and_filter(run: Run, step: int, got: Collected,
+                       hooks: faults.PhaseHooks = faults.PhaseHooks()) -> Collected:
     """The exact overlap's batch: the first round generated ahead, refreshed under the current weights; with
     DAPO's dynamic sampling, then filtered on its refreshed rewards, and filled with further rounds generated
     now, under the same (current) weights: the filter must judge the groups the step trains on, not their
     stale versions. Logs time/fill_rounds_s (the filter and its rounds)."""
-    got = refresh_rollout(run, step, got)
+    got = refresh_rollout(run, step, got, hooks)
     if not run.cfg.algorithm.dynamic_sampling:
         return got
     t0 = time.perf_counter()

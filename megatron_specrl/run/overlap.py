@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Callable
 if TYPE_CHECKING:
     import torch
 
+    from megatron_specrl.faults import PhaseHooks
     from megatron_specrl.run.state import Run
 
 
@@ -103,15 +104,17 @@ def step_times(start: float, end: float, rollout: Collected, next_rollout: Colle
             "time/engine_idle_s": max(0.0, step_s - own - ahead - refresh)}
 
 
-def refresh_rollout(run: Run, step: int, got: Collected) -> Collected:
+def refresh_rollout(run: Run, step: int, got: Collected, hooks: PhaseHooks | None = None) -> Collected:
     """The exact overlap: the batch generated ahead under older weights, refreshed under the engines'
     current ones (run.version) and scored again (its rewards, and the filter values DAPO's filter judges it
     on next); a batch of the current weights (collected in this step) as it is. Logs refresh/* and
-    time/refresh_s."""
+    time/refresh_s. `hooks`: the crash tests' "refresh" point, between the engines' refresh and the scoring."""
     if got.version == run.version:
         return got
     t0 = time.perf_counter()
     samples, metrics = run.rollout.refresh(got.samples, run.version, step)
+    if hooks is not None:
+        hooks.before("refresh", step)
     rewards, filter_values, reward_metrics = run.score(samples)
     metrics.update(reward_metrics)
     metrics["time/refresh_s"] = time.perf_counter() - t0
