@@ -2,7 +2,10 @@
 
 SPECRL_KILL_AT="phase:step" SIGKILLs the driver there; SPECRL_KILL_ENGINE_AT="step" SIGKILLs the
 first engine's process just before that step's rollout, "phase:step" before that phase of the step.
-Phases: rollout, train, resync, checkpoint.
+Phases: rollout, train, resync, checkpoint, and refresh: inside the exact overlap's refresh
+(trainer.overlap=exact), once the engines have verified and re-decoded the batch (the trajectory store
+and the draft trees hold the refreshed responses) and before it is scored again, so a kill there finds
+the refresh's side effects half done, the hardest point for a resume.
 A real SIGKILL (no cleanup, no atexit) is what a preempted Slurm node or an OOM kill does, so
 resume is tested against that.
 
@@ -18,7 +21,7 @@ from typing import Callable
 
 ENV = "SPECRL_KILL_AT"
 ENGINE_ENV = "SPECRL_KILL_ENGINE_AT"
-PHASES = ("rollout", "train", "resync", "checkpoint")
+PHASES = ("rollout", "refresh", "train", "resync", "checkpoint")
 
 
 class PhaseHooks:

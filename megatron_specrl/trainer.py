@@ -36,9 +36,9 @@ def train_step(run: Run, step: int, hooks: faults.PhaseHooks = faults.PhaseHooks
     t0 = time.perf_counter()
     hooks.before("rollout", step)
     # 1-3. generate and reward (DAPO: rounds until enough informative groups): the rollout that ran beside
-    #      the previous step's training (trainer.overlap; exact: refreshed), or one now; a dead engine: restart,
-    #      retry once
-    got = take_rollout(run, step, ahead)
+    #      the previous step's training (trainer.overlap; exact: refreshed, then DAPO's filter), or one now;
+    #      a dead engine: restart, retry once
+    got = take_rollout(run, step, ahead, hooks)
     samples, rewards, metrics = got.samples, got.rewards, got.metrics
     run.record_data_order(step, samples)
     if run.cfg.trainer.rollout_data_dir:   # verl's rollout dump: the step's samples and rewards as JSON lines
@@ -47,7 +47,7 @@ def train_step(run: Run, step: int, hooks: faults.PhaseHooks = faults.PhaseHooks
     batch["temperature"] = run.cfg.rollout.temperature   # learner log-probs are log_softmax(logits / T)
     metrics.update(advantages(run, batch, samples, rewards))          # 4. advantages (and the KL in the reward)
     if ahead is not None and starts_ahead(run.cfg, step):   # the next step's rollout beside this train step
-        ahead.start(run, step + 1, lambda: collect(run, step + 1))
+        ahead.start(run, step + 1, lambda: collect_ahead(run, step + 1))
     hooks.before("train", step)
     sleeping = run.placement.engines_sleep_during_training
     metrics.update(learn(run, batch, release_engines=sleeping))       # 5. the learners' step
@@ -63,33 +63,71 @@ def train_step(run: Run, step: int, hooks: faults.PhaseHooks = faults.PhaseHooks
     return metrics
 
 
-def take_rollout(run: Run, step: int, ahead: RolloutAhead | None) -> Collected:
+def take_rollout(run: Run, step: int, ahead: RolloutAhead | None,
+                 hooks: faults.PhaseHooks = faults.PhaseHooks()) -> Collected:
     """The step's rollout: the one in flight for it (trainer.overlap=exact: refreshed under the engines'
-    weights), else one collected now under the engines' weights."""
+    weights, then DAPO's filter), else one collected now under the engines' weights."""
     if ahead is not None and ahead.holds(step):
-        refresh = (lambda got: refresh_rollout(run, step, got)) if run.cfg.trainer.overlap_mode == "exact" else None
+        refresh = ((lambda got: refresh_and_filter(run, step, got, hooks)) if run.cfg.trainer.overlap_mode == "exact"
+                   else None)
         return ahead.take(run, step, lambda state: Collected(*collect_again(run, step, state, lambda: collect(run, step)),
                                                              version=run.version), refresh)
     return timed_collect(lambda: with_engine_recovery(run, step, lambda: collect(run, step)), run.version)
 
 
-def collect(run: Run, step: int):
+def refresh_and_filter(run: Run, step: int, got: Collected,
+                       hooks: faults.PhaseHooks = faults.PhaseHooks()) -> Collected:
+    """The exact overlap's batch: the first round generated ahead, refreshed under the current weights; with
+    DAPO's dynamic sampling, then filtered on its refreshed rewards, and filled with further rounds generated
+    now, under the same (current) weights: the filter must judge the groups the step trains on, not their
+    stale versions. Logs time/fill_rounds_s (the filter and its rounds)."""
+    got = refresh_rollout(run, step, got, hooks)
+    if not run.cfg.algorithm.dynamic_sampling:
+        return got
+    t0 = time.perf_counter()
+    samples, rewards, metrics = collect(run, step, first=got)
+    metrics["time/fill_rounds_s"] = time.perf_counter() - t0
+    return Collected(samples, rewards, metrics, run.version, got.started, got.finished)
+
+
+def rollout_round(run: Run, step: int, i: int):
+    """Round i of the step: the loader's next prompts (gen_prompts_per_step) -> rollout.n_samples samples
+    each, under the engines' weights (run.version) -> (samples, rewards, filter values, metrics)."""
+    cfg = run.cfg
+    prompts = run.next_prompts()
+    upcoming = run.upcoming_prompts() if cfg.rollout.runahead else []   # run-ahead feeds their draft trees
+    samples, metrics = run.rollout.run(prompts, cfg.rollout.n_samples, run.version, step=f"{step}.{i}",
+                                       next_prompts=upcoming)
+    rewards, filter_values, reward_metrics = run.score(samples)
+    return samples, rewards, filter_values, {**metrics, **reward_metrics}
+
+
+def collect(run: Run, step: int, first: Collected | None = None):
     """(samples, rewards, metrics) of the step: one rollout round, or DAPO's filter of rounds until
-    trainer.prompts_per_step groups are informative."""
+    trainer.prompts_per_step groups are informative. `first`: round 0, collected already and scored with
+    its filter values (the exact overlap's refreshed batch, refresh_and_filter); the rounds after it are
+    generated here, so the synchronous loop and the exact overlap filter alike."""
     cfg, alg = run.cfg, run.cfg.algorithm
 
-    def rollout_round(i: int):   # a round's prompts (gen_prompts_per_step) -> G samples each -> rewards
-        prompts = run.next_prompts()
-        upcoming = run.upcoming_prompts() if cfg.rollout.runahead else []   # run-ahead feeds their draft trees
-        samples, metrics = run.rollout.run(prompts, cfg.rollout.n_samples, run.version, step=f"{step}.{i}",
-                                           next_prompts=upcoming)
-        rewards, filter_values, reward_metrics = run.score(samples)
-        return samples, rewards, filter_values, {**metrics, **reward_metrics}
+    def one_round(i: int):
+        if i == 0 and first is not None:
+            return first.samples, first.rewards, first.filter_values, first.metrics
+        return rollout_round(run, step, i)
 
     if alg.dynamic_sampling:
-        return filter_rounds(rollout_round, cfg.trainer.prompts_per_step, alg.max_sampling_tries)
-    samples, rewards, _, metrics = rollout_round(0)
+        return filter_rounds(one_round, cfg.trainer.prompts_per_step, alg.max_sampling_tries)
+    samples, rewards, _, metrics = one_round(0)
     return samples, rewards, metrics
+
+
+def collect_ahead(run: Run, step: int):
+    """The rollout that runs beside the previous step's training: the whole step's (the stale overlap:
+    DAPO's rounds too, all under the old weights), or the exact overlap's first round alone, which
+    refresh_and_filter refreshes and only then filters (DAPO) and fills under the new weights."""
+    if run.cfg.trainer.overlap_mode == "exact":
+        samples, rewards, _, metrics = rollout_round(run, step, 0)
+        return samples, rewards, metrics
+    return collect(run, step)
 
 
 def advantages(run: Run, batch: dict, samples, rewards: torch.Tensor) -> dict[str, float]:

@@ -773,7 +773,8 @@ class RunConfig(_Strict):
 
     def _check_exact_overlap(self) -> None:
         """trainer.overlap=exact refreshes the batch generated ahead under the new weights
-        (run/overlap.refresh_rollout): coupled verification, with noise fresh every step."""
+        (run/overlap.refresh_rollout): coupled verification, with noise fresh every step. DAPO's dynamic
+        sampling is no conflict: it filters after the refresh (trainer.refresh_and_filter)."""
         r, t = self.rollout, self.trainer
         if t.overlap != "exact":
             return
@@ -785,9 +786,6 @@ class RunConfig(_Strict):
             raise ValueError(f"trainer.overlap=exact with rollout.coupled_refresh={r.coupled_refresh}: a refreshed "
                              "sample is exact only with noise the weights were never trained on, fresh every step; "
                              "set rollout.coupled_refresh=1")
-        if self.algorithm.dynamic_sampling:
-            raise ValueError("trainer.overlap=exact with algorithm.dynamic_sampling: DAPO's filter would choose "
-                             "groups before their refresh (not supported yet); use trainer.overlap=stale or none")
 
     @property
     def world_size(self) -> int:

