@@ -84,6 +84,7 @@ class _SGLangBase(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, kind
         self._log = logging.getLogger(f"megatron_specrl.engines.{name}")
         self._version, self._pending = 0, None
         self._updating = False   # between begin_weight_update() and end_weight_update()
+        self.skip_cache_reset = False   # check-resync's injected bug (--skip-cache-reset): no flush after an update
         self._ban_proc = ban_processor_str() if use_ban_processor else None
 
     # backend hooks
@@ -185,7 +186,10 @@ class _SGLangBase(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, kind
         if self._updating:
             self._control("end_weight_update", self._end_update)
             self._updating = False
-        self.reset_prefix_cache()
+        if not self.skip_cache_reset:
+            self.reset_prefix_cache()
+        else:
+            self._log.warning("skip_cache_reset: radix cache NOT flushed after update (debug only)")
         self._set_server_version(version)
         self._version, self._pending = version, None
 
