@@ -97,7 +97,10 @@ def cmd_convert(args) -> int:
 def cmd_check_resync(args) -> int:
     from megatron_specrl.diagnostics.check import build_parser as check_parser, check_resync_main
     if not any(a in ("-h", "--help") for a in args.rest):
-        check_resync_layout(check_parser().parse_args(args.rest))   # before Ray and the ranks start
+        from megatron_specrl.run.build import check_engine_installed
+        parsed = check_parser().parse_args(args.rest)
+        check_resync_layout(parsed)   # before Ray and the ranks start
+        check_engine_installed(parsed.engine)
     return check_resync_main(args.rest)
 
 

@@ -12,7 +12,10 @@ reports rollout seconds, reuse ratio, generated tokens per request per decode st
 per rollout, verification seconds, rollout reward and held-out greedy accuracy (what the policy
 learned, which rollout reward alone hides: lenient reuses old, possibly better, samples), and the
 rollout-time ratio against `off`. `--seeds N` repeats everything over N seeds and prints each
-summary's spread, so "within noise" has a number.
+summary's spread, so "within noise" has a number. `--engines vllm,sglang` runs every mode through each
+engine side by side (modes labelled `exact@sglang`, each compared with its own engine's `off`); an engine
+runs the modes it can on this machine (ENGINE_KINDS: SGLang on a CPU runs `off`, `exact` and `lenient`,
+drafting nothing and without coupled noise) and the others are listed as skipped.
 
 The default recipe is tiny-cpu-grpo-long (~67-token worked traces): with the ~27-token traces of
 tiny-cpu-grpo, a rollout on this CPU is mostly fixed per-request cost rather than decoding, which
@@ -82,6 +85,39 @@ def mode_overrides(mode: str, draft_model: str | None = None) -> list[str]:
             + (["rollout.drafter.calibrate=false"] if "nocalib" in flags else []))
 
 
+def split_label(label: str) -> tuple[str, str | None]:
+    """`exact+tree@sglang` -> ("exact+tree", "sglang"); a label without an engine runs the recipe's."""
+    mode, _, engine = label.partition("@")
+    return mode, engine or None
+
+
+def off_of(label: str) -> str:
+    """The `off` run a mode is compared with: its own engine's."""
+    _, engine = split_label(label)
+    return "off" if engine is None else f"off@{engine}"
+
+
+def engine_modes(engine: str, modes: list[str], draft_model: str | None = None,
+                 on_gpu: bool | None = None) -> tuple[list[str], list[str]]:
+    """(modes the engine runs here, modes it skips), from its row of ENGINE_KINDS: the drafts it builds
+    with on this device, coupled noise, run-ahead requests."""
+    from megatron_specrl.engines.protocol import ENGINE_KINDS
+    if engine not in ENGINE_KINDS:
+        raise SystemExit(f"unknown engine {engine!r}; engines: {', '.join(ENGINE_KINDS)}")
+    if on_gpu is None:
+        import torch
+        on_gpu = torch.cuda.is_available()
+    kind = ENGINE_KINDS[engine]
+    ok, skipped = [], []
+    for m in modes:
+        o = dict(x.split("=", 1) for x in mode_overrides(m, draft_model))
+        runs = (o["rollout.draft"] in (kind.drafts if on_gpu else kind.cpu_drafts)
+                and (o["rollout.spec_mode"] != "coupled" or kind.samples_coupled)
+                and (o["rollout.runahead"] == "0" or kind.runs_ahead))
+        (ok if runs else skipped).append(m)
+    return ok, skipped
+
+
 def _parse(argv):
     p = argparse.ArgumentParser(prog="megatron-specrl bench-rollout", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -91,6 +127,9 @@ def _parse(argv):
     p.add_argument("--prompts", type=int, default=32, help="dataset size (prompts per epoch)")
     p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--engines", default=None,
+                   help="comma-separated rollout.engine values run side by side (vllm,sglang), each over the "
+                        "modes it runs on this machine; default: the recipe's engine, modes unlabelled")
     p.add_argument("--draft-model", default=None,
                    help="the `model` modes' rollout.draft_model: an HF directory with the policy's tokenizer, or a "
                         "tiny model's name (its warm-up included: the frozen starting policy)")
@@ -210,16 +249,18 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, float]:
         summary[f"reward_{m}"] = sum(e["reward"] for e in results[m]) / max(len(results[m]), 1)
         if results[m] and results[m][-1].get("eval_accuracy") is not None:
             summary[f"final_eval_accuracy_{m}"] = results[m][-1]["eval_accuracy"]
-    if "off" in secs:
-        # and over every epoch, the first ones too: what a run of as many epochs gains (the first epoch
-        # has no earlier rollouts to draft from; many RLVR runs see their data once or twice)
-        total = {m: sum(e["rollout_s"] for e in eps) for m, eps in results.items()}
-        for m in secs:
-            if m != "off" and secs[m] > 0:
-                summary[f"speedup_{m}"] = secs["off"] / secs[m]
-                summary[f"speedup_all_epochs_{m}"] = total["off"] / max(total[m], 1e-9)
-            if secs["off"] > 0:
-                summary[f"verify_share_{m}"] = summary[f"verify_s_{m}"] / secs["off"]
+    # against the same engine's `off`, and over every epoch, the first ones too: what a run of as many epochs
+    # gains (the first epoch has no earlier rollouts to draft from; many RLVR runs see their data once or twice)
+    total = {m: sum(e["rollout_s"] for e in eps) for m, eps in results.items()}
+    for m in secs:
+        off = off_of(m)
+        if off not in secs:
+            continue
+        if m != off and secs[m] > 0:
+            summary[f"speedup_{m}"] = secs[off] / secs[m]
+            summary[f"speedup_all_epochs_{m}"] = total[off] / max(total[m], 1e-9)
+        if secs[off] > 0:
+            summary[f"verify_share_{m}"] = summary[f"verify_s_{m}"] / secs[off]
     summary["steady_from_epoch"] = STEADY_FROM_EPOCH
     return summary
 
@@ -290,9 +331,11 @@ def run_mode(args, mode: str, seed: int, root: Path, steps_per_epoch: int, conso
     from megatron_specrl.metrics.sinks import read_metrics
     from megatron_specrl.trainer import train
 
-    out = root / f"seed{seed}" / mode.replace("+", "-")
+    spec, engine = split_label(mode)
+    out = root / f"seed{seed}" / mode.replace("+", "-").replace("@", "-")
     cfg = load_config(resolve_recipe(args.recipe), [
-        *args.overrides, *mode_overrides(mode, args.draft_model), f"output_dir={out}", f"trainer.seed={seed}",
+        *args.overrides, *mode_overrides(spec, args.draft_model), *([f"rollout.engine={engine}"] if engine else []),
+        f"output_dir={out}", f"trainer.seed={seed}",
         f"data.num_synthetic={args.prompts}", f"trainer.prompts_per_step={args.prompts_per_step}",
         f"trainer.total_steps={steps_per_epoch * args.epochs}", "trainer.resume=never",
         "trainer.checkpoint_every=0", f"trainer.eval_every={steps_per_epoch if args.eval_prompts else 0}",
@@ -305,7 +348,7 @@ def run_mode(args, mode: str, seed: int, root: Path, steps_per_epoch: int, conso
                        verify_in_decode=cfg.rollout.verify == "decode")
     for e in epochs:
         acc = "-" if e["eval_accuracy"] is None else f"{e['eval_accuracy']:.3f}"
-        console.print(f"seed {seed} {mode:>12} epoch {e['epoch']}: rollout {e['rollout_s']:.2f}s, reuse "
+        console.print(f"seed {seed} {mode:>14} epoch {e['epoch']}: rollout {e['rollout_s']:.2f}s, reuse "
                       f"{e['reuse_ratio']:.2f}, {e['tokens_per_step']:.2f} tok/step, {e['decode_steps']:.0f} "
                       f"decode steps, verify {e['verify_s']:.2f}s, reward {e['reward']:.3f}, eval {acc}")
     return epochs
@@ -315,7 +358,7 @@ def epoch_table(results: dict[str, list[dict]], modes: list[str], args, steps_pe
     table = Table(title=f"seed {seed}: rollout per epoch ({args.prompts} prompts, {steps_per_epoch} steps/epoch)")
     for col in ["epoch", *[f"{m} s" for m in modes], *[f"{m} reuse" for m in modes if m != "off"],
                 *([f"{m} eval" for m in modes] if args.eval_prompts else []),
-                *[f"off/{m}" for m in modes if m != "off" and "off" in modes]]:
+                *[f"{off_of(m)}/{m}" for m in modes if m != off_of(m) and off_of(m) in modes]]:
         table.add_column(col, justify="right")
     for i in range(args.epochs):
         row = [str(i + 1)]
@@ -324,9 +367,8 @@ def epoch_table(results: dict[str, list[dict]], modes: list[str], args, steps_pe
         if args.eval_prompts:
             row += ["-" if results[m][i]["eval_accuracy"] is None else f"{results[m][i]['eval_accuracy']:.3f}"
                     for m in modes]
-        if "off" in modes:
-            row += [f"{results['off'][i]['rollout_s'] / max(results[m][i]['rollout_s'], 1e-9):.2f}x"
-                    for m in modes if m != "off"]
+        row += [f"{results[off_of(m)][i]['rollout_s'] / max(results[m][i]['rollout_s'], 1e-9):.2f}x"
+                for m in modes if m != off_of(m) and off_of(m) in modes]
         table.add_row(*row)
     return table
 
@@ -345,8 +387,9 @@ def summary_table(spreads: dict[str, dict[str, float]], modes: list[str], n_seed
                 "verify / off rollout", "reward", "held-out acc."]:
         table.add_column(col, justify="right")
     for m in modes:
-        table.add_row(m, "1" if m == "off" else cell(f"speedup_{m}", "{:.2f}x"),
-                      "1" if m == "off" else cell(f"speedup_all_epochs_{m}", "{:.2f}x"), cell(f"reuse_ratio_{m}"),
+        base = m == off_of(m)
+        table.add_row(m, "1" if base else cell(f"speedup_{m}", "{:.2f}x"),
+                      "1" if base else cell(f"speedup_all_epochs_{m}", "{:.2f}x"), cell(f"reuse_ratio_{m}"),
                       cell(f"tokens_per_step_{m}"), cell(f"decode_steps_{m}", "{:.1f}"),
                       cell(f"verify_share_{m}", "{:.1%}"), cell(f"reward_{m}", "{:.3f}"),
                       cell(f"final_eval_accuracy_{m}", "{:.3f}"))
@@ -395,6 +438,13 @@ def bench_rollout_main(argv: list[str]) -> int:
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
         mode_overrides(m, args.draft_model)   # unknown modes fail before any work
+    skipped = {}
+    if args.engines:   # each engine's modes, labelled mode@engine
+        labelled = []
+        for engine in [e for e in args.engines.split(",") if e]:
+            ok, skipped[engine] = engine_modes(engine, modes, args.draft_model)
+            labelled += [f"{m}@{engine}" for m in ok]
+        modes = labelled
     if args.prompts % args.prompts_per_step:
         raise SystemExit("--prompts must be a multiple of --prompts-per-step")
     if args.seeds < 1:
@@ -406,6 +456,9 @@ def bench_rollout_main(argv: list[str]) -> int:
     console = Console(width=200)
     host = machine()   # timings and, through the kernels, the sampled tokens depend on it
     console.print(f"machine: {describe(host)}")
+    for engine, names in skipped.items():
+        if names:
+            console.print(f"{engine} skips {', '.join(names)}: not on this machine (its row of ENGINE_KINDS)")
     runs = []
     for seed in range(base_seed, base_seed + args.seeds):
         results = {}
@@ -424,7 +477,8 @@ def bench_rollout_main(argv: list[str]) -> int:
             "runs": runs, "spread": spreads, "machine": host,
             "config": {"recipe": args.recipe, "prompts": args.prompts, "epochs": args.epochs, "modes": modes,
                        "steps_per_epoch": steps_per_epoch, "seeds": [r["seed"] for r in runs],
-                       "overrides": list(args.overrides)}}, indent=1))
+                       "overrides": list(args.overrides), "engines": args.engines,
+                       "skipped": skipped}}, indent=1))
     if args.plot_path:
         plot(runs, args.plot_path)
     return 0

@@ -13,6 +13,9 @@ Two independent checks, because each catches what the other cannot:
   update is then served with stale KV (exact weights with wrong log-probs say which). Its tolerance depends on the
   engine dtype (LOGPROB_TOL): a bf16 engine rounds weights and activations.
 
+With SGLang (--engine sglang) only the log-prob check runs: its weights live in its scheduler process,
+reachable through its request API only (reads_weights).
+
 `logprob_check(run)` is the cheap variant the trainer runs every `check_resync_every` steps.
 """
 
@@ -162,6 +165,8 @@ def read_engine_weights(engine) -> dict[str, dict[str, torch.Tensor]]:
     # worker holds a shard, merged back into full tensors with the layouts the workers report
     kwargs = {"as_bytes": True, "with_layout": True}
     for e in engines_of(engine):
+        if not reads_weights(e):
+            raise NotImplementedError(f"engine {e.name} has no weight readout (check-resync --no-weights)")
         if isinstance(e, InActor):   # a Ray engine: the call runs in its actor
             results = e.wait(e.submit("run_in_workers", read_weights_in_worker, kwargs), "read_weights")
         elif isinstance(e, RunsInWorkers):
@@ -170,6 +175,14 @@ def read_engine_weights(engine) -> dict[str, dict[str, torch.Tensor]]:
             raise NotImplementedError(f"engine {e.name} ({type(e).__name__}) has no weight readout")
         out[e.name] = merge_tp_shards(results)
     return out
+
+
+def reads_weights(engine) -> bool:
+    """Whether the engine's tensors can be read back: it runs functions in its workers (vLLM's, in-process or
+    in a Ray actor). SGLang's scheduler holds the weights in another process that we reach through its
+    request API only, so with SGLang check-resync compares log-probs alone."""
+    cls = getattr(engine, "engine_cls", type(engine))   # a RayEngine's engine class, else the engine's own
+    return isinstance(cls, type) and issubclass(cls, RunsInWorkers)
 
 
 def learner_hf_state(learner, bucket_bytes: int = 64 << 20, dtype: str | None = None) -> dict[str, torch.Tensor]:
@@ -319,8 +332,11 @@ def print_report(report: CheckReport, console=None, show_tensors: int = 40, show
         console.print(f"log-prob |engine - learner| over {int(m['resync/probe_tokens'])} tokens: mean "
                       f"{m['resync/logprob_abs_diff']:.3e} (tol {report.logprob_tol:g} for a {report.engine_dtype} "
                       f"engine), max {m['resync/logprob_max_abs_diff']:.3e}")
-    console.print(f"weights max |diff| {report.weight_max_abs:.3e} (tol {report.weight_tol:g}; learner weights "
-                  f"cast to {report.engine_dtype})")
+    if report.weight_rows:   # none read back: --no-weights, or an engine without a readout (SGLang)
+        console.print(f"weights max |diff| {report.weight_max_abs:.3e} (tol {report.weight_tol:g}; learner weights "
+                      f"cast to {report.engine_dtype})")
+    else:
+        console.print("weights: not compared")
     for n in report.notes:
         console.print(f"[yellow]note:[/] {n}")
     fails = report.failures()
@@ -339,6 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models); the learner's DP size is "
                    "raised to it when --dp is smaller")
     p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: --ep)")
+    p.add_argument("--engine", choices=["vllm", "sglang"], default="vllm", help="the engine to check (SGLang: "
+                   "log-probs only, its weights cannot be read back)")
     p.add_argument("--engine-tp", type=int, default=1, help="the engine's tensor parallel size (its workers' "
                    "shards are read and merged)")
     p.add_argument("--train-step", action="store_true", help="one optimizer step on the probe batch before the sync")
@@ -414,9 +432,9 @@ def check_resync_main(argv: list[str] | None = None, learner=None, engine=None) 
         if learner is None:
             dp = args.dp or args.ep
             console.print(f"learner: TP={args.tp} x PP={args.pp} x DP={dp} (EP={args.ep}; {args.tp * args.pp * dp} "
-                          f"Ray actors), engine TP={args.engine_tp}, {model_dir}")
+                          f"Ray actors), {args.engine} engine TP={args.engine_tp}, {model_dir}")
             built = build_actors(model_dir, LearnerConfig(tp=args.tp, pp=args.pp, dp=dp, ep=args.ep, lr=args.lr),
-                                 RolloutConfig(kv_cache_gb=0.25, engine_dtype=args.engine_dtype,
+                                 RolloutConfig(engine=args.engine, kv_cache_gb=0.25, engine_dtype=args.engine_dtype,
                                                engine_tp=args.engine_tp).resolved(), seed=args.seed,
                                  log_dir=args.log_dir or tempfile.mkdtemp(prefix="check-resync-"),
                                  engine_seed=args.seed)
@@ -459,6 +477,11 @@ def check_resync(learner, engine, prompts, *, pad_id: int = 0, train_step: bool 
     resync(learner, engine, version + 1, check_kwargs.get("bucket_bytes", 64 << 20), miswire=miswire,
            skip_cache_reset=skip_cache_reset, route=route,
            dtype=check_kwargs.get("engine_dtype", "float32"))
+    blind = [e.name for e in engines_of(engine) if not reads_weights(e)]
+    if check_kwargs.get("compare_tensors", True) and blind:
+        check_kwargs["compare_tensors"] = False
+        notes.append(f"no weight readout from {', '.join(blind)} (SGLang's weights live in its scheduler process): "
+                     "the log-prob check alone")
     report = run_check(learner, engine, version + 1, prompts, pad_id=pad_id, **check_kwargs)
     report.notes = notes + report.notes
     return report

@@ -24,6 +24,11 @@ Semantics (read from sglang 0.5.23):
   every answer's `meta_info.weight_version` is then checked against.
 - SGLang refuses inputs of context_length tokens or more and input + max_new_tokens above it, so
   score() verifies a continuation reaching the last position up to the token before it (protocol.score).
+- A dead scheduler or detokenizer (killed, OOM-killed, crashed): SGLang's SubprocessWatchdog would SIGQUIT
+  this process, whose handler kills it and every child of it; SGLangEngine stops that watchdog and watches
+  the processes itself (children_of): a call running or made after the death raises the one-line
+  EngineError naming the process and how it ended, health() says the same, and restart() serves a fresh
+  engine at version 0 (run.recovery then pushes the learner's weights again).
 - Colocated GPUs: release_memory / resume_memory map onto `release_memory_occupation` /
   `resume_memory_occupation(tags)` (memory freed only with enable_memory_saver=True).
 - Tree drafting (draft="tree", rollout.draft=tree): speculative decoding with SGLang's NGRAM
@@ -37,6 +42,7 @@ Semantics (read from sglang 0.5.23):
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -78,6 +84,7 @@ class _SGLangBase(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, kind
         self._log = logging.getLogger(f"megatron_specrl.engines.{name}")
         self._version, self._pending = 0, None
         self._updating = False   # between begin_weight_update() and end_weight_update()
+        self.skip_cache_reset = False   # check-resync's injected bug (--skip-cache-reset): no flush after an update
         self._ban_proc = ban_processor_str() if use_ban_processor else None
 
     # backend hooks
@@ -179,7 +186,10 @@ class _SGLangBase(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, kind
         if self._updating:
             self._control("end_weight_update", self._end_update)
             self._updating = False
-        self.reset_prefix_cache()
+        if not self.skip_cache_reset:
+            self.reset_prefix_cache()
+        else:
+            self._log.warning("skip_cache_reset: radix cache NOT flushed after update (debug only)")
         self._set_server_version(version)
         self._version, self._pending = version, None
 
@@ -345,20 +355,81 @@ class SGLangEngine(_SGLangBase):
             self.server_args.update(engine_args or {})
             self.server_args.update(engine_kwargs)
             if engine is None:
-                import sglang
-                if draft == "tree":
-                    check_plugin_installed()
-                engine = sglang.Engine(**self.server_args)
+                engine = self._start_sglang()
         finally:
             if undo is not None:
                 undo()
+        self._adopt(engine)
+
+    def _start_sglang(self):
+        import sglang
+        if self.draft == "tree":
+            check_plugin_installed()
+        return sglang.Engine(**self.server_args)
+
+    def _adopt(self, engine) -> None:
+        """Serve from `engine`: its children watched by us (children_of), the server's version set to ours."""
         self.engine = engine
+        self._children, self._death_logged = children_of(engine), False
         # a real engine's answers carry the server's weight version ("default" at start): ours from here on
         self._records_version = hasattr(engine, "tokenizer_manager")
         self._set_server_version(0)
 
+    def restart(self) -> None:
+        """A fresh sglang.Engine from model_path after its processes died (run.recovery restarts every engine
+        and pushes the learner's weights again): it serves version 0, so the caller re-pushes the current
+        weights. Only this engine's own processes are ended (SGLang's Engine.shutdown kills every child of
+        this process: a learner's or another engine's too)."""
+        old, self.engine = self.engine, None
+        if old is not None:
+            stop_children(old, self._children)
+        self._version, self._pending, self._updating = 0, None, False
+        undo = _enter_sglang_cpu() if self.on_cpu else None
+        try:
+            engine = self._start_sglang()
+        finally:
+            if undo is not None:
+                undo()
+        self._adopt(engine)
+        self._log.info("engine %s restarted (SGLang processes %s)", self.name, [p.pid for _, p in self._children])
+
+    def _died(self, what: str) -> None:
+        """Raise the one-line EngineError if one of SGLang's processes has exited."""
+        dead = dead_children(self._children)
+        if dead:
+            if not self._death_logged:
+                self._log.error("engine %s: SGLang process died: %s", self.name, "; ".join(dead))
+                self._death_logged = True
+            raise EngineError(f"{what}: engine process died: {'; '.join(dead)}", self.name, tail_lines(self.log_path))
+
+    def _guarded(self, what: str, call):
+        """call() (which runs SGLang's event loop until its answer) while a task on the same loop polls the
+        scheduler and detokenizer: when one dies, SGLang's tokenizer manager would wait for its answer
+        forever, so the poll stops the loop and the call raises the one-line EngineError instead."""
+        if self.engine is None:
+            raise EngineError(f"{what}: engine is not running (shut down or died; restart() starts a fresh one)",
+                              self.name)
+        self._died(what)
+        loop = getattr(self.engine, "loop", None)
+        if loop is None or not self._children:   # a fake engine (pure plumbing tests)
+            return call()
+        children = self._children
+
+        async def poll():
+            while not dead_children(children):
+                await asyncio.sleep(CHILD_POLL_S)
+            loop.stop()
+        task = loop.create_task(poll())
+        try:
+            return call()
+        except RuntimeError:   # "Event loop stopped before Future completed": the poll found a death
+            self._died(what)
+            raise
+        finally:
+            task.cancel()
+
     def _generate_raw(self, payload):
-        return self.engine.generate(**payload)
+        return self._guarded("generate", lambda: self.engine.generate(**payload))
 
     def _context_len(self):
         n = self.server_args.get("context_length")
@@ -369,16 +440,17 @@ class SGLangEngine(_SGLangBase):
         return getattr(config, "vocab_size", None)
 
     def _begin_update(self):
-        return self.engine.begin_weight_update()
+        return self._guarded("begin_weight_update", lambda: self.engine.begin_weight_update())
 
     def _load_tensors(self, named):
-        return self.engine.update_weights_from_tensor(named_tensors=named, load_format=None, flush_cache=False)
+        return self._guarded("update_weights_from_tensor", lambda: self.engine.update_weights_from_tensor(
+            named_tensors=named, load_format=None, flush_cache=False))
 
     def _end_update(self):
-        return self.engine.end_weight_update()
+        return self._guarded("end_weight_update", lambda: self.engine.end_weight_update())
 
     def _flush(self):
-        return self.engine.flush_cache()
+        return self._guarded("flush_cache", lambda: self.engine.flush_cache())
 
     def _meta_version(self) -> int | None:
         return self._version if self._records_version else None
@@ -389,29 +461,26 @@ class SGLangEngine(_SGLangBase):
             return
         from sglang.srt.managers.io_struct import UpdateWeightVersionReqInput
         req = UpdateWeightVersionReqInput(new_version=str(version), abort_all_requests=False)
-        self._control(f"update_weight_version({version})",
-                      lambda: self.engine.loop.run_until_complete(self.engine.tokenizer_manager.update_weight_version(req))
-                      or (True, ""))
+        self._control(f"update_weight_version({version})", lambda: self._guarded(
+            "update_weight_version", lambda: self.engine.loop.run_until_complete(
+                self.engine.tokenizer_manager.update_weight_version(req)) or (True, "")))
 
     def health(self) -> EngineHealth:
-        """Alive while SGLang's scheduler and detokenizer processes are."""
-        pids = []
-        try:
-            pids = list(self.engine.get_all_child_pids()) if self._records_version else []
-        except Exception:
-            pass
-        import psutil
-        dead = [p for p in pids if not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE]
+        """Alive while SGLang's scheduler and detokenizer processes are; `death_cause` says which one exited
+        and how (a signal or an exit code)."""
+        dead = dead_children(self._children)
         return EngineHealth(alive=self.engine is not None and not dead, weight_version=self._version,
                             detail={"name": self.name, "pending_version": self._pending, "pid": os.getpid(),
-                                    "child_pids": pids, "dead_child_pids": dead, "log": str(self.log_path)})
+                                    "child_pids": [p.pid for _, p in self._children],
+                                    "death_cause": "; ".join(dead) or None, "log": str(self.log_path)})
 
     def _memory(self, call, tags):
-        return getattr(self.engine, f"{call}_memory_occupation")(tags=tags)
+        return self._guarded(f"{call}_memory_occupation",
+                             lambda: getattr(self.engine, f"{call}_memory_occupation")(tags=tags))
 
     def _tree_rpc(self, call, path):
         from megatron_specrl.patches.sglang_0_5_23_tree_proposer import RPC_METHOD
-        self.engine.collective_rpc(RPC_METHOD, call=call, path=path)
+        self._guarded(f"tree {call}", lambda: self.engine.collective_rpc(RPC_METHOD, call=call, path=path))
 
     def shutdown(self) -> None:
         engine, self.engine = self.engine, None
@@ -420,6 +489,91 @@ class SGLangEngine(_SGLangBase):
                 engine.shutdown()
         finally:
             super().shutdown()
+
+
+CHILD_POLL_S = 0.2   # how often a running call checks SGLang's processes
+
+
+class _Pid:
+    """A child known by its pid only (an engine whose SubprocessWatchdog is not there to name them)."""
+
+    def __init__(self, pid: int):
+        self.pid, self.exitcode = pid, None
+
+    def is_alive(self) -> bool:
+        import psutil
+        try:
+            return psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+
+def children_of(engine) -> list[tuple[str, Any]]:
+    """SGLang's scheduler and detokenizer processes as (name, multiprocessing.Process), taken over from its
+    SubprocessWatchdog, which is stopped: on a child's death it sends SIGQUIT to this process, whose
+    handler (sglang 0.5.23 TokenizerManager's running_phase_sigquit_handler) kills this process and
+    every child of it, the caller included, where we raise an EngineError that a restart recovers from.
+    The watchdog's process list is private (sglang 0.5.23, srt/utils/watchdog.py); without it the pids
+    of Engine.get_all_child_pids. [] for a fake engine."""
+    watchdog = getattr(getattr(engine, "tokenizer_manager", None), "_subprocess_watchdog", None)
+    if watchdog is not None:
+        watchdog.stop()
+        procs, names = getattr(watchdog, "_processes", None), getattr(watchdog, "_names", None)
+        if procs and names:
+            return list(zip(names, procs))
+    try:
+        return [(f"process {pid}", _Pid(pid)) for pid in engine.get_all_child_pids()]
+    except Exception:
+        return []
+
+
+def dead_children(children: list[tuple[str, Any]]) -> list[str]:
+    """One phrase per exited child: `scheduler_0 (pid 123) was killed by SIGKILL` / `exited with code 1`."""
+    import signal as _signal
+    out = []
+    for name, proc in children:
+        if proc.is_alive():
+            continue
+        code = proc.exitcode
+        if code is not None and code < 0:
+            try:
+                how = f"was killed by {_signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+        elif code is not None:
+            how = f"exited with code {code}"
+        else:
+            how = "exited"
+        out.append(f"SGLang's {name} (pid {proc.pid}) {how}")
+    return out
+
+
+def stop_children(engine, children: list[tuple[str, Any]]) -> None:
+    """End one engine's SGLang processes (and theirs) and reap them, leaving this process's other children
+    alone; its tokenizer manager's tasks on the shared event loop are cancelled and its exit hook dropped
+    (Engine.shutdown at exit would kill every child of this process)."""
+    import atexit
+
+    import psutil
+    procs = []
+    for _, child in children:
+        try:
+            p = psutil.Process(child.pid)
+            procs += [*p.children(recursive=True), p]
+        except psutil.NoSuchProcess:
+            pass
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=30)
+    for _, child in children:
+        if hasattr(child, "join"):
+            child.join(timeout=1)   # reaped: exitcode set, no zombie left
+    for task in list(getattr(getattr(engine, "tokenizer_manager", None), "asyncio_tasks", ()) or ()):
+        task.cancel()
+    atexit.unregister(engine.shutdown)
 
 
 class SGLangHTTPEngine(_SGLangBase):

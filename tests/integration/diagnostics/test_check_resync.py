@@ -155,6 +155,47 @@ def test_cli_exit_codes_and_trainer_hook(learner, engine, tiny_llama, capsys):
     assert check_resync_main(base, learner=learner, engine=engine) == 0
 
 
+@pytest.fixture(scope="module")
+def sglang_engine(ray_session, tiny_llama, tmp_path_factory):
+    """A real SGLang engine in a Ray actor, as a run builds it (half a CPU: the vLLM engine holds one of
+    the module Ray's two)."""
+    import importlib.util
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("SGLang: tools/setup_env.sh (CPU) or the sglang extra")
+    from megatron_specrl.config import RolloutConfig
+    from megatron_specrl.engines.factory import make_engine
+    eng = make_engine(RolloutConfig(engine="sglang").resolved(), str(tiny_llama),
+                      log_dir=tmp_path_factory.mktemp("resync-sglang-logs"), use_ray=True, seed=0,
+                      num_cpus_per_engine=0.5)
+    yield eng
+    eng.shutdown()
+
+
+def test_check_resync_with_sglang(learner, sglang_engine, prompts, tiny_llama):
+    """check-resync --engine sglang: after a train step and a sync into SGLang (its weight-update window,
+    then the radix cache flushed) engine and learner log-probs agree; a k/v swap in the mapping, and a sync
+    that keeps the radix cache, are caught by the log-probs alone (SGLang's weights cannot be read back)."""
+    from megatron_specrl.diagnostics.check import check_resync
+    kw = dict(pad_id=PAD, weight_tol=WEIGHT_TOL, logprob_tol=LOGPROB_TOL)
+    good = check_resync(learner, sglang_engine, prompts, train_step=True, **kw)
+    m = good.probe.metrics()
+    print(f"\nSGLang after train step + resync: log-probs mean {m['resync/logprob_abs_diff']:.3g} "
+          f"max {m['resync/logprob_max_abs_diff']:.3g}; {good.notes}")
+    assert good.passed, good.failures()
+    assert not good.weight_rows and any("no weight readout from sglang-0" in n for n in good.notes)
+    assert m["resync/logprob_abs_diff"] <= LOGPROB_TOL and m["resync/probe_tokens"] >= 64
+
+    bad = check_resync(learner, sglang_engine, prompts, miswire=MISWIRINGS["swap_kv"], **kw)
+    m = bad.probe.metrics()
+    assert not bad.passed and m["resync/score_logprob_abs_diff"] > 1e-3 and m["resync/gen_logprob_abs_diff"] > 1e-3
+
+    stale = check_resync(learner, sglang_engine, prompts, skip_cache_reset=True, **kw)
+    assert not stale.passed and all(c >= 32 for c in stale.probe.cached)   # prompts' KV from before the sync
+
+    base = ["--engine", "sglang", "--model", str(tiny_llama), "--num-prompts", "4", "--show-tokens", "2"]
+    assert check_resync_main(base, learner=learner, engine=sglang_engine) == 0      # a correct sync repairs it
+
+
 # ---- Review of the resync readout/check and the batched prompt-log-prob patch, through one in-process
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -208,3 +208,40 @@ def test_exact_samples_the_new_policy_through_sglang(engine, hf_new):
         pvalues.append(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
     print(f"exact through SGLang: chi-square p = {pvalues[0]:.3g}; without the ban p = {pvalues[1]:.3g}")
     assert pvalues[0] > 1e-3 and pvalues[1] < 1e-6
+
+
+def test_killed_mid_generate_raises_engine_error_then_restart(engine):
+    """Last in the module (it restarts the engine at version 0). SIGKILL of SGLang's scheduler while a batch
+    decodes: the call raises the one-line EngineError naming the process and the signal (before, SGLang's
+    SubprocessWatchdog sent SIGQUIT to this process, whose handler killed it and every child of it), health
+    says why, and restart() ends the old engine's processes and serves a fresh engine at version 0."""
+    import os
+    import signal
+    import threading
+
+    import psutil
+
+    from megatron_specrl.engines.protocol import EngineError
+    old = engine.health().detail["child_pids"]
+    reqs = [GenerateRequest(rand_ids(64, 200 + i), 160, seed=i) for i in range(64)]
+    killer = threading.Timer(0.5, os.kill, (old[0], signal.SIGKILL))   # the scheduler; the batch takes seconds
+    killer.start()
+    try:
+        with pytest.raises(EngineError) as ei:
+            engine.generate(reqs, T1, engine.weight_version)
+    finally:
+        killer.join()
+    first = str(ei.value).splitlines()[0]
+    assert first == f"[sglang-test] generate: engine process died: SGLang's scheduler_0 (pid {old[0]}) was killed by SIGKILL"
+    assert ei.value.engine == "sglang-test" and any("died" in line for line in ei.value.last_log_lines)
+    h = engine.health()
+    assert not h.alive and h.detail["death_cause"] == f"SGLang's scheduler_0 (pid {old[0]}) was killed by SIGKILL"
+    with pytest.raises(EngineError, match="flush_cache: engine process died"):   # every call, not only generate
+        engine.reset_prefix_cache()
+
+    engine.restart()
+    h = engine.health()
+    assert h.alive and engine.weight_version == 0 and set(h.detail["child_pids"]).isdisjoint(old)
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in old)
+    out = engine.generate(reqs[:8], T1, 0)
+    assert len(out) == 8 and all(r.token_ids and len(r.token_ids) == len(r.logprobs) for r in out)

@@ -520,6 +520,32 @@ def test_bench_main_announces_each_run_and_writes_what_it_prints(monkeypatch, tm
     assert data["spread"]["speedup_tree"]["min"] == pytest.approx(1 / 0.6)
 
 
+def test_bench_runs_each_engine_over_the_modes_it_can_and_compares_it_with_its_own_off(monkeypatch, tmp_path, capsys):
+    """--engines vllm,sglang: every mode through each engine, labelled mode@engine, each run with its
+    rollout.engine; on a CPU SGLang runs off / exact / lenient only (no tree drafts there, no coupled
+    noise: its ENGINE_KINDS row) and says which it skips; a speedup is against the same engine's off."""
+    calls = []
+
+    def fake_run_mode(args, mode, seed, root, steps_per_epoch, console):
+        calls.append(mode)
+        slow = {"off@vllm": 2.0, "exact@vllm": 1.0, "off@sglang": 4.0, "exact@sglang": 1.0}.get(mode, 1.0)
+        return [_epoch(e, rollout_s=slow) for e in range(1, args.epochs + 1)]
+
+    monkeypatch.setattr(bench_rollout, "run_mode", fake_run_mode)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    out = tmp_path / "bench.json"
+    assert bench_rollout.bench_rollout_main(["--engines", "vllm,sglang", "--modes", "off,exact,coupled,exact+tree",
+                                             "--epochs", "3", "--prompts", "4", "--prompts-per-step", "4",
+                                             "--eval-prompts", "0", "--output-dir", str(tmp_path / "runs"),
+                                             "--json", str(out)]) == 0
+    assert calls == ["off@vllm", "exact@vllm", "coupled@vllm", "exact+tree@vllm", "off@sglang", "exact@sglang"]
+    assert "sglang skips coupled, exact+tree" in capsys.readouterr().out
+    summary = json.loads(out.read_text())["runs"][0]["summary"]
+    assert summary["speedup_exact@vllm"] == pytest.approx(2.0) and summary["speedup_exact@sglang"] == pytest.approx(4.0)
+    assert bench_rollout.split_label("exact+tree@sglang") == ("exact+tree", "sglang")
+    assert bench_rollout.split_label("exact") == ("exact", None) and bench_rollout.off_of("exact") == "off"
+
+
 # ---- `megatron-specrl doctor` (diagnostics/doctor.py), what a GPU lease runs, stays runnable: on this CPU its learner checks run
 
 ROOT = REPO_ROOT

@@ -36,3 +36,13 @@ def test_dry_run_and_train_stop_before_anything_starts(sglang_missing, tmp_path,
         assert err == ["megatron-specrl: config error: rollout.engine='sglang': the sglang package is not "
                        "installed in this environment (the default engine is vllm)"]
         assert not out.exists()          # nothing written, no Ray started
+
+
+def test_check_resync_with_a_missing_engine_stops_before_ray(sglang_missing, capsys, monkeypatch):
+    """check-resync --engine sglang without SGLang: the same one line, before Ray and the learner start."""
+    import megatron_specrl.diagnostics.check as check
+    monkeypatch.setattr(check, "check_resync_main", lambda argv: pytest.fail("started the check"))
+    assert main(["check-resync", "--engine", "sglang"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "megatron-specrl: config error: rollout.engine='sglang': the sglang package is not installed in this "
+        "environment (the default engine is vllm)"]
