@@ -38,6 +38,16 @@ scheduler (`take_draft_token_ids` has none, so `update_draft_token_ids` is skipp
 nothing to draft, and its tokens are the plain sampler's either way (the `_prepare_inputs` wrap above
 already sampled it plainly).
 
+And it wraps `EngineCore.post_step`, which after every step asks the worker for the step's drafts
+(`take_draft_token_ids`): with vLLM's multiprocess executor, as on CPU, a round trip to the worker
+process every step, in which the engine core spins on the shared-memory queue. Where no running request
+opted in, every draft the worker holds is empty (the proposer drafts nothing for a request without the
+draft key, and a plain step proposes nothing), so the engine core skips the call. On the AVX2 EPYC,
+2026-12-02 (py-spy of the engine core, first epoch, the default mode exact + tree + decode with nothing
+to draft against rollout.spec_mode=off in the same process): that round trip was the largest difference
+between the two engine cores (267 of 3570 samples), and with both wraps a first-epoch rollout costs
+what off's does within noise (docs/benchmarks/2026-12-02-epyc-avx2.md).
+
 Pinned to vLLM 0.32.0; on other versions `apply()` leaves vLLM alone and returns False. Only
 engines this project starts call `apply()` (VLLMEngine, before building its LLM).
 """
@@ -113,6 +123,25 @@ def _sample_tokens(self, *args, **kwargs):
         return _PATCH.original("sample_tokens")(self, *args, **kwargs)
 
 
+def _post_step(self, model_executed: bool) -> None:
+    """EngineCore.post_step without the worker round trip where no running request can have a draft."""
+    spec = self.vllm_config.speculative_config
+    if (model_executed and spec is not None and spec.method == "custom_class"
+            and not any(_opts_in(r.sampling_params) for r in self.scheduler.running)):
+        return
+    _CORE_PATCH.original("post_step")(self, model_executed)
+
+
+def _opts_in(params) -> bool:
+    from megatron_specrl.engines.vllm.tree_proposer import TreeProposer
+    return TreeProposer.opts_in(params)
+
+
+def _engine_core():
+    from vllm.v1.engine.core import EngineCore
+    return EngineCore
+
+
 def _runner():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     return GPUModelRunner
@@ -123,4 +152,18 @@ _PATCH = PinnedPatch(VERSION, _runner,
                      lambda originals: {"propose_draft_token_ids": _propose_draft_token_ids,
                                         "_prepare_inputs": _prepare_inputs, "execute_model": _execute_model,
                                         "sample_tokens": _sample_tokens})
-apply, revert, is_applied = _PATCH.apply, _PATCH.revert, _PATCH.is_applied
+_CORE_PATCH = PinnedPatch(VERSION, _engine_core, ["post_step"], lambda originals: {"post_step": _post_step})
+
+
+def apply() -> bool:
+    """Both halves, the worker's runner and the engine core's step, or neither (another vLLM release)."""
+    return _PATCH.apply() and _CORE_PATCH.apply()
+
+
+def revert() -> None:
+    _CORE_PATCH.revert()
+    _PATCH.revert()
+
+
+def is_applied() -> bool:
+    return _PATCH.is_applied() and _CORE_PATCH.is_applied()

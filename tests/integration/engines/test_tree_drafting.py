@@ -492,8 +492,10 @@ def test_a_fresh_prompt_runs_undrafted_and_feeds_its_tree_after(engines, rejecti
 @pytest.fixture
 def speculative_calls(monkeypatch):
     """The speculative work of an engine step (the engines run in this process): the tree proposer over
-    the batch, vLLM's spec-decode metadata, and the scheduler's update with the step's drafts."""
+    the batch, vLLM's spec-decode metadata, the engine core's request for the step's drafts (a round trip
+    to the worker process under vLLM's multiprocess executor) and the scheduler's update with them."""
     from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from megatron_specrl.engines.vllm.tree_proposer import TreeProposer
@@ -505,6 +507,7 @@ def speculative_calls(monkeypatch):
 
     counted(TreeProposer, "propose_batch")
     counted(GPUModelRunner, "_calc_spec_decode_metadata")
+    counted(UniProcExecutor, "take_draft_token_ids")
     counted(Scheduler, "update_draft_token_ids")
     return calls
 
@@ -512,7 +515,8 @@ def speculative_calls(monkeypatch):
 def test_a_batch_with_nothing_to_draft_costs_no_speculative_work(engines, speculative_calls):
     """Nothing drafted, nothing paid: fresh prompts (undrafted on this CPU) and requests without a draft key
     (held-out evaluation) run plain decoding's steps, with no proposer call, no spec-decode metadata and
-    no empty drafts for the scheduler; once a prompt's tree holds responses its requests draft again."""
+    no request for drafts (nor empty drafts for the scheduler); once a prompt's tree holds responses its
+    requests draft again."""
     tree, _ = engines
     sampling = SamplingSettings(temperature=1.0)
     # the drafter releases a request of an earlier test's batch in the next step it sees: one proposer call
@@ -523,6 +527,7 @@ def test_a_batch_with_nothing_to_draft_costs_no_speculative_work(engines, specul
     assert speculative_calls == {}
     tree.generate(_fresh_requests("nothing", seed0=7), sampling, 0)
     assert speculative_calls["propose_batch"] > 0 and speculative_calls["update_draft_token_ids"] > 0
+    assert speculative_calls["take_draft_token_ids"] > 0
 
 
 def test_an_own_draft_is_verified_even_for_a_fresh_prompt(engines):
