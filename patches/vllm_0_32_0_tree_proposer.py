@@ -45,8 +45,8 @@ opted in, every draft the worker holds is empty (the proposer drafts nothing for
 draft key, and a plain step proposes nothing), so the engine core skips the call. On the AVX2 EPYC,
 2026-12-02 (py-spy of the engine core, first epoch, the default mode exact + tree + decode with nothing
 to draft against rollout.spec_mode=off in the same process): that round trip was the largest difference
-between the two engine cores (267 of 3570 samples), and with both wraps a first-epoch rollout costs
-what off's does within noise (docs/benchmarks/2026-12-02-epyc-avx2.md).
+between the two engine cores (267 of 3570 samples); with both wraps the default's CPU-seconds per
+first-epoch rollout went from 1.08-1.10x off's to 1.01-1.06x (CHANGELOG, 2026-12-02).
 
 Pinned to vLLM 0.32.0; on other versions `apply()` leaves vLLM alone and returns False. Only
 engines this project starts call `apply()` (VLLMEngine, before building its LLM).
