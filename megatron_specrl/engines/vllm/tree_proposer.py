@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import os
 
-from megatron_specrl.rollout.tree_drafting.drafter import TreeDrafter, opts_from_params, read_settings
+from megatron_specrl.rollout.tree_drafting.drafter import DRAFT_KEY, TreeDrafter, opts_from_params, read_settings
 
 SETTINGS_ENV = "SPECRL_TREE_PROPOSER"
 # vLLM builds the proposer from this dotted path (llm_args: speculative_config "custom_class")
@@ -76,6 +76,17 @@ class TreeProposer:
 
     def draft_min_prob(self, running: int) -> float:
         return self.drafter.draft_min_prob(running)
+
+    def holds_requests(self) -> bool:
+        """Whether a request that opted in is still the drafter's (patches/vllm_0_32_0_tree_proposer's
+        plain steps need none: the drafter releases an ended request only in a step it sees)."""
+        return self.drafter.holds_requests()
+
+    @staticmethod
+    def opts_in(params) -> bool:
+        """Whether a request with these SamplingParams asked for tree drafts (its DRAFT_KEY; an own draft
+        and run-ahead come with it): a step without one has nothing to draft."""
+        return DRAFT_KEY in (getattr(params, "extra_args", None) or {})
 
     def propose_batch(self, input_batch, requests, sampled_token_ids: list[list[int]]) -> list[list[int]]:
         d = self.drafter

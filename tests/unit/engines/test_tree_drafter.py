@@ -222,6 +222,24 @@ def test_siblings_draft_from_each_other_and_the_counters_add_up(monkeypatch):
     assert p.take_stats()["draft_tokens"] == 0                   # counters reset on read
 
 
+def test_the_proposer_holds_a_request_of_ours_until_a_step_without_it(monkeypatch):
+    """What the runner patch's plain steps read: whether a request opted in, and whether the drafter still
+    holds one (released only in a step it sees, so such a step must not be skipped)."""
+    p = _proposer(monkeypatch, k=4, min_prob=0.0)
+    b = Batch()
+    b.add("eval", [50, 51], None)
+    b.add("a", [50, 51], "q")
+    assert not p.opts_in(b.requests["eval"].sampling_params) and p.opts_in(b.requests["a"].sampling_params)
+    p.propose_batch(b, b.requests, [b.sample(0, [9])])      # only the undrafted request ran
+    assert not p.holds_requests()
+    p.propose_batch(b, b.requests, [b.sample(0, [9]), b.sample(1, [1])])
+    assert p.holds_requests()
+    b2 = Batch()
+    b2.add("eval", [50, 51], None)
+    p.propose_batch(b2, b2.requests, [b2.sample(0, [9])])   # "a" ended: released in this step
+    assert not p.holds_requests()
+
+
 def test_clocks_span_the_decode_loop_of_our_requests_only(monkeypatch):
     import time
 
