@@ -79,8 +79,9 @@ class VLLMEngine(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, RunsI
         tree proposer through SETTINGS_ENV; its `fresh_prompts` (tree drafting): whether a request whose
         prompt's tree holds no earlier response drafts (from its siblings in flight and the shared
         tree); None: on GPUs only. Where it
-        does not, it runs undrafted and its response enters the trees when the batch ends, so the next
-        epoch drafts from it as if it had been fed in flight (a tree's proposals depend only on the
+        does not, it runs undrafted and its response enters the trees after the batch (sent with the next
+        tree call, before anything reads the trees), so the next epoch drafts from it as if it had been fed
+        in flight (a tree's proposals depend only on the
         sequences it holds). On this CPU a drafted step costs 2-2.6x a plain one and such drafts are
         accepted 10-33% of the time: drafting them made the first epoch 1.8x slower than plain
         decoding (docs/benchmarks/2026-11-25-avx512.md). `verification` (score(): rollout.verify=prefill, and
@@ -127,6 +128,13 @@ class VLLMEngine(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, RunsI
         self.draft_fresh_prompts = (not self._on_cpu) if fresh is None else bool(fresh)
         if draft == "tree":   # speculative decoding from per-prompt trees (engines/vllm/tree_proposer.py)
             os.environ[SETTINGS_ENV] = settings_env(drafter)
+        # Tree drafting: the responses for the trees not sent to the workers yet (`_tree_calls` sends them
+        # first with the next tree call, or before the next generation batch), and the keys the trees
+        # may hold (None: unknown, ask the workers). Every tree call is a round trip from here through the
+        # engine core to the worker process: the first epoch's rollout made three (which prompts' trees
+        # hold responses, the undrafted responses, the counters) and now makes one.
+        self._tree_feed: list[tuple[str, list[int]]] = []
+        self._tree_keys: set[str] | None = set()
         kwargs = llm_args(
             model_path, on_cpu=self._on_cpu, seed=seed, max_model_len=max_model_len, kv_cache_gb=kv_cache_gb,
             gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
@@ -168,7 +176,10 @@ class VLLMEngine(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, RunsI
         with self._lock:
             self._check_unchanged(weight_version)
             undrafted = self._fresh_prompt_requests(requests)
+            if self._tree_feed:   # the batch drafts from trees that hold every response so far
+                self._tree_calls([])
             params = [self._sampling_params(r, sampling, i in undrafted) for i, r in enumerate(requests)]
+            self._note_tree_keys(requests)
             prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
             # a draft model's counters: a rollout's generation batches only (its requests carry draft keys;
             # held-out evaluation's do not), as the tree proposer counts only steps its requests ran
@@ -183,10 +194,10 @@ class VLLMEngine(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, RunsI
                 after = draft_model_counters(self._run(self.llm.get_metrics))
                 for k, v in after.items():
                     self._draft_counts[k] = self._draft_counts.get(k, 0.0) + v - before[k]
-            if undrafted:   # their responses feed the trees now, as they would have in flight
-                pairs = [(str(requests[i].draft_key), [int(t) for t in requests[i].prompt_ids[requests[i].response_start:]]
-                          + [int(t) for t in outs[i].outputs[0].token_ids]) for i in sorted(undrafted)]
-                self._tree_call("add_responses", pairs)
+            if undrafted:   # their responses feed the trees before anything reads them, as if fed in flight
+                self._tree_feed += [(str(requests[i].draft_key),
+                                     [int(t) for t in requests[i].prompt_ids[requests[i].response_start:]]
+                                     + [int(t) for t in outs[i].outputs[0].token_ids]) for i in sorted(undrafted)]
             self._check_unchanged(weight_version)
         return [generate_result(out, weight_version, self.name) for out in outs]
 
@@ -296,21 +307,44 @@ class VLLMEngine(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, RunsI
     def _fresh_prompt_requests(self, requests: list[GenerateRequest]) -> set[int]:
         """Indices of the requests that run undrafted (draft_fresh_prompts off): those with a draft key
         whose tree holds nothing yet, unless they carry an own draft (verify=decode: it is verified in
-        the decode loop) or run ahead (they exist to feed their tree in flight)."""
+        the decode loop) or run ahead (they exist to feed their tree in flight). Only keys that the trees
+        may hold are asked about: a key no request or response ever brought (a prompt's first epoch) is
+        in no tree, and a batch of such keys asks the workers nothing."""
         if self.draft != "tree" or self.draft_fresh_prompts:
             return set()
         cand = [i for i, r in enumerate(requests) if r.draft_key is not None and not r.own_draft and not r.runahead]
         if not cand:
             return set()
         keys = sorted({str(requests[i].draft_key) for i in cand})
-        held = self._tree_call("keys_held", keys)
-        fresh = {k for k, h in zip(keys, held) if not h}
-        return {i for i in cand if str(requests[i].draft_key) in fresh}
+        ask = keys if self._tree_keys is None else [k for k in keys if k in self._tree_keys]
+        held = dict(zip(ask, self._tree_call("keys_held", ask))) if ask else {}
+        return {i for i in cand if not held.get(str(requests[i].draft_key), False)}
+
+    def _note_tree_keys(self, requests) -> None:
+        """The keys of requests about to run: each may enter the trees (drafted ones when they start,
+        undrafted ones when their responses are sent). A superset of the keys held: the trees may
+        have evicted some since, which `_fresh_prompt_requests` then asks about."""
+        if self.draft == "tree" and self._tree_keys is not None:
+            self._tree_keys.update(str(r.draft_key) for r in requests if r.draft_key is not None)
 
     def _tree_call(self, method: str, *args):
-        """A TreeProposer method in the workers (engines/vllm/tree_proposer.in_worker); the first worker's
-        answer (every worker holds the same trees)."""
-        return self._run(lambda: self.llm.collective_rpc(in_worker, args=(method, *args)))[0]
+        """A TreeProposer method in the workers (engines/vllm/tree_proposer.in_worker), after the responses
+        held for the trees; the first worker's answer (every worker holds the same trees)."""
+        return self._tree_calls([(method, args)])[-1]
+
+    def _tree_calls(self, calls: list[tuple[str, tuple]]) -> list:
+        """TreeProposer methods in order in one round trip to the workers (TreeProposer.calls), the responses
+        held for the trees (`_tree_feed`) sent first: so the trees hold them, in the order they came,
+        at every point that reads the trees (the next batch's drafts, keys_held, the counters' sizes, a
+        checkpoint's state_dict), as if each had been sent when it came. `calls` [] sends them alone.
+        The first worker's answers to `calls`."""
+        feed, self._tree_feed = self._tree_feed, []
+        if feed:
+            calls = [("add_responses", (feed,)), *calls]
+        if not calls:
+            return []
+        out = self._run(lambda: self.llm.collective_rpc(in_worker, args=("calls", calls)))[0]
+        return out[1:] if feed else out
 
     def draft_stats(self) -> dict[str, float]:
         """The tree proposer's counters since the last call (draft / accepted / generated tokens,
@@ -333,8 +367,10 @@ class VLLMEngine(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, RunsI
         if self.draft != "tree" or not responses:
             return
         pairs = draft_response_pairs(responses)
-        with self._lock:
-            self._tree_call("add_responses", pairs)
+        with self._lock:   # sent with the next tree call, before the next batch drafts (`_tree_calls`)
+            self._tree_feed += pairs
+            if self._tree_keys is not None:
+                self._tree_keys.update(k for k, _ in pairs)
 
     def draft_state(self) -> dict | None:
         """The trees as numpy arrays and lists (rollout.tree_drafting.trees.DraftTrees.state_dict), for checkpoints."""
@@ -347,7 +383,9 @@ class VLLMEngine(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, RunsI
         if self.draft != "tree":
             raise ValueError(f"engine {self.name} was built without tree drafting (rollout.draft=none)")
         with self._lock:
+            self._tree_keys = None                # unknown should the load fail
             self._tree_call("load_state_dict", state)
+            self._tree_keys = {str(k) for k in state["keys"]}
 
     def health(self) -> EngineHealth:
         return EngineHealth(alive=hasattr(self, "llm"), weight_version=self._version,

@@ -115,6 +115,12 @@ class TreeProposer:
         return opts_from_params(params.extra_args, len(prompt), getattr(params, "max_tokens", None), stops)
 
     # -- driver-side calls (through collective_rpc) -------------------------------------
+    def calls(self, calls: list[tuple[str, tuple]]) -> list:
+        """Several of the calls below in order, in one round trip from the driver (through the engine
+        core to this worker): VLLMEngine sends the responses it holds for the trees first
+        (add_responses), with the call that needs them."""
+        return [getattr(self, method)(*args) for method, args in calls]
+
     def take_stats(self) -> dict[str, float]:
         """Counters since the last call, and the trees' size now."""
         return self.drafter.take_stats()

@@ -39,7 +39,7 @@ import sys
 import numpy as np
 from numba import njit
 
-from megatron_specrl.rollout.tree_drafting.trees import DraftTrees, sequences_bytes
+from megatron_specrl.rollout.tree_drafting.trees import DraftTrees
 
 # st columns
 LINK, LEN, CNT, UTOK, USTATE, HEAD, NCHILD, OWNER = range(8)
@@ -412,7 +412,7 @@ def _table_for(edges: int) -> np.ndarray:
 class _Key:
     """One key's automaton in the pool: its root state and the bookkeeping DraftTrees keeps per tree."""
 
-    __slots__ = ("root", "slot", "seqs", "active", "nodes")
+    __slots__ = ("root", "slot", "seqs", "active", "nodes", "seq_bytes")
 
     def __init__(self, root: int, slot: int):
         self.root = root
@@ -420,6 +420,7 @@ class _Key:
         self.seqs: list[list[int]] = []
         self.active = 0
         self.nodes = 0        # states of this key, its root not counted
+        self.seq_bytes = 0    # sequences_bytes of its finished sequences (DraftTrees keeps it)
 
 
 class CompiledDraftTrees(DraftTrees):
@@ -581,8 +582,8 @@ class CompiledDraftTrees(DraftTrees):
         total = size(self) + size(self._trees) + size(self._reqs)
         total += sum(a.nbytes for a in (self._st, self._ed, self._ht, self._meta, self._alive, self._out, self._out1))
         total += sum(size(r) + (size(r.tail) if r.tail is not None else 0) for r in self._reqs.values())
-        for t in trees:
-            total += size(t) + size(t.seqs) + sequences_bytes(t.seqs)
+        for t, seq_bytes in zip(trees, self._seqs_bytes(trees)):
+            total += size(t) + size(t.seqs) + seq_bytes
         return int(total)
 
 

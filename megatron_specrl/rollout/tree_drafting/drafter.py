@@ -528,7 +528,7 @@ class TreeDrafter:
         out = {k: float(v) for k, v in self.counters.items()}
         out["loop_s"] = self._loop[1] - self._loop[0] if self._loop else 0.0
         self.counters, self._loop, self._last_step = dict.fromkeys(COUNTERS, 0), None, None
-        st = self.trees.stats()
+        st = self.trees.sizes()   # not stats(): that walks every stored sequence, every rollout
         out["nodes"] = float(st["nodes"])
         out["memory_mb"] = st["memory_bytes"] / 2**20
         out["keys"] = float(st["keys"] - self.trees.has_key(SHARED_KEY))

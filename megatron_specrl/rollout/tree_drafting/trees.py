@@ -120,7 +120,7 @@ _UNBOUNDED = 1 << 62
 class _Tree:
     """The suffix automaton of one key: parallel lists indexed by state id; state 0 is the root."""
 
-    __slots__ = ("trans", "link", "length", "cnt", "utok", "ustate", "seqs", "active")
+    __slots__ = ("trans", "link", "length", "cnt", "utok", "ustate", "seqs", "active", "seq_bytes")
     root = 0
 
     def __init__(self):
@@ -132,6 +132,7 @@ class _Tree:
         self.ustate: list[int] = [0]               # ... and its target
         self.seqs: list[list[int]] = []            # stored tokens of every sequence
         self.active = 0                            # requests of this key still generating
+        self.seq_bytes = 0                         # sequences_bytes of its finished sequences
 
     @property
     def nodes(self) -> int:
@@ -364,6 +365,7 @@ class DraftTrees:
         """The sequence is complete: forget the request (its stored tokens stay in the tree)."""
         req = self._reqs.pop(request_id)
         req.tree.active -= 1
+        req.tree.seq_bytes += sequences_bytes([req.seq])
 
     def propose(self, request_id: Hashable, max_tokens: int, min_prob: float = 0.1) -> list[int]:
         """Draft up to `max_tokens` tokens continuing the request's sequence (see module docstring)."""
@@ -503,6 +505,7 @@ class DraftTrees:
         toks = [int(t) for t in tokens]
         if toks:
             self._append(tree, seq, tree.root, tree.root, toks)
+        tree.seq_bytes += sequences_bytes([seq])
 
     def keep_newest(self, key: str, max_nodes: int) -> int:
         """Rebuild `key`'s automaton from its in-flight sequences and its newest finished ones that fit
@@ -531,6 +534,7 @@ class DraftTrees:
         for seq in reversed(kept):
             new.seqs.append([])
             self._append(new, new.seqs[-1], new.root, new.root, seq)
+            new.seq_bytes += sequences_bytes(new.seqs[-1:])
         for req in live:
             stored, req.tree, req.seq = req.seq, new, []
             new.seqs.append(req.seq)
@@ -579,18 +583,32 @@ class DraftTrees:
 
     # -- introspection -------------------------------------------------------
     def stats(self) -> dict:
+        """sizes(), and counts that walk every stored sequence (tokens, sequences)."""
         trees = list(self._trees.values())
         return {
-            "keys": len(trees),
-            "nodes": self._nodes,
+            **self.sizes(),
             "max_nodes": self.max_nodes,
             "tokens": sum(len(s) for t in trees for s in t.seqs),
             "sequences": sum(len(t.seqs) for t in trees),
             "active_requests": len(self._reqs),
             "frozen_requests": sum(1 for r in self._reqs.values() if r.tail is not None),
             "evicted_keys": self._evicted,
-            "memory_bytes": self._memory_bytes(trees),
         }
+
+    def sizes(self) -> dict:
+        """keys, nodes and memory_bytes: what the engines report after every rollout, so without a walk
+        over every stored sequence (the finished ones' bytes are kept per key as they finish, and a
+        list the trees no longer extend keeps its size): it grew with every epoch's responses."""
+        return {"keys": len(self._trees), "nodes": self._nodes,
+                "memory_bytes": self._memory_bytes(list(self._trees.values()))}
+
+    def _seqs_bytes(self, trees) -> list[int]:
+        """sequences_bytes(t.seqs) for each tree: its finished sequences' (kept in `seq_bytes`) and
+        those of its requests in flight (computed now: they still grow)."""
+        live: dict[int, int] = {}
+        for r in self._reqs.values():
+            live[id(r.tree)] = live.get(id(r.tree), 0) + sequences_bytes([r.seq])
+        return [t.seq_bytes + live.get(id(t), 0) for t in trees]
 
     def _memory_bytes(self, trees: list[_Tree]) -> int:
         """sys.getsizeof of the containers and roots, plus the per-state dicts and non-cached ints of
@@ -600,7 +618,7 @@ class DraftTrees:
         total = size(self) + size(self._trees) + size(self._reqs)
         total += sum(size(r) + (size(r.tail) if r.tail is not None else 0) for r in self._reqs.values())
         step = max(1, sum(len(t.length) for t in trees) // _MEM_SAMPLE)
-        for t in trees:
+        for t, seq_bytes in zip(trees, self._seqs_bytes(trees)):
             total += size(t) + size(t.seqs) + sum(map(size, (t.trans, t.link, t.length, t.cnt, t.utok, t.ustate)))
             total += size(t.trans[0])                # the root: the largest dict, counted exactly
             n = len(t.length) - 1
@@ -614,7 +632,7 @@ class DraftTrees:
                     if not -5 <= x <= 256:           # CPython caches small ints
                         per += size(x)
             total += per * n // len(sample)
-            total += sequences_bytes(t.seqs)
+            total += seq_bytes
         return int(total)
 
     # -- persistence ---------------------------------------------------------
@@ -663,6 +681,7 @@ class DraftTrees:
                 tree.seqs.append([])
                 if seq:
                     trees._append(tree, tree.seqs[-1], tree.root, tree.root, seq)
+                tree.seq_bytes += sequences_bytes(tree.seqs[-1:])
                 i += 1
         return trees
 

@@ -530,6 +530,79 @@ def test_a_batch_with_nothing_to_draft_costs_no_speculative_work(engines, specul
     assert speculative_calls["take_draft_token_ids"] > 0
 
 
+@pytest.fixture
+def tree_calls(engines, monkeypatch):
+    """The tree engine's calls into its workers (vLLM's collective_rpc: under the multiprocess executor a
+    round trip through the engine core to the worker process), each as the TreeProposer methods it ran."""
+    tree, _ = engines
+    calls = []
+    rpc = tree.llm.collective_rpc
+
+    def counted(method, *a, **k):
+        args = k.get("args", ())
+        calls.append([m for m, _ in args[1]] if args[:1] == ("calls",) else [getattr(method, "__name__", method)])
+        return rpc(method, *a, **k)
+    monkeypatch.setattr(tree.llm, "collective_rpc", counted)
+    return calls
+
+
+def test_a_first_epoch_rollout_makes_one_tree_call(engines, tree_calls):
+    """Nothing drafted, nothing paid, around the batch too: a rollout of new prompts (the first epoch, the
+    default mode exact + tree + decode) asks the workers nothing before its batch (no request or response
+    ever brought these keys, so no tree holds them) and sends the undrafted responses with the counters'
+    read: one round trip to the workers, where there were three (keys_held, add_responses, take_stats).
+    The trees then hold every response (a checkpoint's state_dict), and the next epoch, whose requests
+    carry their own drafts, makes one round trip again."""
+    from megatron_specrl.rollout.speculative import SpeculativeRollout
+    from megatron_specrl.rollout.store import TrajectoryStore
+    from megatron_specrl.rollout.tree_drafting.trees import DraftTrees
+    from tests.helpers.trees import sequences
+    tree, _ = engines
+    roll = SpeculativeRollout(tree, TrajectoryStore(), mode="exact", lenience=1.0,
+                              sampling=SamplingSettings(temperature=1.0), max_new_tokens=16, seed=0)
+    assert roll.verify == "decode"
+    tree.draft_stats()
+    prompts = [(f"epoch{i}", list(p)) for i, p in enumerate(PROMPTS)]
+    tree_calls.clear()
+    samples, metrics = roll.run(prompts, 4, 0, step=0)
+    assert tree_calls == [["add_responses", "take_stats"]]
+    assert metrics["tree/draft_tokens"] == 0 and metrics["tree/nodes"] > 0, metrics
+    tree_calls.clear()
+    held = sequences(DraftTrees.from_state_dict(tree.draft_state()))
+    assert tree_calls == [["state_dict"]]
+    for pid, _ in prompts:
+        assert held[pid] == Counter(tuple(s.response_ids) for s in samples if s.prompt_id == pid)
+    tree_calls.clear()
+    _, metrics = roll.run(prompts, 4, 0, step=1)
+    # a sample that was empty has no own draft: its prompt's tree is asked about
+    assert tree_calls == [["keys_held"]] * any(not s.response_ids for s in samples) + [["take_stats"]]
+    assert metrics["tree/requests"] == len(samples), metrics    # each request with its own draft, drafted
+
+
+def test_responses_held_for_the_trees_reach_them_before_anything_reads_them(engines, tree_calls):
+    """An undrafted batch's responses wait on the driver for the next call to the workers: a checkpoint's
+    state_dict holds them, and a batch of the same prompts (whose keys the trees may hold now, so the
+    engine asks) finds them in the trees and drafts from them."""
+    from megatron_specrl.rollout.tree_drafting.trees import DraftTrees
+    from tests.helpers.trees import sequences
+    tree, _ = engines
+    sampling = SamplingSettings(temperature=1.0)
+    tree.draft_stats()
+    tree_calls.clear()
+    first = tree.generate(_fresh_requests("held"), sampling, 0)
+    assert tree_calls == []
+    held = sequences(DraftTrees.from_state_dict(tree.draft_state()))
+    assert tree_calls == [["add_responses", "state_dict"]]
+    for i in range(len(PROMPTS)):
+        assert held[f"held{i}"] == Counter(tuple(r.token_ids) for r in first[4 * i:4 * i + 4])
+    tree.generate(_fresh_requests("lazy"), sampling, 0)
+    tree_calls.clear()
+    tree.generate(_fresh_requests("lazy", seed0=7), sampling, 0)
+    assert tree_calls == [["add_responses", "keys_held"]]
+    stats = tree.draft_stats()
+    assert stats["draft_tokens"] > 0 and stats["accepted_tokens"] > 0, stats
+
+
 def test_an_own_draft_is_verified_even_for_a_fresh_prompt(engines):
     tree, _ = engines
     greedy = SamplingSettings(temperature=0.0)

@@ -312,6 +312,55 @@ def test_memory_bytes_grows_with_tokens_and_is_honest():
     assert 0.85 < sizes[-1] / traced < 1.15, (sizes[-1], traced)   # measured 0.96
 
 
+def test_sizes_count_the_sequences_without_walking_them(monkeypatch):
+    """sizes() (what the engines report after every rollout) keeps the finished sequences' bytes per key
+    as they finish: the same memory_bytes as a walk over every stored sequence, through in-flight
+    requests, keep_newest, eviction and a restore."""
+    from megatron_specrl.rollout.tree_drafting import trees as trees_module
+    real = trees_module.sequences_bytes
+
+    def walked(t):
+        """(sizes(), the sizes from a walk over every stored sequence as before, sequences sizes() read)."""
+        read = []
+        monkeypatch.setattr(trees_module, "sequences_bytes", lambda seqs: read.extend(seqs) or real(seqs))
+        try:
+            got = t.sizes()
+        finally:
+            monkeypatch.setattr(trees_module, "sequences_bytes", real)
+        monkeypatch.setattr(t, "_seqs_bytes", lambda trees: [real(tree.seqs) for tree in trees], raising=False)
+        try:
+            ref = t.sizes()
+        finally:
+            monkeypatch.delattr(t, "_seqs_bytes")
+        return got, ref, len(read)
+
+    rng = random.Random(3)
+    t = DraftTrees(max_depth=10, max_match=4, max_nodes=1000)
+    live = []
+    for i in range(400):
+        op = rng.random()
+        if op < 0.3:
+            t.insert(f"k{rng.randrange(12)}", [1000 + rng.randrange(30) for _ in range(rng.randrange(0, 40))])
+        elif op < 0.55 or not live:
+            rid = f"r{i}"
+            t.start(rid, "shared" if rng.random() < 0.3 else f"k{rng.randrange(12)}", [1000 + rng.randrange(30)])
+            live.append(rid)
+        elif op < 0.85:
+            t.extend(rng.choice(live), [1000 + rng.randrange(30) for _ in range(rng.randrange(1, 6))])
+        else:
+            t.finish(live.pop(rng.randrange(len(live))))
+        if i % 50 == 25:
+            t.keep_newest("shared", 200)
+        if i % 20 == 0:
+            got, ref, walked_seqs = walked(t)
+            assert got == ref, i
+            assert walked_seqs == len(t._reqs)               # only the sequences still growing
+    assert t.stats()["evicted_keys"] > 0
+    restored = type(t).from_state_dict(t.state_dict())
+    got, ref, walked_seqs = walked(restored)
+    assert got == ref and walked_seqs == 0
+
+
 # -- persistence --------------------------------------------------------------
 
 def _populated():
