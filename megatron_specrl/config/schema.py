@@ -343,9 +343,9 @@ class RolloutConfig(_Strict):
         whether the engines run on GPUs (a RunConfig knows from its cluster section; a RolloutConfig on its
         own assumes a CPU, where draft=auto never picks a draft the engine cannot verify exactly)."""
         out = []
-        draft = self.effective_draft(on_gpus)
-        if self.draft == "auto":
-            choice = self.draft_choice(on_gpus)
+        choice = self.draft_choice(on_gpus)
+        draft = self.draft if choice is None else choice.value
+        if choice is not None:
             out.append(choice._replace(key=f"{prefix}draft"))
         if self.drafter.tokens is None:
             why = ("a draft-model token costs a forward of the draft model" if draft == "model"
