@@ -117,7 +117,7 @@ def main() -> None:
 
     from megatron_specrl.data.synthetic import make_problems
     from megatron_specrl.engines.protocol import GenerateRequest, SamplingSettings
-    from megatron_specrl.rollout.tree_drafting.drafter import STEP_COST_SUMS, fit_step_cost
+    from megatron_specrl.rollout.tree_drafting.cost_model import STEP_COST_SUMS, fit_step_cost
     from megatron_specrl.engines.vllm import VLLMEngine
 
     task = json.loads((model / "warmup.json").read_text())["task"]

@@ -90,8 +90,8 @@ def fit_step_cost(rows: list[dict]) -> tuple[float, float, float]:
     """(a, b, c) of ms = a + b r + c d over the measured (batch, q) grid, by the engines' own least squares
     (rollout/tree_drafting/drafter.fit_step_cost): r = batch requests, d = batch x (q - 1) draft tokens (a drafted step
     verifies q - 1 draft tokens and samples one more)."""
-    from megatron_specrl.rollout.tree_drafting.drafter import add_step_cost
-    from megatron_specrl.rollout.tree_drafting.drafter import fit_step_cost as fit_sums
+    from megatron_specrl.rollout.tree_drafting.cost_model import add_step_cost
+    from megatron_specrl.rollout.tree_drafting.cost_model import fit_step_cost as fit_sums
     sums: dict = {}
     for row in rows:
         for q, ms in row["ms"].items():

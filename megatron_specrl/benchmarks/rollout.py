@@ -36,7 +36,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from megatron_specrl.rollout.tree_drafting.drafter import STEP_COST_SUMS, fit_step_cost
+from megatron_specrl.rollout.tree_drafting.cost_model import STEP_COST_SUMS, fit_step_cost
 
 MODES = ("off", "exact", "lenient", "coupled", "tree", "exact+tree", "lenient+tree", "coupled+tree")
 STEADY_FROM_EPOCH = 3

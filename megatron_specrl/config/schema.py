@@ -243,6 +243,14 @@ class DrafterConfig(_Strict):
     fresh_prompts: bool | None = Field(None, description="Whether a prompt whose tree holds no earlier response "
                                        "drafts (from in-flight siblings and the shared tree); unset: on GPUs only "
                                        "(vLLM engines).")
+    cost_model: bool = Field(True, description="Size each request's draft every engine step from a decode-step cost "
+                             "fit measured on the running engine: a token is drafted where its chance of acceptance "
+                             "beats what it adds to the step (off: token_budget and min_prob alone).")
+    cost_refit: Literal["rollout", "checkpoint"] | None = Field(None, description="When a new cost fit takes effect: "
+                                                                "after each rollout, or at checkpoints only, so "
+                                                                "that a resumed run drafts the steps it replays as "
+                                                                "the killed run did; unset: checkpoint where "
+                                                                "trainer.checkpoint_every > 0, else rollout.")
     impl: Literal["compiled", "python"] = Field("compiled", description="The trees as numba-compiled arrays "
                                                 "(about half the drafter's time) or pure Python (the reference): "
                                                 "the same drafts.")
@@ -338,10 +346,11 @@ class RolloutConfig(_Strict):
         choice = self.draft_choice(on_gpus)
         return self.draft if choice is None else choice.value
 
-    def auto_choices(self, prefix: str = "rollout.", on_gpus: bool = False) -> list[Choice]:
+    def auto_choices(self, prefix: str = "rollout.", on_gpus: bool = False, checkpoints: bool = False) -> list[Choice]:
         """The values this config's unset (auto) keys take, with why: resolve_auto applies them. `on_gpus`:
         whether the engines run on GPUs (a RunConfig knows from its cluster section; a RolloutConfig on its
-        own assumes a CPU, where draft=auto never picks a draft the engine cannot verify exactly)."""
+        own assumes a CPU, where draft=auto never picks a draft the engine cannot verify exactly);
+        `checkpoints`: whether the run writes checkpoints (a RolloutConfig on its own: no run, none)."""
         out = []
         choice = self.draft_choice(on_gpus)
         draft = self.draft if choice is None else choice.value
@@ -351,6 +360,10 @@ class RolloutConfig(_Strict):
             why = ("a draft-model token costs a forward of the draft model" if draft == "model"
                    else "a tree draft costs only its verification")
             out.append(Choice(f"{prefix}drafter.tokens", DRAFT_TOKENS_AUTO[draft], why))
+        if self.drafter.cost_refit is None and self.drafter.cost_model and draft == "tree":
+            out.append(Choice(f"{prefix}drafter.cost_refit", "checkpoint" if checkpoints else "rollout",
+                              "a resumed run replays the steps since its checkpoint with the fit saved there"
+                              if checkpoints else "the run writes no checkpoint to resume from"))
         if self.verify == "auto":
             decode = self.spec_mode == "exact" and draft == "tree"
             out.append(Choice(f"{prefix}verify", "decode" if decode else "prefill",
@@ -795,7 +808,7 @@ class RunConfig(_Strict):
         """The values the keys left unset (auto) take, and why; the same rules as before the resolve step
         was split from validation, so a recipe and a seed give the same run."""
         r, le, t = self.rollout, self.learner, self.trainer
-        out = r.auto_choices(on_gpus=self.cluster.gpus_per_node > 0)
+        out = r.auto_choices(on_gpus=self.cluster.gpus_per_node > 0, checkpoints=t.checkpoint_every > 0)
         if le.recompute_old_logprobs is None:
             # a bf16 learner's log-probs differ from an fp32 engine's as a bf16 engine's differ from an fp32
             # learner's: the same reason to recompute them

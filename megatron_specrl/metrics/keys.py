@@ -170,6 +170,19 @@ METRICS: dict[str, tuple[str, str]] = {
     "tree/calibration_prompt": ("ratio", "Prompt-tree calibration: how often the engine's next token was the "
                                 "tree's first proposal, over the frequency the tree gave it (1: calibrated)."),
     "tree/calibration_shared": ("ratio", "The same for the shared tree."),
+    "tree/undrafted_request_steps": ("steps", "Request steps that proposed no draft (ended requests included)."),
+    "tree/threshold_sum": ("probability", "The cost model's acceptance threshold summed over the steps it set one "
+                           "(rollout.drafter.cost_model)."),
+    "tree/threshold_steps": ("steps", "Engine steps whose drafts the cost model sized."),
+    "tree/cost_threshold": ("probability", "threshold_sum / threshold_steps: the acceptance probability a draft "
+                            "token needed, c x the step's tokens per ms (rollout/tree_drafting/cost_model.py)."),
+    "tree/fit_ms": ("ms", "The step-cost fit in effect: ms per engine step (a), mean over engines with one."),
+    "tree/fit_ms_per_request": ("ms", "The fit's ms per running request (b)."),
+    "tree/fit_ms_per_draft_token": ("ms", "The fit's ms per verified draft token (c)."),
+    "spec/draft_tokens_per_step": ("tokens/step", "tree/draft_tokens / tree/engine_steps: draft tokens an engine "
+                                   "step verified."),
+    "spec/no_draft_frac": ("fraction", "tree/undrafted_request_steps / tree/request_steps: request steps that "
+                           "drafted nothing."),
     "tree_calib/prompt_hits": ("count", "Prompt-tree first proposals the engine's next token matched."),
     "tree_calib/prompt_expected": ("count", "Sum of the frequencies the prompt tree gave its first proposals."),
     "tree_calib/shared_hits": ("count", "Shared-tree first proposals the engine's next token matched."),

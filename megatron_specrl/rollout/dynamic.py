@@ -25,7 +25,8 @@ ADDITIVE_SUFFIXES = ("_tokens", "_s", "spec/drafts", "spec/nonfinite_logprobs", 
                      "spec/samples", "spec/full_reuses", "spec/lenient_excess", "spec/redraws",
                      "runahead/requests", "spec/decode_steps", "tree/engine_steps", "tree/engine_steps_longest",
                      "tree/request_steps", "tree/requests", "draft_model/drafts", "draft_model/engine_steps",
-                     "draft_model/engine_steps_longest")
+                     "draft_model/engine_steps_longest", "tree/undrafted_request_steps", "tree/threshold_sum",
+                     "tree/threshold_steps")
 ADDITIVE_PREFIXES = ("tree_cost/", "tree_calib/")     # the step-cost fit's and the calibration's sums
 # ratios of counters: recomputed from the step's sums (an average over rounds would weigh a small
 # round like a full one); numerator and denominator as rollout/speculative.py and tree_metrics define them
@@ -34,6 +35,9 @@ RATIOS = {"tree/accept_rate": ("tree/accepted_tokens", "tree/draft_tokens"),
           "draft_model/mean_accept_len": ("draft_model/accepted_tokens", "draft_model/drafts"),
           "tree/tokens_per_step": ("tree/generated_tokens", "tree/request_steps"),
           "tree/steps_per_request": ("tree/request_steps", "tree/requests"),
+          "tree/cost_threshold": ("tree/threshold_sum", "tree/threshold_steps"),
+          "spec/draft_tokens_per_step": ("tree/draft_tokens", "tree/engine_steps"),
+          "spec/no_draft_frac": ("tree/undrafted_request_steps", "tree/request_steps"),
           "tree/calibration_prompt": ("tree_calib/prompt_hits", "tree_calib/prompt_expected"),
           "tree/calibration_shared": ("tree_calib/shared_hits", "tree_calib/shared_expected"),
           "spec/mean_accept_len": ("spec/accepted_tokens", "spec/drafts"),
@@ -43,7 +47,8 @@ RATIOS = {"tree/accept_rate": ("tree/accepted_tokens", "tree/draft_tokens"),
 
 
 MAXIMA = ("response/max_len",)
-GAUGES = ("tree/nodes", "tree/memory_mb", "tree/shared_nodes")   # the trees' size after the step's last round
+GAUGES = ("tree/nodes", "tree/memory_mb", "tree/shared_nodes",
+          "tree/fit_ms", "tree/fit_ms_per_request", "tree/fit_ms_per_draft_token")   # the cost fit in effect   # the trees' size after the step's last round
 
 
 def _merge(rounds: list[dict]) -> dict[str, float]:

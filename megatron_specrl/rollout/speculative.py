@@ -139,7 +139,25 @@ def tree_metrics(engine) -> dict[str, float]:
                / max(stats.get(f"calib_{src}_expected", 0.0), 1.0) for src in ("prompt", "shared")
                if stats.get(f"calib_{src}_expected", 0.0) > 0},
             **{f"tree_calib/{k.removeprefix('calib_')}": v for k, v in stats.items() if k.startswith("calib_")},
+            **cost_model_metrics(stats),
             **{f"tree_cost/{k.removeprefix('cost_')}": v for k, v in stats.items() if k.startswith("cost_")}}
+
+
+def cost_model_metrics(stats: dict[str, float]) -> dict[str, float]:
+    """What the drafter's cost model (rollout/tree_drafting/cost_model.py) chose and from what: draft tokens
+    per engine step, the share of request steps that drafted nothing, the acceptance threshold it set
+    (mean over steps), and the step-cost fit in effect (mean over the engines that have one)."""
+    out = {"spec/draft_tokens_per_step": stats["draft_tokens"] / max(stats["engine_steps"], 1.0),
+           "tree/undrafted_request_steps": stats.get("undrafted_request_steps", 0.0),
+           "spec/no_draft_frac": stats.get("undrafted_request_steps", 0.0) / max(stats["request_steps"], 1.0)}
+    if stats.get("threshold_steps", 0.0) > 0:
+        out.update({"tree/threshold_sum": stats["threshold_sum"], "tree/threshold_steps": stats["threshold_steps"],
+                    "tree/cost_threshold": stats["threshold_sum"] / stats["threshold_steps"]})
+    engines = stats.get("fit_engines", 0.0)
+    if engines > 0:
+        out.update({"tree/fit_ms": stats["fit_ms"] / engines, "tree/fit_ms_per_request": stats["fit_ms_per_request"]
+                    / engines, "tree/fit_ms_per_draft_token": stats["fit_ms_per_draft_token"] / engines})
+    return out
 
 
 def draft_model_metrics(stats: dict[str, float]) -> dict[str, float]:

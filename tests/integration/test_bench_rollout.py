@@ -36,7 +36,7 @@ def test_per_epoch_groups_steps_and_picks_the_epoch_end_eval():
 def test_step_cost_sums_add_over_steps_and_epochs_and_fit_per_mode():
     """The engine's decode-step cost sums (tree_cost/*) are summed per epoch, the steady epochs' sums
     fitted per mode: ms = a + b requests + c draft tokens."""
-    from megatron_specrl.rollout.tree_drafting.drafter import add_step_cost
+    from megatron_specrl.rollout.tree_drafting.cost_model import add_step_cost
 
     rows = []
     for step in range(1, 7):

@@ -69,7 +69,7 @@ def test_a_drafter_config_and_its_dict_give_the_same_drafter():
 def test_unset_tokens_resolve_by_draft():
     assert engine_kwargs(RolloutConfig(draft="tree").resolved(), "m", "l", 0, 0)[1]["drafter"].tokens == 16
     assert engine_kwargs(RolloutConfig(draft="model", draft_model="x").resolved(), "m", "l", 0, 0)[1]["drafter"].tokens == 4
-    assert tree_drafter.as_drafter({"min_prob": 0.0}, "tree") == DrafterConfig(tokens=16, min_prob=0.0)
+    assert tree_drafter.as_drafter({"min_prob": 0.0}, "tree") == DrafterConfig(tokens=16, min_prob=0.0, cost_refit="rollout")
 
 
 def test_settings_env_refuses_unknown_keys():

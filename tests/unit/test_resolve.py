@@ -72,7 +72,11 @@ def test_validation_fills_nothing_the_resolve_step_fills():
     assert _values(done) == ("decode", False, 64.0, 16, 16)
     assert _values(cfg) == ("auto", None, None, None, None)          # resolve() fills a copy
     choices = resolved_choices(done)
-    assert [c.key for c in choices.choices] == list(KEYS[-1:] + KEYS[:1] + KEYS[1:4])
+    assert [c.key for c in choices.choices] == list(KEYS[-1:] + ("rollout.drafter.cost_refit",) + KEYS[:1] + KEYS[1:4])
+    assert done.rollout.drafter.cost_refit == "checkpoint"           # the run keeps checkpoints (every 32 steps)
+    assert resolve(load_config(None, ["rollout.draft=tree", "trainer.checkpoint_every=0"])).rollout.drafter.cost_refit \
+        == "rollout"
+    assert resolve(load_config(None, ["rollout.draft=none"])).rollout.drafter.cost_refit is None   # nothing to size
     assert all(c.why for c in choices.choices)
     assert resolved_choices(resolve(done)).choices == choices.choices   # nothing left: the same report
 
@@ -81,7 +85,7 @@ def test_explicit_values_are_kept_and_not_reported():
     cfg = load_config(ROOT / "examples" / "tiny-cpu-grpo.yaml",
                       ["rollout.verify=prefill", "learner.recompute_old_logprobs=true",
                        "learner.loss.loss_scale_factor=3", "trainer.gen_prompts_per_step=16",
-                       "rollout.drafter.tokens=5", "rollout.draft=tree"])
+                       "rollout.drafter.tokens=5", "rollout.draft=tree", "rollout.drafter.cost_refit=checkpoint"])
     assert resolved_choices(resolve(cfg)).choices == []
     assert _values(cfg) == ("prefill", True, 3.0, 16, 5)
 
@@ -108,7 +112,7 @@ def test_a_rollout_config_resolves_as_the_run_does():
     assert RolloutConfig(draft="model", draft_model="x").resolved().verify == "prefill"
     assert RolloutConfig(draft="model", draft_model="x").resolved().drafter.tokens == 4
     assert RolloutConfig(spec_mode="lenient", draft="tree").resolved().verify == "prefill"
-    run = resolve(load_config(None, ["rollout.draft=tree"]))
+    run = resolve(load_config(None, ["rollout.draft=tree", "trainer.checkpoint_every=0"]))   # no checkpoints, as alone
     assert run.rollout == RolloutConfig(draft="tree").resolved()
 
 
@@ -205,14 +209,16 @@ def test_dry_run_prints_the_resolved_values(capsys):
     assert main(["train", "tiny-cpu-grpo", "--dry-run", "rollout.runahead=2"]) == 0
     out = capsys.readouterr().out
     block = out[out.index("resolved auto values:"):].splitlines()
-    assert block[1:7] == [
+    assert block[1:8] == [
         "  rollout.draft=tree  (vLLM verifies sampled tree drafts exactly on CPU)",
         "  rollout.drafter.tokens=16  (a tree draft costs only its verification)",
+        "  rollout.drafter.cost_refit=checkpoint  (a resumed run replays the steps since its checkpoint with the "
+        "fit saved there)",
         "  rollout.verify=decode  (spec_mode=exact with draft=tree verifies in the decode loop)",
         "  learner.recompute_old_logprobs=false  (fp32 engine and learner, no top_p / top_k: their log-probs agree)",
         "  learner.loss.loss_scale_factor=64.0  (rollout.max_new_tokens)",
         "  trainer.gen_prompts_per_step=16  (trainer.prompts_per_step)"]
-    assert block[7].startswith("  warning: rollout.runahead=2 is experimental")
+    assert block[8].startswith("  warning: rollout.runahead=2 is experimental")
 
 
 def test_the_resolved_config_is_frozen():

@@ -70,9 +70,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Container, Sequence
 
-import numpy as np
 
 from megatron_specrl.config import DRAFT_TOKENS_AUTO, DrafterConfig
+from megatron_specrl.rollout.tree_drafting.cost_model import STEP_COST_SUMS, DraftCostModel, add_step_cost
 from megatron_specrl.rollout.tree_drafting.trees import DraftTrees
 
 DRAFT_KEY = "specrl_draft_key"
@@ -90,11 +90,12 @@ _ADDED = "\x00added"                 # request ids of add_responses' sequences (
 # tokens continued by up to max_k); counts kept deeper would only cost time on every token extended;
 # calibration_prior: pseudo-counts that hold a source at 1 until it has evidence (`Calibration`, on with
 # rollout.drafter.calibrate); calibration_decay: what an engine step keeps of the evidence so far
-PROPOSER_ONLY = {"max_depth": None, "max_match": 16, "calibration_prior": 2.0, "calibration_decay": 0.8}
+# cost_decay: what an engine step keeps of the step-cost fit's sums and the per-depth acceptance counts
+# (cost_model.DraftCostModel; about fifty steps' worth counts)
+PROPOSER_ONLY = {"max_depth": None, "max_match": 16, "calibration_prior": 2.0, "calibration_decay": 0.8,
+                 "cost_decay": 0.98}
 DEFAULTS = {**DrafterConfig().model_dump(), **PROPOSER_ONLY}
 
-# least-squares sums over steps for seconds = a + b r + c d (r: requests in the step, d: draft tokens)
-STEP_COST_SUMS = ("cost_n", "cost_r", "cost_d", "cost_rr", "cost_rd", "cost_dd", "cost_y", "cost_ry", "cost_dy")
 # draft_tokens (and own_ / shared_draft_tokens): the draft tokens the engine verified, accept_rate's
 # denominator; proposed_tokens: all the drafter proposed (vLLM's scheduler may verify fewer: it cuts a
 # draft to the step's token budget or max_model_len, and drops it for a preempted request)
@@ -103,8 +104,11 @@ STEP_COST_SUMS = ("cost_n", "cost_r", "cost_d", "cost_rr", "cost_rd", "cost_dd",
 # the calibration's evidence over the rollout, per source (prompt: the request's prompt's tree; shared):
 # first tokens the engine's next token matched, and the sum of the frequencies the tree gave them
 CALIBRATION_SUMS = ("calib_prompt_hits", "calib_prompt_expected", "calib_shared_hits", "calib_shared_expected")
+# undrafted_request_steps: request steps that proposed no draft; threshold_sum / threshold_steps: the cost
+# model's acceptance threshold summed over the steps it set one (cost_model.DraftCostModel.threshold)
 COUNTERS = ("draft_tokens", "accepted_tokens", "generated_tokens", "request_steps", "requests", "engine_steps",
             "runahead_tokens", "own_draft_tokens", "shared_draft_tokens", "proposed_tokens", "draft_s",
+            "undrafted_request_steps", "threshold_sum", "threshold_steps",
             *STEP_COST_SUMS, *CALIBRATION_SUMS)
 SOURCES = ("prompt", "shared")
 
@@ -151,30 +155,6 @@ class Calibration:
         self.expected = [float(x) for x in state["expected"]]
 
 
-def add_step_cost(sums: dict, requests: float, drafts: float, seconds: float) -> None:
-    """One step into the fit's sums (the TreeDrafter's counters, or any dict of STEP_COST_SUMS)."""
-    r, d, y = float(requests), float(drafts), float(seconds)
-    for key, v in (("cost_n", 1.0), ("cost_r", r), ("cost_d", d), ("cost_rr", r * r), ("cost_rd", r * d),
-                   ("cost_dd", d * d), ("cost_y", y), ("cost_ry", r * y), ("cost_dy", d * y)):
-        sums[key] = sums.get(key, 0.0) + v
-
-
-def fit_step_cost(sums: dict) -> tuple[float, float, float] | None:
-    """(ms per step, ms per request, ms per draft token) from STEP_COST_SUMS, least squares; None with
-    fewer than 10 steps. A coefficient the steps cannot tell apart (no step drafted, or every step ran
-    as many requests) gets the minimum-norm solution, so read it with the steps' ranges."""
-    g = {k: float(sums.get(k, 0.0)) for k in STEP_COST_SUMS}
-    if g["cost_n"] < 10:
-        return None
-    xtx = np.array([[g["cost_n"], g["cost_r"], g["cost_d"]],
-                    [g["cost_r"], g["cost_rr"], g["cost_rd"]],
-                    [g["cost_d"], g["cost_rd"], g["cost_dd"]]])
-    xty = np.array([g["cost_y"], g["cost_ry"], g["cost_dy"]])
-    scale = np.sqrt(np.maximum(np.diag(xtx), 1e-30))          # columns of very different size
-    coef = np.linalg.lstsq(xtx / np.outer(scale, scale), xty / scale, rcond=1e-10)[0] / scale
-    return tuple(float(1000 * c) for c in coef)
-
-
 def settings_env(drafter: DrafterConfig | None = None, **overrides) -> str:
     """The settings as the engines hand them to their workers: rollout.drafter whole (its model_dump)
     and the proposer's own (PROPOSER_ONLY), `overrides` on top (tests, tools). Checked here, in the
@@ -197,6 +177,8 @@ def as_drafter(drafter: DrafterConfig | dict | None, draft: str = "tree") -> Dra
         drafter = DrafterConfig(**drafter)
     if drafter.tokens is None:
         drafter = drafter.model_copy(update={"tokens": DRAFT_TOKENS_AUTO[draft]})
+    if drafter.cost_refit is None:     # no run: no checkpoint to replay from
+        drafter = drafter.model_copy(update={"cost_refit": "rollout"})
     return drafter
 
 
@@ -263,7 +245,8 @@ class TreeDrafter:
         self.trees = self._trees_cls(max_depth=max_depth, max_match=int(s["max_match"]),
                                      max_nodes=int(s["max_nodes"]))
         # request id -> [response start, tokens of the response already in the tree, last draft length,
-        # run-ahead (0/1), last position the engine keeps, stop tokens]; None for requests that did not opt in
+        # run-ahead (0/1), last position the engine keeps, stop tokens, the last draft's source (cost_model.
+        # SOURCES)]; None for requests that did not opt in
         self._live: dict[str, list | None] = {}
         self._own: dict[str, tuple[int, ...]] = {}   # request id -> own draft, while its response follows it
         # request id -> (length, counter of its source or None) of its last draft, until the engine says
@@ -286,6 +269,13 @@ class TreeDrafter:
         # request id -> each source's first proposed token and its frequency, checked against the
         # request's next token in the next step
         self._firsts: dict[str, tuple[tuple[int, float], ...]] = {}
+        # the decode-step cost model (None: rollout.drafter.cost_model off), when its fit takes effect, and
+        # this step's acceptance threshold from it (None: no fit in effect: token_budget and min_prob rule)
+        self.cost = DraftCostModel(self.max_k, float(s["cost_decay"])) if s["cost_model"] else None
+        self.cost_refit = s["cost_refit"] or "rollout"
+        self._threshold: float | None = None
+        self._step_gained, self._step_requests = 0, 0      # this step's tokens and requests (ours)
+        self._tokens_per_request, self._last_drafts = 1.0, 0   # the last drafting step's
 
     # -- draft length rules ----------------------------------------------------------------
     def draft_len(self, running: int) -> int:
@@ -301,7 +291,13 @@ class TreeDrafter:
     # -- one engine step ---------------------------------------------------------------------
     def begin_step(self, running: int) -> None:
         self._step_t0 = time.perf_counter()
-        self._k_max, self._step_min_prob = self.draft_len(running), self.draft_min_prob(running)
+        self._threshold = (None if self.cost is None else
+                           self.cost.threshold(running, self._tokens_per_request, self._last_drafts))
+        if self._threshold is None:
+            self._k_max, self._step_min_prob = self.draft_len(running), self.draft_min_prob(running)
+        else:      # every token whose chance of acceptance beats its cost, up to rollout.drafter.tokens
+            self._k_max, self._step_min_prob = self.max_k, self._threshold
+        self._step_gained, self._step_requests = 0, 0
         self._seen, self._drafting = set(), False
         self._step_running, self._step_drafts, self._step_joined = running, 0, False
         self._step_verified = None
@@ -332,7 +328,7 @@ class TreeDrafter:
             self._count_verified(req_id, live, int(verified))
         if gained == 0:
             return []
-        start, consumed, last_draft, runahead, max_end, stops = live
+        start, consumed, last_draft, runahead, max_end, stops = live[:6]
         self._drafting = self._drafting or not runahead
         new = list(seq(start + consumed, end))
         n = len(new) if gained is None else gained
@@ -349,6 +345,8 @@ class TreeDrafter:
             n = max(0, n - (len(new) - kept))
             accepted = min(accepted, n)
             del new[kept:]
+        if self.cost is not None and last_draft > 0 and new and not runahead:
+            self.cost.depths.observe(live[6], last_draft, accepted)
         c = self.counters
         firsts = self._firsts.pop(req_id, None)
         if firsts is not None and new:    # what the trees proposed last step against what the engine sampled
@@ -367,9 +365,12 @@ class TreeDrafter:
         k = 0 if ended else min(self._k_max, max_end - end - 1)
         ids = (req_id, (req_id, SHARED_KEY)) if self.shared_nodes else (req_id,)
         kind = None        # the counter of the draft's source, besides draft_tokens
+        source = "prompt"
         if own is not None and end - start < len(own):
+            if self._threshold is not None:   # as deep as each token's estimated acceptance beats its cost
+                k = min(k, self.cost.depths.depth("own", self._threshold))
             draft = list(own[end - start:end - start + max(k, 0)])
-            kind = "own_draft_tokens"
+            kind, source = "own_draft_tokens", "own"
         elif k > 0:
             # the shared tree's draft unless the prompt's own expects more accepted tokens
             draft, source, first = self.trees.extend_and_propose(ids, new, k, self._step_min_prob, self._kappas)
@@ -377,7 +378,9 @@ class TreeDrafter:
                 self._firsts[req_id] = first
             new_in_tree = True
             if source:
-                kind = "shared_draft_tokens"
+                kind, source = "shared_draft_tokens", "shared"
+            else:
+                source = "prompt"
         else:
             draft = []
         if new:
@@ -391,9 +394,13 @@ class TreeDrafter:
                 c["generated_tokens"] += n
                 c["request_steps"] += 1
                 c["accepted_tokens"] += accepted
+                self._step_gained += n
+                self._step_requests += 1
         if stops and draft:   # the request would end at a drafted stop token: verify no token after it
             draft = next((draft[:j + 1] for j, t in enumerate(draft) if t in stops), draft)
-        live[2] = len(draft)
+        live[2], live[6] = len(draft), source
+        if new and not runahead and not draft:
+            c["undrafted_request_steps"] += 1
         if not runahead:       # as its accepted tokens: kept out of this rollout's counters
             c["proposed_tokens"] += len(draft)
             if verified is not None:          # counted when the engine says how many it verified
@@ -442,7 +449,15 @@ class TreeDrafter:
             if last is not None and not self._step_joined and self._seen & self._last_ids:
                 drafts = last[2] if self._step_verified is None else self._step_verified
                 add_step_cost(self.counters, last[1], drafts, self._step_t0 - last[0])
+                if self.cost is not None:
+                    self.cost.observe_step(last[1], drafts, self._step_t0 - last[0])
             self._last_step = [self._step_t0, self._step_running, self._step_drafts]
+            if self._step_requests:
+                self._tokens_per_request = self._step_gained / self._step_requests
+            self._last_drafts = self._step_drafts
+            if self._threshold is not None:
+                self.counters["threshold_sum"] += self._threshold
+                self.counters["threshold_steps"] += 1
         self._last_ids = self._seen
         for req_id in [r for r in self._live if r not in self._seen and (alive is None or r not in alive)]:
             self._release(req_id)
@@ -519,14 +534,19 @@ class TreeDrafter:
         max_end = self.max_model_len if opts.max_end is None else min(opts.max_end, self.max_model_len)
         self.counters["requests"] += not opts.runahead
         live = self._live[req_id] = [opts.response_start, opts.prompt_len - opts.response_start, 0,
-                                     int(opts.runahead), max_end, opts.stops]
+                                     int(opts.runahead), max_end, opts.stops, "prompt"]
         return live
 
     # -- driver-side calls -------------------------------------------------------------------
     def take_stats(self) -> dict[str, float]:
         """Counters since the last call, and the trees' size now."""
+        if self.cost is not None and self.cost_refit == "rollout":
+            self.cost.commit()
         out = {k: float(v) for k, v in self.counters.items()}
         out["loop_s"] = self._loop[1] - self._loop[0] if self._loop else 0.0
+        if self.cost is not None and self.cost.coef is not None:   # the fit in effect: summed over engines
+            out["fit_engines"] = 1.0                                   # with this count, as every stat
+            out["fit_ms"], out["fit_ms_per_request"], out["fit_ms_per_draft_token"] = self.cost.coef
         self.counters, self._loop, self._last_step = dict.fromkeys(COUNTERS, 0), None, None
         st = self.trees.sizes()   # not stats(): that walks every stored sequence, every rollout
         out["nodes"] = float(st["nodes"])
@@ -536,9 +556,14 @@ class TreeDrafter:
         return out
 
     def state_dict(self) -> dict:
+        """The trees, the calibration and the cost model, for a checkpoint: the cost fit of the steps so
+        far takes effect here, so that a run resumed from this state drafts as this one goes on to."""
         state = self.trees.state_dict()
         if self.calibration is not None:
             state["calibration"] = self.calibration.state_dict()
+        if self.cost is not None:
+            self.cost.commit()
+            state["cost_model"] = self.cost.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -554,3 +579,5 @@ class TreeDrafter:
         self._shared_after_rebuild = 0
         if self.calibration is not None and state.get("calibration") is not None:
             self.calibration.load_state_dict(state["calibration"])
+        if self.cost is not None and state.get("cost_model") is not None:
+            self.cost.load_state_dict(state["cost_model"])

@@ -29,7 +29,7 @@ from argparse import Namespace
 import numpy as np
 from megatron_specrl.benchmarks import rollout as bench_rollout
 from megatron_specrl.benchmarks.rollout import epoch_table, per_epoch, spread, summarize
-from megatron_specrl.rollout.tree_drafting.drafter import add_step_cost, fit_step_cost
+from megatron_specrl.rollout.tree_drafting.cost_model import add_step_cost, fit_step_cost
 import torch
 from tests.helpers.paths import REPO_ROOT
 from tests.helpers.benchmarks import _tool, _rows  # noqa: F401

@@ -294,7 +294,7 @@ def test_step_cost_sums_take_each_steps_cycle_and_leave_out_prefills_and_gaps(mo
 
 
 def test_step_cost_fit_recovers_a_known_cost():
-    from megatron_specrl.rollout.tree_drafting.drafter import add_step_cost, fit_step_cost
+    from megatron_specrl.rollout.tree_drafting.cost_model import add_step_cost, fit_step_cost
 
     rng = np.random.default_rng(0)
     sums = {}
