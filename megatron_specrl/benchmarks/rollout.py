@@ -53,7 +53,8 @@ def mode_overrides(mode: str, draft_model: str | None = None) -> list[str]:
     from each prompt's own tree only (rollout.drafter.shared_nodes=0), which measures the shared tree's;
     `+pytrees` keeps the trees in pure Python (rollout.drafter.impl=python: the same drafts, so the same
     tokens), which measures the compiled trees' gain; `+nocalib` drafts from the trees' raw frequencies
-    (rollout.drafter.calibrate=false), which measures the calibration's. `model` / `exact+model` draft
+    (rollout.drafter.calibrate=false), which measures the calibration's; `+nocost` sizes drafts by the token
+    budget and min_prob alone (rollout.drafter.cost_model=false), which measures the cost model's. `model` / `exact+model` draft
     from a draft model (rollout.draft=model; its rollout.draft_model among the overrides). Not in the
     default list."""
     spec, *extras = mode.split("+")
@@ -70,19 +71,20 @@ def mode_overrides(mode: str, draft_model: str | None = None) -> list[str]:
     decode = spec == "exact" and extras[:2] == ["tree", "decode"]
     rest = [e for e in extras if e != "decode"] if decode else extras
     flags = []
-    while rest[1:] and rest[-1] in ("noshared", "pytrees", "nocalib") and rest[-1] not in flags:
+    while rest[1:] and rest[-1] in ("noshared", "pytrees", "nocalib", "nocost") and rest[-1] not in flags:
         flags.append(rest.pop())
     known = spec in ("off", "exact", "lenient", "coupled") and rest in ([], ["tree"], ["tree", "runahead"])
     if not known:
         raise SystemExit(f"unknown bench mode {mode!r}; modes: {', '.join(MODES)}, exact+tree+decode, any "
-                         "+tree mode with +runahead, then any of +noshared, +pytrees, +nocalib; `model` and "
+                         "+tree mode with +runahead, then any of +noshared, +pytrees, +nocalib, +nocost; `model` and "
                          "exact/lenient/coupled+model (rollout.draft=model: pass rollout.draft_model=...)")
     runahead = RUNAHEAD_REQUESTS if "runahead" in rest else 0
     out = [f"rollout.spec_mode={spec}", f"rollout.draft={'tree' if rest else 'none'}", f"rollout.runahead={runahead}",
            f"rollout.verify={'decode' if decode else 'prefill'}"]
     return (out + (["rollout.drafter.shared_nodes=0"] if "noshared" in flags else [])
             + (["rollout.drafter.impl=python"] if "pytrees" in flags else [])
-            + (["rollout.drafter.calibrate=false"] if "nocalib" in flags else []))
+            + (["rollout.drafter.calibrate=false"] if "nocalib" in flags else [])
+            + (["rollout.drafter.cost_model=false"] if "nocost" in flags else []))
 
 
 def split_label(label: str) -> tuple[str, str | None]:

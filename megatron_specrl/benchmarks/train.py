@@ -27,6 +27,8 @@ from pathlib import Path
 ARMS = {
     "sync+off": ["trainer.max_staleness=0", "rollout.spec_mode=off", "rollout.draft=none"],
     "sync+default": ["trainer.max_staleness=0"],
+    # the default mode with drafts sized by the token budget and min_prob alone (no decode-step cost model)
+    "sync+default+nocost": ["trainer.max_staleness=0", "rollout.drafter.cost_model=false"],
     "async+off": ["trainer.max_staleness=1", "rollout.spec_mode=off", "rollout.draft=none"],
     "async+default": ["trainer.max_staleness=1"],
     "async+exact": ["trainer.max_staleness=0", "trainer.overlap=exact", "rollout.spec_mode=coupled",

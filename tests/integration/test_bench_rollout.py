@@ -103,9 +103,10 @@ def test_modes_and_seed_spread():
     assert mode_overrides("tree+noshared+pytrees")[-2:] == ["rollout.drafter.shared_nodes=0", "rollout.drafter.impl=python"]
     assert mode_overrides("tree+pytrees+noshared")[-2:] == ["rollout.drafter.shared_nodes=0", "rollout.drafter.impl=python"]
     assert mode_overrides("exact+tree+decode+nocalib")[-2:] == ["rollout.verify=decode", "rollout.drafter.calibrate=false"]
+    assert mode_overrides("exact+tree+decode+nocost")[-2:] == ["rollout.verify=decode", "rollout.drafter.cost_model=false"]
     for bad in ("exact+ngram", "exact+runahead", "coupled+runahead+tree", "lenient+tree+decode", "exact+decode",
                 "exact+noshared", "noshared", "tree+noshared+runahead", "exact+pytrees", "tree+pytrees+pytrees",
-                "tree+pytrees+runahead", "exact+nocalib", "tree+nocalib+nocalib"):
+                "tree+pytrees+runahead", "exact+nocalib", "tree+nocalib+nocalib", "exact+nocost"):
         with pytest.raises(SystemExit, match="unknown bench mode"):
             mode_overrides(bad)
     sp = spread([{"speedup_x": 2.0, "only_one": 1.0}, {"speedup_x": 3.0}])

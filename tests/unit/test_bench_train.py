@@ -30,6 +30,7 @@ def test_the_arms_cross_the_loop_with_plain_and_speculative_rollouts():
     assert all("rollout.spec_mode=off" in ARMS[a] for a in ("sync+off", "async+off"))
     assert not any(o.startswith("rollout.") for a in ("sync+default", "async+default") for o in ARMS[a])
     assert "trainer.overlap=exact" in ARMS["async+exact"] and "rollout.coupled_refresh=1" in ARMS["async+exact"]
+    assert ARMS["sync+default+nocost"] == ARMS["sync+default"] + ["rollout.drafter.cost_model=false"]
 
 
 def test_the_exact_overlaps_refresh_figures_come_from_the_steps_that_refreshed():
