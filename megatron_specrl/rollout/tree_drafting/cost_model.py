@@ -28,7 +28,9 @@ from drafter.state_dict at a checkpoint, or after every rollout where the run ke
 the engine's `cost_refit` setting), and is saved with the trees. A resumed run then drafts every
 replayed step as the killed run did. Until the first commit with enough measured steps (`min_steps`
 steps, of which `min_drafted` verified drafts, so that c is told apart from a and b) the drafter keeps
-its rules without the model (rollout.drafter.token_budget and min_prob).
+its rules without the model (rollout.drafter.token_budget and min_prob), as it does in a step of more
+or fewer requests than any step the fit in effect was measured on (a linear fit extrapolated from a
+6-request batch to a 256-request one set every threshold to 1 on this CPU: nothing was drafted).
 """
 
 from __future__ import annotations
@@ -126,6 +128,10 @@ class DraftCostModel:
         self.sums: dict[str, float] = dict.fromkeys(STEP_COST_SUMS, 0.0)
         self.drafted_steps = 0.0          # decayed count of measured steps that verified draft tokens
         self.coef: tuple[float, float, float] | None = None   # ms, ms per request, ms per draft token
+        # the fewest and most requests of the steps measured, and those of the fit in effect: it decides
+        # only inside that range (a fit of 6-request steps says nothing of a 256-request step's cost)
+        self.seen: list[int] | None = None
+        self.span: tuple[int, int] | None = None
         self.depths = DepthAcceptance(max_k)
 
     def observe_step(self, requests: int, drafts: int, seconds: float) -> None:
@@ -133,6 +139,8 @@ class DraftCostModel:
             self.sums[k] *= self.decay
         self.drafted_steps = self.drafted_steps * self.decay + (drafts > 0)
         add_step_cost(self.sums, requests, drafts, seconds)
+        r = int(requests)
+        self.seen = [r, r] if self.seen is None else [min(self.seen[0], r), max(self.seen[1], r)]
         self.depths.decay(self.decay)
 
     def commit(self) -> bool:
@@ -141,14 +149,14 @@ class DraftCostModel:
             fit = fit_step_cost(self.sums)
             if fit is not None:
                 a, b, c = fit
-                self.coef = (max(a, 0.0), max(b, 0.0), max(c, 0.0))
+                self.coef, self.span = (max(a, 0.0), max(b, 0.0), max(c, 0.0)), tuple(self.seen)
         return self.coef is not None
 
     def threshold(self, running: int, tokens_per_request: float, drafts: int) -> float | None:
         """The acceptance probability a draft token needs this step (c x the step's tokens per ms, for
         `running` requests gaining `tokens_per_request` each with `drafts` draft tokens, the last step's);
-        None while no fit is in effect."""
-        if self.coef is None:
+        None while no fit is in effect, or where it saw no step of that many requests."""
+        if self.coef is None or not self.span[0] <= running <= self.span[1]:
             return None
         a, b, c = self.coef
         ms = a + b * running + c * drafts
@@ -157,10 +165,13 @@ class DraftCostModel:
         return min(1.0, c * running * max(tokens_per_request, 1.0) / ms)
 
     def state_dict(self) -> dict:
-        return {"coef": None if self.coef is None else list(self.coef), "depths": self.depths.state_dict()}
+        return {"coef": None if self.coef is None else list(self.coef),
+                "span": None if self.span is None else list(self.span), "depths": self.depths.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         coef = state.get("coef")
         self.coef = None if coef is None else tuple(float(x) for x in coef)
+        span = state.get("span")
+        self.span = None if coef is None else (int(span[0]), int(span[1])) if span else (1, 1 << 30)
         if state.get("depths") is not None:
             self.depths.load_state_dict(state["depths"])

@@ -540,13 +540,13 @@ class TreeDrafter:
     # -- driver-side calls -------------------------------------------------------------------
     def take_stats(self) -> dict[str, float]:
         """Counters since the last call, and the trees' size now."""
-        if self.cost is not None and self.cost_refit == "rollout":
-            self.cost.commit()
         out = {k: float(v) for k, v in self.counters.items()}
         out["loop_s"] = self._loop[1] - self._loop[0] if self._loop else 0.0
-        if self.cost is not None and self.cost.coef is not None:   # the fit in effect: summed over engines
-            out["fit_engines"] = 1.0                                   # with this count, as every stat
+        if self.cost is not None and self.cost.coef is not None:   # the fit in effect in these steps: summed
+            out["fit_engines"] = 1.0                                   # over engines with this count
             out["fit_ms"], out["fit_ms_per_request"], out["fit_ms_per_draft_token"] = self.cost.coef
+        if self.cost is not None and self.cost_refit == "rollout":   # the next rollout's
+            self.cost.commit()
         self.counters, self._loop, self._last_step = dict.fromkeys(COUNTERS, 0), None, None
         st = self.trees.sizes()   # not stats(): that walks every stored sequence, every rollout
         out["nodes"] = float(st["nodes"])

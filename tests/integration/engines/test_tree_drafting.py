@@ -30,6 +30,7 @@ scheduler.
 import os
 import random
 from collections import Counter
+from contextlib import contextmanager
 import numpy as np
 import pytest
 from tests.helpers.paths import REPO_ROOT
@@ -52,7 +53,8 @@ def engine(tiny_llama, tmp_path_factory):
     from megatron_specrl.engines.vllm import VLLMEngine
     eng = VLLMEngine(str(tiny_llama), name="vllm-tree", seed=0, max_model_len=256, kv_cache_gb=0.25,
                      log_dir=tmp_path_factory.mktemp("engine-logs"), draft="tree",
-                     drafter={"tokens": 8, "min_prob": 0.0, "fresh_prompts": True})   # drafting in flight from the first request
+                     drafter={"tokens": 8, "min_prob": 0.0, "fresh_prompts": True,   # drafting in flight from the first request
+                              "cost_refit": "checkpoint"})   # no fit in effect but _cost_fit_in_effect's
     yield eng
     eng.shutdown()
 
@@ -62,6 +64,22 @@ def _requests(n, key, seed0, max_new=3, prompt=PROMPT):
             for i in range(n)]
 
 
+
+
+@contextmanager
+def _cost_fit_in_effect(engine, coef=(5.0, 0.05, 0.002)):
+    """A decode-step cost fit for every batch size (rollout/tree_drafting/cost_model.py), loaded as a
+    checkpoint's: the drafts inside sized by it (this module's engine changes its fit only at draft_state,
+    cost_refit=checkpoint); none in effect after."""
+    state = engine.draft_state()
+    state["cost_model"] = {"coef": list(coef), "span": [1, 1 << 20]}
+    engine.load_draft_state(state)
+    try:
+        yield
+    finally:
+        state = engine.draft_state()
+        state["cost_model"] = {"coef": None}
+        engine.load_draft_state(state)
 
 
 def test_greedy_drafts_give_the_plain_greedy_tokens(engine):
@@ -86,12 +104,14 @@ def test_drafted_sampling_has_the_plain_distribution(engine, sampling):
     key = f"d-{sampling.temperature}"
     engine.generate(_requests(N, key, 10_000), sampling, 0)           # fill the tree in flight
     engine.draft_stats()
-    drafted = engine.generate(_requests(N, key, 20_000), sampling, 0)
-    stats = engine.draft_stats()
+    with _cost_fit_in_effect(engine):               # exact whatever length the cost model gives a draft
+        drafted = engine.generate(_requests(N, key, 20_000), sampling, 0)
+        stats = engine.draft_stats()
     plain = engine.generate(_requests(N, None, 30_000), sampling, 0)
     a, b = [tuple(r.token_ids) for r in drafted], [tuple(r.token_ids) for r in plain]
     assert stats["accepted_tokens"] > 0.2 * N and stats["draft_tokens"] > stats["accepted_tokens"], \
         f"nothing to check: drafts were never both accepted and rejected {stats}"
+    assert stats["threshold_steps"] == stats["engine_steps"] > 0     # the cost model sized every draft
     pvalue = _contingency_pvalue(a, b)
     assert pvalue > 1e-3, f"tree-drafted samples differ from plain samples (p={pvalue:.2e})"
     # every drafted response carries a log-prob per token, finite and <= 0
@@ -266,11 +286,13 @@ def test_exact_in_the_decode_loop_samples_the_plain_distribution(engine, samplin
     by the engine's rejection sampler inside the decode loop, give samples of plain generation's
     distribution (chi-square on 3-token responses); the drafts themselves are told apart from it."""
     old = engine.generate(_requests(N, None, 40_000), SamplingSettings(temperature=1.5, top_k=6), 0)
-    samples, m = _decode_rollout(engine, old, sampling, 3, seed=int(100 * sampling.temperature),
-                                 key=f"own-{sampling.temperature}")
+    with _cost_fit_in_effect(engine):
+        samples, m = _decode_rollout(engine, old, sampling, 3, seed=int(100 * sampling.temperature),
+                                     key=f"own-{sampling.temperature}")
     plain = engine.generate(_requests(N, None, 50_000), sampling, 0)
     got, want = [tuple(s.response_ids) for s in samples], [tuple(r.token_ids) for r in plain]
     assert m["spec/accepted_tokens"] > 0.2 * N and m["spec/replaced_tokens"] > 0.2 * N, m
+    assert m["tree/threshold_steps"] > 0 and m["tree/fit_ms"] == 5.0      # drafts sized by the cost model
     assert all(s.num_reused == next((i for i, (a, b) in enumerate(zip(s.response_ids, d.token_ids)) if a != b),
                                     min(len(s.response_ids), len(d.token_ids))) for s, d in zip(samples, old))
     pvalue = _contingency_pvalue(got, want)
