@@ -28,7 +28,10 @@ Semantics (read from sglang 0.5.23):
   this process, whose handler kills it and every child of it; SGLangEngine stops that watchdog and watches
   the processes itself (children_of): a call running or made after the death raises the one-line
   EngineError naming the process and how it ended, health() says the same, and restart() serves a fresh
-  engine at version 0 (run.recovery then pushes the learner's weights again).
+  engine at version 0 (run.recovery then pushes the learner's weights again). A scheduler or detokenizer
+  that fails by a Python exception sends SIGQUIT to this process itself before it exits: SGLang's handlers
+  for it (its launch-phase one, then its tokenizer manager's on the event loop) are replaced by
+  `child_sigquit`, which only logs, so the exit is found and named as any other death.
 - Colocated GPUs: release_memory / resume_memory map onto `release_memory_occupation` /
   `resume_memory_occupation(tags)` (memory freed only with enable_memory_saver=True).
 - Tree drafting (draft="tree", rollout.draft=tree): speculative decoding with SGLang's NGRAM
@@ -46,6 +49,8 @@ import asyncio
 import json
 import logging
 import os
+import signal
+import threading
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -67,6 +72,8 @@ from megatron_specrl.engines.sglang.requests import (
 )
 from megatron_specrl.engines.sglang.server import check_plugin_installed, tree_server_args, tree_server_env
 from megatron_specrl.rollout.tree_drafting.drafter import as_drafter
+
+logger = logging.getLogger(__name__)
 
 
 class _SGLangBase(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, kind="sglang"):
@@ -339,7 +346,8 @@ class SGLangEngine(_SGLangBase):
             check_engine_args("sglang", engine_args or {})
             self.server_args = dict(model_path=str(model_path), random_seed=seed, context_length=max_model_len,
                                     tp_size=tensor_parallel_size, dtype=dtype, mem_fraction_static=gpu_memory_utilization,
-                                    enable_custom_logit_processor=True, skip_tokenizer_init=True)
+                                    enable_custom_logit_processor=True, skip_tokenizer_init=True,
+                                    custom_sigquit_handler=child_sigquit)   # a child failing at start: logged
             if enforce_eager:
                 self.server_args["disable_cuda_graph"] = True
             if cudagraph_capture_sizes:
@@ -371,6 +379,7 @@ class SGLangEngine(_SGLangBase):
         """Serve from `engine`: its children watched by us (children_of), the server's version set to ours."""
         self.engine = engine
         self._children, self._death_logged = children_of(engine), False
+        keep_alive_on_child_sigquit(engine)
         # a real engine's answers carry the server's weight version ("default" at start): ours from here on
         self._records_version = hasattr(engine, "tokenizer_manager")
         self._set_server_version(0)
@@ -506,6 +515,27 @@ class _Pid:
             return psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:
             return False
+
+
+def child_sigquit(signum=None, frame=None) -> None:
+    """SIGQUIT from one of SGLang's processes: sglang 0.5.23's scheduler and detokenizer send it to this
+    process when they fail by an exception, and then exit. SGLang's own handlers kill this process and all
+    of its children (a learner's or another engine's too); this one logs, and the engine's watch of its
+    processes (SGLangEngine._guarded, health) finds the exit and names it."""
+    logger.error("an SGLang process reported a failure (SIGQUIT); its engine's next call names it")
+
+
+def keep_alive_on_child_sigquit(engine) -> None:
+    """Replace the SIGQUIT handler sglang 0.5.23's tokenizer manager adds to its event loop (main thread
+    only: `running_phase_sigquit_handler`, which kills this process tree) by child_sigquit; and this
+    process's own (SGLang's launch-phase one), where this is the main thread. A fake engine: nothing."""
+    loop = getattr(engine, "loop", None)
+    if loop is None or not hasattr(engine, "tokenizer_manager"):
+        return
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGQUIT, child_sigquit)
+        loop.remove_signal_handler(signal.SIGQUIT)
+        loop.add_signal_handler(signal.SIGQUIT, child_sigquit)
 
 
 def children_of(engine) -> list[tuple[str, Any]]:

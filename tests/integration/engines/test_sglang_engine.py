@@ -211,8 +211,8 @@ def test_exact_samples_the_new_policy_through_sglang(engine, hf_new):
 
 
 def test_killed_mid_generate_raises_engine_error_then_restart(engine):
-    """Last in the module (it restarts the engine at version 0). SIGKILL of SGLang's scheduler while a batch
-    decodes: the call raises the one-line EngineError naming the process and the signal (before, SGLang's
+    """Last in the module (it restarts the engine at version 0). A SIGQUIT to this process (a child's report
+    of an exception) leaves it serving. SIGKILL of SGLang's scheduler while a batch decodes: the call raises the one-line EngineError naming the process and the signal (before, SGLang's
     SubprocessWatchdog sent SIGQUIT to this process, whose handler killed it and every child of it), health
     says why, and restart() ends the old engine's processes and serves a fresh engine at version 0."""
     import os
@@ -224,6 +224,10 @@ def test_killed_mid_generate_raises_engine_error_then_restart(engine):
     from megatron_specrl.engines.protocol import EngineError
     old = engine.health().detail["child_pids"]
     reqs = [GenerateRequest(rand_ids(64, 200 + i), 160, seed=i) for i in range(64)]
+    # what SGLang's scheduler and detokenizer send this process when they fail by an exception: SGLang's
+    # handler killed this process and every child of it; now it is logged and the engine serves on
+    os.kill(os.getpid(), signal.SIGQUIT)
+    assert len(engine.generate(reqs[:2], T1, engine.weight_version)) == 2 and engine.health().alive
     killer = threading.Timer(0.5, os.kill, (old[0], signal.SIGKILL))   # the scheduler; the batch takes seconds
     killer.start()
     try:
