@@ -182,7 +182,7 @@ METRICS: dict[str, tuple[str, str]] = {
     "spec/draft_tokens_per_step": ("tokens/step", "tree/draft_tokens / tree/engine_steps: draft tokens an engine "
                                    "step verified."),
     "spec/no_draft_frac": ("fraction", "tree/undrafted_request_steps / tree/request_steps: request steps that "
-                           "drafted nothing."),
+                           "drafted nothing, of requests that could draft (1 where none could)."),
     "tree_calib/prompt_hits": ("count", "Prompt-tree first proposals the engine's next token matched."),
     "tree_calib/prompt_expected": ("count", "Sum of the frequencies the prompt tree gave its first proposals."),
     "tree_calib/shared_hits": ("count", "Shared-tree first proposals the engine's next token matched."),

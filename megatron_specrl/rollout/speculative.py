@@ -149,7 +149,9 @@ def cost_model_metrics(stats: dict[str, float]) -> dict[str, float]:
     (mean over steps), and the step-cost fit in effect (mean over the engines that have one)."""
     out = {"spec/draft_tokens_per_step": stats["draft_tokens"] / max(stats["engine_steps"], 1.0),
            "tree/undrafted_request_steps": stats.get("undrafted_request_steps", 0.0),
-           "spec/no_draft_frac": stats.get("undrafted_request_steps", 0.0) / max(stats["request_steps"], 1.0)}
+           # of the request steps of requests that could draft; 1 where none could (a first epoch on CPU)
+           "spec/no_draft_frac": (stats.get("undrafted_request_steps", 0.0) / stats["request_steps"]
+                                  if stats["request_steps"] > 0 else 1.0)}
     if stats.get("threshold_steps", 0.0) > 0:
         out.update({"tree/threshold_sum": stats["threshold_sum"], "tree/threshold_steps": stats["threshold_steps"],
                     "tree/cost_threshold": stats["threshold_sum"] / stats["threshold_steps"]})
