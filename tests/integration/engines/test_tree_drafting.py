@@ -460,7 +460,8 @@ def engines(tiny_llama, tmp_path_factory):
     from megatron_specrl.engines.vllm import VLLMEngine
     logs = tmp_path_factory.mktemp("engine-logs")
     tree = VLLMEngine(str(tiny_llama), name="vllm-fresh", seed=0, max_model_len=256, kv_cache_gb=0.25,
-                      log_dir=logs, draft="tree", drafter={"tokens": 8, "min_prob": 0.0})
+                      log_dir=logs, draft="tree",   # every draft the trees hold: what reaches them, not how much pays
+                      drafter={"tokens": 8, "min_prob": 0.0, "cost_model": False})
     plain = VLLMEngine(str(tiny_llama), name="vllm-plain", seed=0, max_model_len=256, kv_cache_gb=0.25,
                        log_dir=logs)
     yield tree, plain
