@@ -50,6 +50,10 @@ def test_seeded_draws_follow_the_distribution():
 
 @pytest.fixture
 def fake_sglang(monkeypatch):
+    # the patch's state is per process: an in-process SGLang engine started earlier in this worker (its
+    # plugin runs here too, under the variable _enter_sglang_cpu sets) left it applied to the real sglang
+    patch.revert()
+
     class SamplingBatchInfo:
         def __init__(self, device="cpu"):
             self.sampling_seed, self.device = None, device
