@@ -120,6 +120,7 @@ def test_bench_smoke_run_writes_json(tmp_path):
                              "--prompts", "4", "--prompts-per-step", "4", "--eval-prompts", "8",
                              "--output-dir", str(tmp_path / "runs"), "--json", str(out),
                              "model.warmup_steps=0", "rollout.n_samples=4", "rollout.max_new_tokens=16",
+                             "rollout.drafter.cost_model=false",   # the bench's plumbing: drafts whatever a fit says
                              "learner.micro_batch_size=16"])
     assert rc == 0
     data = json.loads(out.read_text())
