@@ -373,14 +373,12 @@ class TreeDrafter:
             kind, source = "own_draft_tokens", "own"
         elif k > 0:
             # the shared tree's draft unless the prompt's own expects more accepted tokens
-            draft, source, first = self.trees.extend_and_propose(ids, new, k, self._step_min_prob, self._kappas)
+            draft, from_shared, first = self.trees.extend_and_propose(ids, new, k, self._step_min_prob, self._kappas)
             if self.calibration is not None and not ended:
                 self._firsts[req_id] = first
             new_in_tree = True
-            if source:
+            if from_shared:
                 kind, source = "shared_draft_tokens", "shared"
-            else:
-                source = "prompt"
         else:
             draft = []
         if new:
