@@ -238,7 +238,8 @@ def summarize(results: dict[str, list[dict]]) -> dict[str, float]:
             summary[f"steps_per_request_{m}"] = sum(e["request_steps"] for e in eps) / requests
         fit = fit_step_cost({k: sum(e.get("step_cost_sums", {}).get(k, 0.0) for e in eps) for k in STEP_COST_SUMS})
         if fit is not None:
-            for name, value in zip(("ms", "ms_per_request", "ms_per_draft_token"), fit):
+            for name, value in (("ms", fit.a), ("ms_per_request", fit.b), ("ms_per_draft_token", fit.c),
+                                ("ms_per_draft_token_error", fit.c_error), ("residual_ms", fit.residual_ms)):
                 summary[f"step_cost_{name}_{m}"] = value
         draft_s = sum(e["draft_s"] for e in eps)
         if draft_s:
@@ -426,9 +427,10 @@ def time_table(spreads: dict[str, dict[str, float]], modes: list[str], n_seeds: 
                       cell(f"draft_us_per_request_step_{m}", "{:.1f}"),
                       "-" if f"step_cost_ms_{m}" not in spreads else
                       f"{cell(f'step_cost_ms_{m}', '{:.1f}')}+{cell(f'step_cost_ms_per_request_{m}', '{:.3f}')}r"
-                      f"+{cell(f'step_cost_ms_per_draft_token_{m}', '{:.4f}')}d")
+                      f"+{cell(f'step_cost_ms_per_draft_token_{m}', '{:.4f}')}"
+                      f"(±{cell(f'step_cost_ms_per_draft_token_error_{m}', '{:.4f}')})d")
     table.caption = ("ms / step (fit): a decode step's cost fitted over the tree drafter's steps, r = requests in "
-                     "the step, d = draft tokens it verifies")
+                     "the step, d = draft tokens it verifies; ± one standard error of the draft token's cost")
     return table
 
 

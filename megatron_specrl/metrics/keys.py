@@ -178,7 +178,10 @@ METRICS: dict[str, tuple[str, str]] = {
                             "token needed, c x the step's tokens per ms (rollout/tree_drafting/cost_model.py)."),
     "tree/fit_ms": ("ms", "The step-cost fit in effect: ms per engine step (a), mean over engines with one."),
     "tree/fit_ms_per_request": ("ms", "The fit's ms per running request (b)."),
-    "tree/fit_ms_per_draft_token": ("ms", "The fit's ms per verified draft token (c)."),
+    "tree/fit_ms_per_draft_token": ("ms", "The ms per verified draft token in effect (c): the fit's less two "
+                                    "standard errors, what the steps show a draft token costs."),
+    "tree/fit_ms_per_draft_token_error": ("ms", "The standard error of the fit's ms per draft token (how much "
+                                          "other work on the machine scattered the steps)."),
     "spec/draft_tokens_per_step": ("tokens/step", "tree/draft_tokens / tree/engine_steps: draft tokens an engine "
                                    "step verified."),
     "spec/no_draft_frac": ("fraction", "tree/undrafted_request_steps / tree/request_steps: request steps that "
@@ -196,6 +199,7 @@ METRICS: dict[str, tuple[str, str]] = {
     "tree_cost/y": ("s", "Sum of y (seconds per step)."),
     "tree_cost/ry": ("count x s", "Sum of r x y."),
     "tree_cost/dy": ("tokens x s", "Sum of d x y."),
+    "tree_cost/yy": ("s^2", "Sum of y x y (the residual, and from it the standard error of c)."),
     # -- draft model -----------------------------------------------------------------------------------
     "draft_model/draft_tokens": ("tokens", "Tokens the draft model proposed and vLLM verified."),
     "draft_model/accepted_tokens": ("tokens", "Draft-model tokens accepted."),

@@ -46,8 +46,9 @@ RATIOS = {"tree/accept_rate": ("tree/accepted_tokens", "tree/draft_tokens"),
 
 
 MAXIMA = ("response/max_len",)
+# the trees' size after the step's last round, and the cost fit in effect in it
 GAUGES = ("tree/nodes", "tree/memory_mb", "tree/shared_nodes",
-          "tree/fit_ms", "tree/fit_ms_per_request", "tree/fit_ms_per_draft_token")   # the cost fit in effect   # the trees' size after the step's last round
+          "tree/fit_ms", "tree/fit_ms_per_request", "tree/fit_ms_per_draft_token", "tree/fit_ms_per_draft_token_error")
 
 
 def _merge(rounds: list[dict]) -> dict[str, float]:

@@ -158,7 +158,8 @@ def cost_model_metrics(stats: dict[str, float]) -> dict[str, float]:
     engines = stats.get("fit_engines", 0.0)
     if engines > 0:
         out.update({"tree/fit_ms": stats["fit_ms"] / engines, "tree/fit_ms_per_request": stats["fit_ms_per_request"]
-                    / engines, "tree/fit_ms_per_draft_token": stats["fit_ms_per_draft_token"] / engines})
+                    / engines, "tree/fit_ms_per_draft_token": stats["fit_ms_per_draft_token"] / engines,
+                    "tree/fit_ms_per_draft_token_error": stats.get("fit_ms_per_draft_token_error", 0.0) / engines})
     return out
 
 

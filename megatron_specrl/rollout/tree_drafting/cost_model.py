@@ -7,8 +7,11 @@ this CPU a step costs 5-9 ms whatever it holds and each draft token about a twen
 
 The model: every engine step's seconds against the requests it ran (r) and the draft tokens it
 verified (d), fitted by least squares as ms = a + b r + c d over recent steps (the sums decay by
-`decay` a step, so the fit follows the batch as it changes; rollout/tree_drafting/drafter.fit_step_cost
-solves them). A step of r requests gaining g tokens each on average runs at rho = r g / (a + b r + c D)
+`decay` a step, so the fit follows the batch as it changes; `fit_step_cost` solves them). The c in
+effect is the fit's less two standard errors: what the steps show a draft token costs, so that steps
+slowed by other work on shared cores (which scatter the fit, and once made a CI run's fit price every
+draft out) draft more freely rather than not at all; a fit whose residual is as large as the mean
+step takes no effect. A step of r requests gaining g tokens each on average runs at rho = r g / (a + b r + c D)
 tokens per ms, D the step's draft tokens. One more draft token, accepted with probability p, adds p
 tokens and c ms: it raises the step's tokens per second exactly when p > c rho. So the drafter drafts,
 per request, every token whose probability of being accepted is above `threshold()` = c rho, and none
@@ -35,36 +38,58 @@ or fewer requests than any step the fit in effect was measured on (a linear fit 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
-# least-squares sums over steps for seconds = a + b r + c d (r: requests in the step, d: draft tokens)
-STEP_COST_SUMS = ("cost_n", "cost_r", "cost_d", "cost_rr", "cost_rd", "cost_dd", "cost_y", "cost_ry", "cost_dy")
+# least-squares sums over steps for seconds = a + b r + c d (r: requests in the step, d: draft tokens;
+# cost_yy for the residual, and from it how well the steps pin c down)
+STEP_COST_SUMS = ("cost_n", "cost_r", "cost_d", "cost_rr", "cost_rd", "cost_dd", "cost_y", "cost_ry", "cost_dy",
+                  "cost_yy")
 
 SOURCES = ("own", "prompt", "shared")
+
+
+class StepCostFit(NamedTuple):
+    """ms = a + b r + c d, with c's standard error and the residual's standard deviation (ms)."""
+    a: float
+    b: float
+    c: float
+    c_error: float
+    residual_ms: float
 
 
 def add_step_cost(sums: dict, requests: float, drafts: float, seconds: float) -> None:
     """One step into the fit's sums (the TreeDrafter's counters, or any dict of STEP_COST_SUMS)."""
     r, d, y = float(requests), float(drafts), float(seconds)
     for key, v in (("cost_n", 1.0), ("cost_r", r), ("cost_d", d), ("cost_rr", r * r), ("cost_rd", r * d),
-                   ("cost_dd", d * d), ("cost_y", y), ("cost_ry", r * y), ("cost_dy", d * y)):
+                   ("cost_dd", d * d), ("cost_y", y), ("cost_ry", r * y), ("cost_dy", d * y), ("cost_yy", y * y)):
         sums[key] = sums.get(key, 0.0) + v
 
 
-def fit_step_cost(sums: dict) -> tuple[float, float, float] | None:
-    """(ms per step, ms per request, ms per draft token) from STEP_COST_SUMS, least squares; None with
-    fewer than 10 steps. A coefficient the steps cannot tell apart (no step drafted, or every step ran
-    as many requests) gets the minimum-norm solution, so read it with the steps' ranges."""
+def fit_step_cost(sums: dict) -> StepCostFit | None:
+    """(ms per step, ms per request, ms per draft token) from STEP_COST_SUMS by least squares, with the
+    standard error of the last and the residual's standard deviation; None with fewer than 10 steps. A
+    coefficient the steps cannot tell apart (no step drafted, or every step ran as many requests) gets the
+    minimum-norm solution, so read it with the steps' ranges. Decayed sums weigh steps unequally; their
+    total weight stands for the number of steps in the errors (an approximation that only matters when
+    the decay is strong)."""
     g = {k: float(sums.get(k, 0.0)) for k in STEP_COST_SUMS}
-    if g["cost_n"] < 10:
+    n = g["cost_n"]
+    if n < 10:
         return None
-    xtx = np.array([[g["cost_n"], g["cost_r"], g["cost_d"]],
+    xtx = np.array([[n, g["cost_r"], g["cost_d"]],
                     [g["cost_r"], g["cost_rr"], g["cost_rd"]],
                     [g["cost_d"], g["cost_rd"], g["cost_dd"]]])
     xty = np.array([g["cost_y"], g["cost_ry"], g["cost_dy"]])
     scale = np.sqrt(np.maximum(np.diag(xtx), 1e-30))          # columns of very different size
-    coef = np.linalg.lstsq(xtx / np.outer(scale, scale), xty / scale, rcond=1e-10)[0] / scale
-    return tuple(float(1000 * c) for c in coef)
+    normal = xtx / np.outer(scale, scale)
+    coef = np.linalg.lstsq(normal, xty / scale, rcond=1e-10)[0] / scale
+    rss = max(g["cost_yy"] - float(coef @ xty), 0.0)          # at the least-squares solution
+    var = rss / max(n - 3.0, 1.0)
+    c_var = var * float(np.linalg.pinv(normal, rcond=1e-10)[2, 2]) / scale[2] ** 2
+    return StepCostFit(*(float(1000 * x) for x in coef), 1000 * float(np.sqrt(max(c_var, 0.0))),
+                       1000 * float(np.sqrt(var)))
 
 
 class DepthAcceptance:
@@ -123,8 +148,11 @@ class DepthAcceptance:
 class DraftCostModel:
     """The decayed step-cost sums, the fit in effect, and each source's acceptance per depth."""
 
-    def __init__(self, max_k: int, decay: float = 0.98, min_steps: int = 10, min_drafted: int = 5):
+    def __init__(self, max_k: int, decay: float = 0.98, min_steps: int = 10, min_drafted: int = 5,
+                 errors: float = 2.0, max_residual: float = 1.0):
         self.decay, self.min_steps, self.min_drafted = float(decay), int(min_steps), int(min_drafted)
+        self.errors, self.max_residual = float(errors), float(max_residual)
+        self.c_error: float | None = None  # the standard error of the last committed fit's c (ms), for metrics
         self.sums: dict[str, float] = dict.fromkeys(STEP_COST_SUMS, 0.0)
         self.drafted_steps = 0.0          # decayed count of measured steps that verified draft tokens
         self.coef: tuple[float, float, float] | None = None   # ms, ms per request, ms per draft token
@@ -144,12 +172,20 @@ class DraftCostModel:
         self.depths.decay(self.decay)
 
     def commit(self) -> bool:
-        """The fit of the steps so far takes effect, if there are enough of them; whether one is in effect."""
+        """The fit of the steps so far takes effect, if there are enough of them; whether one is in effect.
+        The cost of a draft token in effect is the one the steps show: the fit's c less `errors` standard
+        errors. Steps slowed by something else on the machine (another job on shared cores, a CI runner's
+        other tests) scatter, and an over-rated c would stop drafting where it pays; what noise cannot
+        tell from zero drafts as freely as a GPU's memory-bound step. A fit whose residual is as large as
+        the mean step (steps timed while the machine ran something else) says nothing: the fit in effect
+        before it, or the rules, stay."""
         if self.sums["cost_n"] >= self.min_steps and self.drafted_steps >= self.min_drafted:
             fit = fit_step_cost(self.sums)
-            if fit is not None:
-                a, b, c = fit
-                self.coef, self.span = (max(a, 0.0), max(b, 0.0), max(c, 0.0)), tuple(self.seen)
+            mean_ms = 1000 * self.sums["cost_y"] / self.sums["cost_n"]
+            if fit is not None and fit.residual_ms < self.max_residual * mean_ms:
+                c = fit.c - self.errors * fit.c_error
+                self.coef, self.span = (max(fit.a, 0.0), max(fit.b, 0.0), max(c, 0.0)), tuple(self.seen)
+                self.c_error = fit.c_error
         return self.coef is not None
 
     def threshold(self, running: int, tokens_per_request: float, drafts: int) -> float | None:
@@ -165,12 +201,13 @@ class DraftCostModel:
         return min(1.0, c * running * max(tokens_per_request, 1.0) / ms)
 
     def state_dict(self) -> dict:
-        return {"coef": None if self.coef is None else list(self.coef),
+        return {"coef": None if self.coef is None else list(self.coef), "c_error": self.c_error,
                 "span": None if self.span is None else list(self.span), "depths": self.depths.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         coef = state.get("coef")
         self.coef = None if coef is None else tuple(float(x) for x in coef)
+        self.c_error = None if state.get("c_error") is None else float(state["c_error"])
         span = state.get("span")
         self.span = None if coef is None else (int(span[0]), int(span[1])) if span else (1, 1 << 30)
         if state.get("depths") is not None:

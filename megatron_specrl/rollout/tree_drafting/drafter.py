@@ -543,6 +543,7 @@ class TreeDrafter:
         if self.cost is not None and self.cost.coef is not None:   # the fit in effect in these steps: summed
             out["fit_engines"] = 1.0                                   # over engines with this count
             out["fit_ms"], out["fit_ms_per_request"], out["fit_ms_per_draft_token"] = self.cost.coef
+            out["fit_ms_per_draft_token_error"] = self.cost.c_error or 0.0
         if self.cost is not None and self.cost_refit == "rollout":   # the next rollout's
             self.cost.commit()
         self.counters, self._loop, self._last_step = dict.fromkeys(COUNTERS, 0), None, None

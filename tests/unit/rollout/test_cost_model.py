@@ -30,6 +30,37 @@ def test_a_fit_takes_effect_only_when_committed_with_enough_drafted_steps():
     assert model.span == (1, 30) and model.threshold(31, 1.0, 0) is None  # no step of 31 requests was measured
 
 
+def test_the_fit_recovers_noisy_step_costs_and_prices_a_draft_token_at_what_the_steps_show():
+    """Steps scattered by other work on the machine: the fit still finds a, b and c with a standard error
+    that covers them, and the c in effect is the fit's less two errors (exact steps: the fit's own)."""
+    import numpy as np
+
+    from megatron_specrl.rollout.tree_drafting.cost_model import fit_step_cost
+    rng = np.random.default_rng(0)
+
+    def fitted(noise_ms, c=0.05):
+        model = DraftCostModel(max_k=8, decay=1.0)
+        for i in range(400):
+            r, d = 1 + i % 30, (7 * i) % 50
+            model.observe_step(r, d, (5.0 + 0.2 * r + c * d + noise_ms * rng.standard_normal()) / 1000)
+        assert model.commit()
+        return model, fit_step_cost(model.sums)
+
+    quiet, fit = fitted(0.0)
+    assert fit.c_error == pytest.approx(0.0, abs=1e-6) and quiet.coef[2] == pytest.approx(0.05, rel=1e-6)
+    noisy, fit = fitted(1.0)
+    assert fit.residual_ms == pytest.approx(1.0, rel=0.15)
+    assert abs(fit.c - 0.05) < 4 * fit.c_error and 0.002 < fit.c_error < 0.02
+    assert noisy.coef[2] == pytest.approx(max(fit.c - 2 * fit.c_error, 0.0)) and noisy.c_error == fit.c_error
+    swamped, fit = fitted(5.0, c=0.002)   # c cannot be told from zero: drafts cost nothing the steps show
+    assert fit.c < 2 * fit.c_error and swamped.coef[2] == 0.0
+    loaded = DraftCostModel(max_k=8, decay=1.0)   # steps as noisy as they are long: the fit takes no effect
+    for i in range(400):
+        r, d = 1 + i % 30, (7 * i) % 50
+        loaded.observe_step(r, d, (5.0 + 0.2 * r + 0.05 * d) * (1 + 20 * (i % 5 == 0) * rng.random()) / 1000)
+    assert not loaded.commit() and loaded.threshold(8, 1.0, 0) is None
+
+
 def test_own_draft_acceptance_is_counted_per_depth():
     d = DepthAcceptance(max_k=4, prior=2.0, prior_rate=0.9)
     for _ in range(10):
