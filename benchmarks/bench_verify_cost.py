@@ -88,7 +88,7 @@ def step_ms(model, cache, batch: int, context: int, q: int, device, repeats: int
 
 def fit_step_cost(rows: list[dict]) -> tuple[float, float, float]:
     """(a, b, c) of ms = a + b r + c d over the measured (batch, q) grid, by the engines' own least squares
-    (rollout/tree_drafting/drafter.fit_step_cost): r = batch requests, d = batch x (q - 1) draft tokens (a drafted step
+    (rollout/tree_drafting/cost_model.fit_step_cost): r = batch requests, d = batch x (q - 1) draft tokens (a drafted step
     verifies q - 1 draft tokens and samples one more)."""
     from megatron_specrl.rollout.tree_drafting.cost_model import add_step_cost
     from megatron_specrl.rollout.tree_drafting.cost_model import fit_step_cost as fit_sums
@@ -99,7 +99,7 @@ def fit_step_cost(rows: list[dict]) -> tuple[float, float, float]:
     fit = fit_sums(sums)
     if fit is None:
         raise ValueError(f"{sum(len(r['ms']) for r in rows)} (batch, q) points: the step-cost fit needs 10")
-    return fit
+    return fit.a, fit.b, fit.c
 
 
 def main() -> int:

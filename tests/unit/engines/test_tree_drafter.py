@@ -301,14 +301,15 @@ def test_step_cost_fit_recovers_a_known_cost():
     for _ in range(400):
         r, d = rng.integers(1, 129), rng.integers(0, 2000)
         add_step_cost(sums, r, d, (7.5 + 0.1 * r + 0.0167 * d + rng.normal(0, 0.3)) / 1000)
-    a, b, c = fit_step_cost(sums)
+    a, b, c, c_error, residual = fit_step_cost(sums)
+    assert residual == pytest.approx(0.3, rel=0.15) and 0 < c_error < 0.0005   # 0.3 ms of noise a step
     assert a == pytest.approx(7.5, abs=0.2) and b == pytest.approx(0.1, abs=0.005)
     assert c == pytest.approx(0.0167, abs=0.0005)
     assert fit_step_cost({k: v / 400 * 5 for k, v in sums.items()}) is None      # 5 steps: no fit
     flat = {}                                             # no step drafted: c cannot be told, and is 0
     for r in range(1, 50):
         add_step_cost(flat, r, 0, (5 + 0.07 * r) / 1000)
-    a, b, c = fit_step_cost(flat)
+    a, b, c, *_ = fit_step_cost(flat)
     assert a == pytest.approx(5) and b == pytest.approx(0.07) and c == 0
 
 
