@@ -83,11 +83,12 @@ def fit_step_cost(sums: dict) -> StepCostFit | None:
                     [g["cost_d"], g["cost_rd"], g["cost_dd"]]])
     xty = np.array([g["cost_y"], g["cost_ry"], g["cost_dy"]])
     scale = np.sqrt(np.maximum(np.diag(xtx), 1e-30))          # columns of very different size
-    normal = xtx / np.outer(scale, scale)
-    coef = np.linalg.lstsq(normal, xty / scale, rcond=1e-10)[0] / scale
+    # one pseudo-inverse gives the minimum-norm solution and the coefficients' covariance (up to the variance)
+    inverse = np.linalg.pinv(xtx / np.outer(scale, scale), rcond=1e-10)
+    coef = inverse @ (xty / scale) / scale
     rss = max(g["cost_yy"] - float(coef @ xty), 0.0)          # at the least-squares solution
     var = rss / max(n - 3.0, 1.0)
-    c_var = var * float(np.linalg.pinv(normal, rcond=1e-10)[2, 2]) / scale[2] ** 2
+    c_var = var * float(inverse[2, 2]) / scale[2] ** 2
     return StepCostFit(*(float(1000 * x) for x in coef), 1000 * float(np.sqrt(max(c_var, 0.0))),
                        1000 * float(np.sqrt(var)))
 
