@@ -174,6 +174,8 @@ METRICS: dict[str, tuple[str, str]] = {
     "tree/threshold_sum": ("probability", "The cost model's acceptance threshold summed over the steps it set one "
                            "(rollout.drafter.cost_model)."),
     "tree/threshold_steps": ("steps", "Engine steps whose drafts the cost model sized."),
+    "tree/last_request_steps": ("steps", "Request steps drafted at the threshold of the rollout's predicted last "
+                                "request (the longest own draft left; cost_model.DraftCostModel.last_threshold)."),
     "tree/cost_threshold": ("probability", "threshold_sum / threshold_steps: the acceptance probability a draft "
                             "token needed, c x the step's tokens per ms (rollout/tree_drafting/cost_model.py)."),
     "tree/fit_ms": ("ms", "The step-cost fit in effect: ms per engine step (a), mean over engines with one."),

@@ -26,7 +26,7 @@ ADDITIVE_SUFFIXES = ("_tokens", "_s", "spec/drafts", "spec/nonfinite_logprobs", 
                      "runahead/requests", "spec/decode_steps", "tree/engine_steps", "tree/engine_steps_longest",
                      "tree/request_steps", "tree/requests", "draft_model/drafts", "draft_model/engine_steps",
                      "draft_model/engine_steps_longest", "tree/undrafted_request_steps", "tree/threshold_sum",
-                     "tree/threshold_steps")
+                     "tree/threshold_steps", "tree/last_request_steps")
 ADDITIVE_PREFIXES = ("tree_cost/", "tree_calib/")     # the step-cost fit's and the calibration's sums
 # ratios of counters: recomputed from the step's sums (an average over rounds would weigh a small
 # round like a full one); numerator and denominator as rollout/speculative.py and tree_metrics define them

@@ -24,6 +24,12 @@ where the first is below it (zero included):
   j-th token's is estimated from the engine's outcomes per depth (`DepthAcceptance`): of the own drafts
   verified to depth j whose first j-1 tokens were accepted, the share whose j-th was.
 
+The step's threshold spreads its fixed cost a over the running requests, as if each were as likely to
+finish last; but a rollout ends with its last request, and a token gained there saves 1/g of a step of
+that request alone, a + b ms. A request's own draft (its sample's last-epoch response) predicts where it
+ends: the one with the most own draft left (within a step's gain of it) drafts at `last_threshold()`,
+the threshold of a one-request step.
+
 Replay after a crash: the rejection sampler draws its random numbers per verified draft token, so the
 samples of a seeded rollout depend on the draft lengths, and the draft lengths on the fit. Seconds are
 not reproducible; the fit in effect therefore changes only where the run's state is saved (`commit`,
@@ -200,6 +206,15 @@ class DraftCostModel:
         if ms <= 0.0:
             return 0.0
         return min(1.0, c * running * max(tokens_per_request, 1.0) / ms)
+
+    def last_threshold(self, tokens_per_request: float, threshold: float) -> float | None:
+        """The threshold for a request predicted to be the rollout's last to finish (the longest own draft
+        left): a rollout ends with its last request, so a token it gains saves 1/g of a step of that
+        request alone (a + b ms), where any other request's saves only its share of the step; the step's
+        `threshold` spreads the fixed cost a evenly over the running requests, as if each were as likely to
+        be last. Never above `threshold`; None where the fit saw no one-request step."""
+        last = self.threshold(1, tokens_per_request, 0)
+        return None if last is None else min(last, threshold)
 
     def state_dict(self) -> dict:
         return {"coef": None if self.coef is None else list(self.coef), "c_error": self.c_error,

@@ -105,10 +105,11 @@ DEFAULTS = {**DrafterConfig().model_dump(), **PROPOSER_ONLY}
 # first tokens the engine's next token matched, and the sum of the frequencies the tree gave them
 CALIBRATION_SUMS = ("calib_prompt_hits", "calib_prompt_expected", "calib_shared_hits", "calib_shared_expected")
 # undrafted_request_steps: request steps that proposed no draft; threshold_sum / threshold_steps: the cost
-# model's acceptance threshold summed over the steps it set one (cost_model.DraftCostModel.threshold)
+# model's acceptance threshold summed over the steps it set one (cost_model.DraftCostModel.threshold);
+# last_request_steps: request steps drafted at the threshold of the rollout's predicted last request
 COUNTERS = ("draft_tokens", "accepted_tokens", "generated_tokens", "request_steps", "requests", "engine_steps",
             "runahead_tokens", "own_draft_tokens", "shared_draft_tokens", "proposed_tokens", "draft_s",
-            "undrafted_request_steps", "threshold_sum", "threshold_steps",
+            "undrafted_request_steps", "threshold_sum", "threshold_steps", "last_request_steps",
             *STEP_COST_SUMS, *CALIBRATION_SUMS)
 SOURCES = ("prompt", "shared")
 
@@ -246,7 +247,8 @@ class TreeDrafter:
                                      max_nodes=int(s["max_nodes"]))
         # request id -> [response start, tokens of the response already in the tree, last draft length,
         # run-ahead (0/1), last position the engine keeps, stop tokens, the last draft's source (cost_model.
-        # SOURCES)]; None for requests that did not opt in
+        # SOURCES), where its own draft ends (its predicted end; None without one)]; None for requests that
+        # did not opt in
         self._live: dict[str, list | None] = {}
         self._own: dict[str, tuple[int, ...]] = {}   # request id -> own draft, while its response follows it
         # request id -> (length, counter of its source or None) of its last draft, until the engine says
@@ -274,6 +276,10 @@ class TreeDrafter:
         self.cost = DraftCostModel(self.max_k, float(s["cost_decay"])) if s["cost_model"] else None
         self.cost_refit = s["cost_refit"] or "rollout"
         self._threshold: float | None = None
+        # the threshold of the rollout's predicted last request (cost_model.DraftCostModel.last_threshold),
+        # and the most tokens a request of the last step and of this one was predicted to have left
+        self._last_threshold: float | None = None
+        self._most_left, self._step_most_left = 0, 0
         self._step_gained, self._step_requests = 0, 0      # this step's tokens and requests (ours)
         self._tokens_per_request, self._last_drafts = 1.0, 0   # the last drafting step's
 
@@ -293,10 +299,13 @@ class TreeDrafter:
         self._step_t0 = time.perf_counter()
         self._threshold = (None if self.cost is None else
                            self.cost.threshold(running, self._tokens_per_request, self._last_drafts))
+        self._last_threshold = None
         if self._threshold is None:
             self._k_max, self._step_min_prob = self.draft_len(running), self.draft_min_prob(running)
         else:      # every token whose chance of acceptance beats its cost, up to rollout.drafter.tokens
             self._k_max, self._step_min_prob = self.max_k, self._threshold
+            self._last_threshold = self.cost.last_threshold(self._tokens_per_request, self._threshold)
+        self._most_left, self._step_most_left = self._step_most_left, 0
         self._step_gained, self._step_requests = 0, 0
         self._seen, self._drafting = set(), False
         self._step_running, self._step_drafts, self._step_joined = running, 0, False
@@ -366,14 +375,23 @@ class TreeDrafter:
         ids = (req_id, (req_id, SHARED_KEY)) if self.shared_nodes else (req_id,)
         kind = None        # the counter of the draft's source, besides draft_tokens
         source = "prompt"
+        threshold, min_prob = self._threshold, self._step_min_prob
+        if live[7] is not None and not ended and not runahead:
+            left = live[7] - end
+            self._step_most_left = max(self._step_most_left, left)
+            # predicted to be the rollout's last request: each token it gains ends the rollout sooner
+            if (self._last_threshold is not None and self._most_left > 0
+                    and left >= max(1.0, self._most_left - self._tokens_per_request)):
+                threshold = min_prob = self._last_threshold
+                self.counters["last_request_steps"] += 1
         if own is not None and end - start < len(own):
-            if self._threshold is not None:   # as deep as each token's estimated acceptance beats its cost
-                k = min(k, self.cost.depths.depth("own", self._threshold))
+            if threshold is not None:   # as deep as each token's estimated acceptance beats its cost
+                k = min(k, self.cost.depths.depth("own", threshold))
             draft = list(own[end - start:end - start + max(k, 0)])
             kind, source = "own_draft_tokens", "own"
         elif k > 0:
             # the shared tree's draft unless the prompt's own expects more accepted tokens
-            draft, from_shared, first = self.trees.extend_and_propose(ids, new, k, self._step_min_prob, self._kappas)
+            draft, from_shared, first = self.trees.extend_and_propose(ids, new, k, min_prob, self._kappas)
             if self.calibration is not None and not ended:
                 self._firsts[req_id] = first
             new_in_tree = True
@@ -531,8 +549,9 @@ class TreeDrafter:
             self._own[req_id] = opts.own_draft
         max_end = self.max_model_len if opts.max_end is None else min(opts.max_end, self.max_model_len)
         self.counters["requests"] += not opts.runahead
+        predicted_end = opts.response_start + len(opts.own_draft) if opts.own_draft else None
         live = self._live[req_id] = [opts.response_start, opts.prompt_len - opts.response_start, 0,
-                                     int(opts.runahead), max_end, opts.stops, "prompt"]
+                                     int(opts.runahead), max_end, opts.stops, "prompt", predicted_end]
         return live
 
     # -- driver-side calls -------------------------------------------------------------------
@@ -547,6 +566,7 @@ class TreeDrafter:
         if self.cost is not None and self.cost_refit == "rollout":   # the next rollout's
             self.cost.commit()
         self.counters, self._loop, self._last_step = dict.fromkeys(COUNTERS, 0), None, None
+        self._most_left = self._step_most_left = 0    # the next rollout's requests predict afresh
         st = self.trees.sizes()   # not stats(): that walks every stored sequence, every rollout
         out["nodes"] = float(st["nodes"])
         out["memory_mb"] = st["memory_bytes"] / 2**20

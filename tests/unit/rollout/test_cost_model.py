@@ -107,6 +107,29 @@ def test_an_own_draft_is_cut_where_its_estimated_acceptance_falls_below_the_thre
     assert _request_draft(q, own=[1, 2, 3, 4, 5, 6, 7]) == [2, 3, 4, 5, 6, 7]
 
 
+def test_the_request_predicted_to_finish_last_drafts_at_the_threshold_of_a_step_of_its_own(monkeypatch):
+    """Two requests following their own drafts (last epoch's responses, 20 and 6 tokens): in a two-request
+    step the threshold (1 here) drafts nothing; the one predicted to finish last (the most own draft left)
+    drafts at the threshold of a step of one request (0.5), as deep as its tokens' estimated acceptance
+    beats that. Not in a rollout's first step, before any request's prediction was seen."""
+    p = _proposer(monkeypatch, k=6, min_prob=0.0)
+    p.drafter.cost.load_state_dict({"coef": [1.0, 0.0, 0.5],
+                                    "depths": {"reached": {"own": [10, 10, 10]}, "accepted": {"own": [10, 10, 0]}}})
+    long, short = list(range(100, 120)), list(range(200, 206))
+    b = Batch()
+    b.add("a", [50, 51], "q", own=long)
+    b.add("b", [50, 51], "q", own=short)
+    first = p.propose_batch(b, b.requests, [b.sample(0, long[:1]), b.sample(1, short[:1])])
+    assert first == [[], []] and p.take_stats()["last_request_steps"] == 0
+    b = Batch()                                   # the next rollout: the same requests, one step further
+    b.add("a", [50, 51], "q", own=long)
+    b.add("b", [50, 51], "q", own=short)
+    p.propose_batch(b, b.requests, [b.sample(0, long[:1]), b.sample(1, short[:1])])
+    second = p.propose_batch(b, b.requests, [b.sample(0, long[1:2]), b.sample(1, short[1:2])])
+    assert second == [long[2:4], []]
+    assert p.take_stats()["last_request_steps"] == 1
+
+
 @pytest.mark.parametrize("refit", ["rollout", "checkpoint"])
 def test_a_new_fit_takes_effect_after_a_rollout_or_only_where_state_is_saved(monkeypatch, refit):
     """With cost_refit=checkpoint the fit changes only in state_dict (a checkpoint), which saves it: a
