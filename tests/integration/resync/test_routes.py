@@ -77,6 +77,9 @@ class _RayEngine(InActor):
     def __init__(self, ray, name, fail_at=None):
         self.ray, self.name, self.starts = ray, name, 1
         self.actor = ray.remote(num_cpus=0)(_EngineActor).remote(fail_at)
+        # started, as a run's engines are before any resync: a worker process's start-up (seconds on a
+        # loaded machine) is not part of the route's bounded waits
+        ray.get(self.actor.loaded.remote(), timeout=120)
 
     def submit_actor(self, method, *args):
         return getattr(self.actor, method).remote(*args)
@@ -97,7 +100,7 @@ class _RayEngine(InActor):
 def _learner(ray, ranks: list[_LearnerRank]):
     cls = ray.remote(num_cpus=0)(_LearnerRank)
     actors = [cls.remote(r.rank, r.n, r.hang_at, r.hang_s) for r in ranks]
-    ray.get([a.pulled_count.remote() for a in actors], timeout=60)   # started: a run's learner is up
+    ray.get([a.pulled_count.remote() for a in actors], timeout=120)   # started: a run's learner is up
     return SimpleNamespace(actors=actors)
 
 
