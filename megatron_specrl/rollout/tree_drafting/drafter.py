@@ -566,7 +566,10 @@ class TreeDrafter:
         if self.cost is not None and self.cost_refit == "rollout":   # the next rollout's
             self.cost.commit()
         self.counters, self._loop, self._last_step = dict.fromkeys(COUNTERS, 0), None, None
-        self._most_left = self._step_most_left = 0    # the next rollout's requests predict afresh
+        # the next rollout's first step is sized from nothing of this one's (a run resumed from a checkpoint
+        # never ran this rollout's last step, and an exact rollout's samples depend on its draft lengths)
+        self._most_left = self._step_most_left = 0
+        self._tokens_per_request, self._last_drafts = 1.0, 0
         st = self.trees.sizes()   # not stats(): that walks every stored sequence, every rollout
         out["nodes"] = float(st["nodes"])
         out["memory_mb"] = st["memory_bytes"] / 2**20

@@ -160,3 +160,28 @@ def test_the_drafter_counts_steps_without_a_draft_and_the_threshold_it_set(monke
     s = p.take_stats()
     assert s["undrafted_request_steps"] == 1 and s["request_steps"] == 2
     assert s["threshold_steps"] == 1 and s["threshold_sum"] == pytest.approx(0.25 * 2 / (1.0 + 0.0))
+
+
+def test_a_rollout_s_first_step_is_sized_alike_in_a_run_and_in_its_resumed_copy(monkeypatch):
+    """The threshold reads the last step's tokens per request and draft tokens; a rollout's first step
+    must not read them from the previous rollout's last step, which a run resumed from a checkpoint never
+    ran: its first step would be sized otherwise, and an exact rollout's samples depend on draft lengths."""
+    def next_rollout(p):
+        b = Batch()
+        b.add("c", [50, 51], "q")
+        b.add("d", [50, 51], "q")
+        p.propose_batch(b, b.requests, [b.sample(0, [1]), b.sample(1, [1])])
+        return p.take_stats()["threshold_sum"]
+
+    p = _proposer(monkeypatch, k=4, min_prob=0.0)
+    p.drafter.cost.load_state_dict({"coef": [1.0, 0.0, 0.25]})
+    p.trees.insert("q", [1, 2, 3, 4, 5])
+    b = Batch()
+    b.add("a", [50, 51], "q")
+    b.add("b", [50, 51], "q")
+    p.propose_batch(b, b.requests, [b.sample(0, [1]), b.sample(1, [1])])
+    p.propose_batch(b, b.requests, [b.sample(0, [2, 3, 4]), b.sample(1, [2, 3, 4])])   # 3 tokens a request
+    p.take_stats()
+    q = _proposer(monkeypatch, k=4, min_prob=0.0)
+    q.load_state_dict(p.state_dict())
+    assert next_rollout(p) == pytest.approx(next_rollout(q)) == pytest.approx(0.25 * 2 / 1.0)
