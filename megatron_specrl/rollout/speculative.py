@@ -155,7 +155,7 @@ def cost_model_metrics(stats: dict[str, float]) -> dict[str, float]:
     if stats.get("threshold_steps", 0.0) > 0:
         out.update({"tree/threshold_sum": stats["threshold_sum"], "tree/threshold_steps": stats["threshold_steps"],
                     "tree/cost_threshold": stats["threshold_sum"] / stats["threshold_steps"],
-                    "tree/last_request_steps": stats.get("last_request_steps", 0.0)})
+                    "tree/last_request_steps": stats["last_request_steps"]})
     engines = stats.get("fit_engines", 0.0)
     if engines > 0:
         out.update({"tree/fit_ms": stats["fit_ms"] / engines, "tree/fit_ms_per_request": stats["fit_ms_per_request"]
