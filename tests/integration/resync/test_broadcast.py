@@ -5,6 +5,7 @@ drains the learner's gather.
 """
 
 from __future__ import annotations
+import pickle
 import time
 import pytest
 import torch
@@ -48,7 +49,9 @@ def _receiver(host_port, rank: int, world: int, queue) -> None:
     ep.join(*host_port, rank, world, 1, TIMEOUT_S)
     got = []
     n = receive_all(ep, lambda named: got.extend((k, v.clone()) for k, v in named))
-    queue.put((rank, n, got))
+    # By value: a tensor put on the queue as is is shared by file descriptor, which the parent can
+    # only fetch while this process lives - and it exits right after the put.
+    queue.put((rank, n, pickle.dumps(got)))
 
 
 def _start_sender(mode: str, world: int):
@@ -77,6 +80,7 @@ def test_two_receivers_get_every_tensor_exactly():
     msgs = [q.get(timeout=30) for _ in range(3)]    # sender: what it sent, "done"; other receiver: a tuple
     (sent,) = [m for m in msgs if isinstance(m, dict)]
     ((_, n_other, got_other),) = [m for m in msgs if isinstance(m, tuple)]
+    got_other = pickle.loads(got_other)
     sender.join(30)
     other.join(30)
     ref = model_tensors()
