@@ -56,8 +56,6 @@ def experimental_features(cfg: RunConfig) -> list[str]:
     if r.draft == "model":
         out.append("rollout.draft=model is experimental: the draft model's weights stay fixed while the policy "
                    "trains (watch draft_model/accept_rate)")
-    if r.engine == "sglang":
-        out.append("rollout.engine=sglang is experimental: fewer features and checks than the vLLM engine")
     return out
 
 

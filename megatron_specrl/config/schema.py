@@ -258,8 +258,9 @@ class DrafterConfig(_Strict):
 
 class RolloutConfig(_Strict):
     """[actor_rollout_ref.rollout] the rollout engines, sampling and speculative rollouts."""
-    engine: Literal["vllm", "sglang"] = Field("vllm", description="Rollout engine, vllm or sglang (Experimental: "
-                                              "sglang) [actor_rollout_ref.rollout.name].")
+    engine: Literal["vllm", "sglang"] = Field("vllm", description="Rollout engine, vllm or sglang (the README's "
+                                              "support matrix says which features each runs on CPU and on GPU) "
+                                              "[actor_rollout_ref.rollout.name].")
     num_engines: int = Field(1, ge=1, description="Engines generating side by side (a router spreads the "
                              "requests).")
     engine_tp: int = Field(1, ge=1, description="Tensor-parallel size of each engine "
