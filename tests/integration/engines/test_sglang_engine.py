@@ -69,6 +69,20 @@ def test_engine_starts_on_cpu_with_the_stand_ins_in_its_processes_only(engine):
         engine.generate([GenerateRequest(rand_ids(8, 0), 4)], T1, weight_version=3)
 
 
+def test_an_idle_engine_leaves_the_cores_to_others(engine):
+    """Between requests SGLang's processes block on their sockets (sleep_on_idle, CPU_SERVER_ARGS): without
+    it the idle scheduler spun a whole core, taken from the learner that trains while the engine waits."""
+    import time
+    import psutil
+    engine.generate([GenerateRequest(rand_ids(8, 1), 4)], T1, engine.weight_version)   # then nothing to do
+    procs = [psutil.Process(pid) for pid in engine.health().detail["child_pids"]]
+    before = [sum(p.cpu_times()[:2]) for p in procs]
+    t0 = time.monotonic()
+    time.sleep(3.0)
+    busy = [(sum(p.cpu_times()[:2]) - b) / (time.monotonic() - t0) for p, b in zip(procs, before)]
+    assert max(busy) < 0.3, busy        # a spinning scheduler: ~1.0 (one core)
+
+
 def test_greedy_tokens_equal_hf(engine, hf_model):
     prompts = [rand_ids(12 + 9 * i, 10 + i) for i in range(3)]
     gens = engine.generate([GenerateRequest(p, 12) for p in prompts], GREEDY, 0)
