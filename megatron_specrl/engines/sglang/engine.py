@@ -295,7 +295,7 @@ class _SGLangBase(EngineCapabilities, DraftsFromTrees, SleepsWhileTraining, kind
 # there; max_total_tokens bounds it).
 # sleep_on_idle: an idle scheduler blocks on its sockets (zmq poll, woken by the next request) instead of
 # spinning; without it the scheduler of an idle CPU engine keeps a whole core busy, which on a small machine is
-# taken from the learner that trains while the engine waits (measured: 1.01 cores of 2, idle, before).
+# taken from the learner that trains while the engine waits (docs/benchmarks/2026-12-02-epyc-avx2.md).
 CPU_SERVER_ARGS = dict(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
                        mem_fraction_static=0.05, max_total_tokens=16384,
                        skip_server_warmup=True, sleep_on_idle=True)
