@@ -8,8 +8,9 @@ or warms cannot leak into the next), run one after the other in the order the ar
 seed. Per arm: the median step seconds from step 5 on, the training loop's and the process's wall time,
 the learner's and the engines' idle fractions (time/learner_idle_s, time/engine_idle_s over time/step_s),
 the staleness and the held-out accuracy at the end, and for the exact overlap the refresh's figures (kept
-tokens, seconds, its decode steps over the rollout's), with mean, min and max over seeds; the curve of
-held-out accuracy lands in the JSON.
+tokens, seconds, its decode steps over the rollout's), with mean, min and max over seeds; then each arm
+against the first, seed by seed (`paired_with`: step and rollout time ratios, the held-out difference);
+the curve of held-out accuracy lands in the JSON.
 """
 
 from __future__ import annotations
@@ -108,6 +109,27 @@ def run_arm(args, arm: str, seed: int, root: Path) -> tuple[list[dict], float]:
     return rows, wall
 
 
+def paired_with(base: list[dict], other: list[dict]) -> dict[str, float]:
+    """One arm against the base arm (the first given), seed by seed: each seed's two runs share their
+    prompts, starting weights and held-out set, so their ratio (and difference) leaves out what moves
+    with the seed. Step and rollout time as ratios of the medians (mean, min, max over seeds), held-out
+    accuracy at the end as the mean difference with its standard error (0 with one seed): the same seed
+    follows its own trajectory in each arm, and whether the arms' ranges overlap says little at a few
+    seeds (two arms of one distribution, n seeds each, have every seed of one inside the other's range
+    with probability (n - 1) / (2 (2n - 1)): 0.2 at three)."""
+    if len(base) != len(other) or not base:
+        raise ValueError(f"paired_with: {len(base)} base runs against {len(other)}: pair them seed by seed")
+    out = {}
+    for key, name in (("step_s_median", "step"), ("rollout_s_median", "rollout")):
+        ratios = [o[key] / b[key] if b[key] > 0 else float("nan") for b, o in zip(base, other)]
+        out.update({f"{name}_ratio": statistics.fmean(ratios), f"{name}_ratio_min": min(ratios),
+                    f"{name}_ratio_max": max(ratios)})
+    diffs = [o["eval_end"] - b["eval_end"] for b, o in zip(base, other)]
+    out["eval_end_diff"] = statistics.fmean(diffs)
+    out["eval_end_diff_error"] = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else 0.0
+    return out
+
+
 def _row(name: str, s: dict[str, dict[str, float]]) -> str:
     def f(key, fmt):
         v = s[key]
@@ -145,6 +167,16 @@ def bench_train_main(argv: list[str]) -> int:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for a in arms:
         print(_row(a, spreads[a]))
+    paired = {a: paired_with(per_arm[arms[0]], per_arm[a]) for a in arms[1:]}
+    if paired:
+        print(f"\nEach arm against {arms[0]}, seed by seed (ratios: mean (min-max) over seeds; held-out: mean "
+              "difference, its standard error):")
+        print(f"| arm | step s / {arms[0]}'s | rollout s / {arms[0]}'s | held-out end − {arms[0]}'s |")
+        print("| --- | --- | --- | --- |")
+        for a, p in paired.items():
+            print(f"| {a} | {p['step_ratio']:.3f} ({p['step_ratio_min']:.3f}-{p['step_ratio_max']:.3f}) | "
+                  f"{p['rollout_ratio']:.3f} ({p['rollout_ratio_min']:.3f}-{p['rollout_ratio_max']:.3f}) | "
+                  f"{p['eval_end_diff']:+.3f} ± {p['eval_end_diff_error']:.3f} |")
     ratios = {}
     for spec in ("off", "default"):
         s, a = f"sync+{spec}", f"async+{spec}"
@@ -158,5 +190,5 @@ def bench_train_main(argv: list[str]) -> int:
             print(f"{key}: {ratios[key]:.2f}x per step (medians' means)")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({"machine": host, "args": vars(args), "spread": spreads,
-                                                    "ratios": ratios, "runs": runs}, indent=1))
+                                                    "ratios": ratios, "paired": paired, "runs": runs}, indent=1))
     return 0

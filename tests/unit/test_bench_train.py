@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_specrl.benchmarks.train import ARMS, FIRST_TIMED_STEP, _parse, summarize_run
+from megatron_specrl.benchmarks.train import ARMS, FIRST_TIMED_STEP, _parse, paired_with, summarize_run
 
 
 def _rows():
@@ -52,3 +52,19 @@ def test_unknown_arms_and_too_few_steps_are_refused(capsys):
     with pytest.raises(SystemExit):
         _parse(["--steps", "3"])
     assert "--steps 3" in capsys.readouterr().err
+
+
+def test_each_arm_is_compared_with_the_first_seed_by_seed():
+    base = [{"step_s_median": 1.0, "rollout_s_median": 0.5, "eval_end": 0.50},
+            {"step_s_median": 2.0, "rollout_s_median": 1.0, "eval_end": 0.60}]
+    other = [{"step_s_median": 1.1, "rollout_s_median": 0.5, "eval_end": 0.53},
+             {"step_s_median": 1.8, "rollout_s_median": 1.1, "eval_end": 0.59}]
+    p = paired_with(base, other)
+    # ratios within each seed: a slow seed in both arms does not count against the arm
+    assert (p["step_ratio"], p["step_ratio_min"], p["step_ratio_max"]) == pytest.approx((1.0, 0.9, 1.1))
+    assert (p["rollout_ratio"], p["rollout_ratio_min"], p["rollout_ratio_max"]) == pytest.approx((1.05, 1.0, 1.1))
+    assert p["eval_end_diff"] == pytest.approx(0.01)
+    assert p["eval_end_diff_error"] == pytest.approx(0.02)   # differences +0.03, -0.01: stdev 0.04 / sqrt 2, / sqrt 2
+    assert paired_with(base[:1], other[:1])["eval_end_diff_error"] == 0.0
+    with pytest.raises(ValueError, match="1 base runs against 2"):
+        paired_with(base[:1], other)
