@@ -109,31 +109,32 @@ def run_arm(args, arm: str, seed: int, root: Path) -> tuple[list[dict], float]:
     return rows, wall
 
 
-def paired_with(base: list[dict], other: list[dict]) -> dict[str, float]:
+def paired_with(base: list[dict], other: list[dict]) -> dict[str, dict[str, float] | float]:
     """One arm against the base arm (the first given), seed by seed: each seed's two runs share their
     prompts, starting weights and held-out set, so their ratio (and difference) leaves out what moves
-    with the seed. Step and rollout time as ratios of the medians (mean, min, max over seeds), held-out
+    with the seed. Step and rollout time as ratios of the medians (their `spread` over seeds), held-out
     accuracy at the end as the mean difference with its standard error (0 with one seed): the same seed
     follows its own trajectory in each arm, and whether the arms' ranges overlap says little at a few
     seeds (two arms of one distribution, n seeds each, have every seed of one inside the other's range
     with probability (n - 1) / (2 (2n - 1)): 0.2 at three)."""
     if len(base) != len(other) or not base:
         raise ValueError(f"paired_with: {len(base)} base runs against {len(other)}: pair them seed by seed")
-    out = {}
-    for key, name in (("step_s_median", "step"), ("rollout_s_median", "rollout")):
-        ratios = [o[key] / b[key] if b[key] > 0 else float("nan") for b, o in zip(base, other)]
-        out.update({f"{name}_ratio": statistics.fmean(ratios), f"{name}_ratio_min": min(ratios),
-                    f"{name}_ratio_max": max(ratios)})
+    out = {f"{name}_ratio": spread([o[key] / b[key] if b[key] > 0 else float("nan") for b, o in zip(base, other)])
+           for key, name in (("step_s_median", "step"), ("rollout_s_median", "rollout"))}
     diffs = [o["eval_end"] - b["eval_end"] for b, o in zip(base, other)]
     out["eval_end_diff"] = statistics.fmean(diffs)
     out["eval_end_diff_error"] = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else 0.0
     return out
 
 
+def _spread_text(v: dict[str, float], fmt: str) -> str:
+    """A `spread` as "mean (min-max)"."""
+    return f"{v['mean']:{fmt}} ({v['min']:{fmt}}-{v['max']:{fmt}})"
+
+
 def _row(name: str, s: dict[str, dict[str, float]]) -> str:
     def f(key, fmt):
-        v = s[key]
-        return f"{v['mean']:{fmt}} ({v['min']:{fmt}}-{v['max']:{fmt}})"
+        return _spread_text(s[key], fmt)
     return (f"| {name} | {f('step_s_median', '.3f')} | {f('loop_s', '.1f')} | {f('wall_s', '.1f')} | "
             f"{f('learner_idle', '.2f')} | {f('engine_idle', '.2f')} | {f('staleness_mean', '.2f')} | "
             f"{f('eval_start', '.3f')} | {f('eval_end', '.3f')} | {f('refresh_kept_token_frac', '.3f')} | "
@@ -174,8 +175,7 @@ def bench_train_main(argv: list[str]) -> int:
         print(f"| arm | step s / {arms[0]}'s | rollout s / {arms[0]}'s | held-out end − {arms[0]}'s |")
         print("| --- | --- | --- | --- |")
         for a, p in paired.items():
-            print(f"| {a} | {p['step_ratio']:.3f} ({p['step_ratio_min']:.3f}-{p['step_ratio_max']:.3f}) | "
-                  f"{p['rollout_ratio']:.3f} ({p['rollout_ratio_min']:.3f}-{p['rollout_ratio_max']:.3f}) | "
+            print(f"| {a} | {_spread_text(p['step_ratio'], '.3f')} | {_spread_text(p['rollout_ratio'], '.3f')} | "
                   f"{p['eval_end_diff']:+.3f} ± {p['eval_end_diff_error']:.3f} |")
     ratios = {}
     for spec in ("off", "default"):

@@ -61,10 +61,11 @@ def test_each_arm_is_compared_with_the_first_seed_by_seed():
              {"step_s_median": 1.8, "rollout_s_median": 1.1, "eval_end": 0.59}]
     p = paired_with(base, other)
     # ratios within each seed: a slow seed in both arms does not count against the arm
-    assert (p["step_ratio"], p["step_ratio_min"], p["step_ratio_max"]) == pytest.approx((1.0, 0.9, 1.1))
-    assert (p["rollout_ratio"], p["rollout_ratio_min"], p["rollout_ratio_max"]) == pytest.approx((1.05, 1.0, 1.1))
+    assert p["step_ratio"] == pytest.approx({"mean": 1.0, "min": 0.9, "max": 1.1})
+    assert p["rollout_ratio"] == pytest.approx({"mean": 1.05, "min": 1.0, "max": 1.1})
     assert p["eval_end_diff"] == pytest.approx(0.01)
-    assert p["eval_end_diff_error"] == pytest.approx(0.02)   # differences +0.03, -0.01: stdev 0.04 / sqrt 2, / sqrt 2
+    # differences +0.03 and -0.01: standard deviation 0.04 / sqrt(2), standard error that / sqrt(2)
+    assert p["eval_end_diff_error"] == pytest.approx(0.02)
     assert paired_with(base[:1], other[:1])["eval_end_diff_error"] == 0.0
     with pytest.raises(ValueError, match="1 base runs against 2"):
         paired_with(base[:1], other)
