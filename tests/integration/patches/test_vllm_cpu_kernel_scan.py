@@ -3,8 +3,14 @@
 The tests of this subject that start processes or engines; the rest are in tests/unit/patches/test_vllm_cpu_kernel_scan.py.
 """
 
+import os
 import sys
 import pytest
+
+# the engine's workers in this process, as in a Ray engine actor (ray_engine.ACTOR_ENV): the tree calls'
+# collective_rpc hands the workers a function, which vLLM will not serialize to a worker process. The
+# test passed only where another collected module had set this.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 @pytest.mark.slow
